@@ -1,0 +1,100 @@
+"""Float64 NumPy reference of exactly the semantics mlx-flash implements.
+
+Used by the tests and by `python -m mlx_flash` to check a backend. It materializes the
+full score matrix, so keep it to test sizes.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .spec import AttentionSpec
+
+
+def visible(spec: AttentionSpec) -> np.ndarray:
+    """Bool [Nq, Nk]: which keys each query may see under causal / window (True = visible)."""
+    i = np.arange(spec.q_len)[:, None] + spec.diagonal
+    j = np.arange(spec.kv_len)[None, :]
+    keep = np.ones((spec.q_len, spec.kv_len), dtype=bool)
+    if spec.causal:
+        keep &= j <= i
+    if spec.window is not None:
+        left, right = spec.window
+        if left >= 0:
+            keep &= j >= i - left
+        if right >= 0:
+            keep &= j <= i + right
+    return keep
+
+
+def _scores(q, k, spec, mask):
+    """Returns (final scores S [B,Hq,Nq,Nk] with -inf where masked, tanh of softcap or None)."""
+    group = spec.group
+    kk = np.repeat(k, group, axis=1) if group > 1 else k
+    s = np.einsum("bhid,bhjd->bhij", q, kk) * spec.scale
+    t = None
+    if spec.softcap is not None:
+        t = np.tanh(s / spec.softcap)
+        s = spec.softcap * t
+    keep = np.broadcast_to(visible(spec), s.shape)
+    if mask is not None:
+        if mask.dtype == np.bool_:
+            keep = keep & np.broadcast_to(mask, s.shape)
+        else:
+            s = s + mask
+    s = np.where(keep, s, -np.inf)
+    return s, t
+
+
+def _to64(x):
+    return None if x is None else np.asarray(x).astype(np.float64) if np.asarray(x).dtype != np.bool_ else np.asarray(x)
+
+
+def attention_forward(q, k, v, spec: AttentionSpec, mask=None):
+    """Returns (out [B,Hq,Nq,Dv], lse [B,Hq,Nq]) in float64. Inputs: numpy arrays of any float dtype."""
+    q, k, v, mask = _to64(q), _to64(k), _to64(v), _to64(mask)
+    s, _ = _scores(q, k, spec, mask)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l = p.sum(axis=-1, keepdims=True)
+        lse = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m_safe, -np.inf)[..., 0]
+        p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    group = spec.group
+    vv = np.repeat(v, group, axis=1) if group > 1 else v
+    out = np.einsum("bhij,bhjd->bhid", p, vv)
+    return out, lse
+
+
+def attention_backward(q, k, v, d_out, spec: AttentionSpec, mask=None, d_lse=None):
+    """Analytic gradients (dq, dk, dv) in float64, with GQA heads summed onto their kv head.
+
+    d_lse, if given, is the cotangent of the lse output (dlse/ds = softmax).
+    """
+    q, k, v, d_out, mask = _to64(q), _to64(k), _to64(v), _to64(d_out), _to64(mask)
+    s, t = _scores(q, k, spec, mask)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l = p.sum(axis=-1, keepdims=True)
+        p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    group = spec.group
+    kk = np.repeat(k, group, axis=1) if group > 1 else k
+    vv = np.repeat(v, group, axis=1) if group > 1 else v
+    out = np.einsum("bhij,bhjd->bhid", p, vv)
+    dv = np.einsum("bhij,bhid->bhjd", p, d_out)
+    dp = np.einsum("bhid,bhjd->bhij", d_out, vv)
+    row = (d_out * out).sum(-1, keepdims=True)
+    if d_lse is not None:
+        row = row - _to64(d_lse)[..., None]
+    ds = p * (dp - row)
+    if t is not None:
+        ds = ds * (1.0 - t * t)
+    dq = np.einsum("bhij,bhjd->bhid", ds, kk) * spec.scale
+    dk = np.einsum("bhij,bhid->bhjd", ds, q) * spec.scale
+    if group > 1:
+        B, Hq = dk.shape[:2]
+        dk = dk.reshape(B, Hq // group, group, *dk.shape[2:]).sum(2)
+        dv = dv.reshape(B, Hq // group, group, *dv.shape[2:]).sum(2)
+    return dq, dk, dv
