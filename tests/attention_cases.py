@@ -1,0 +1,182 @@
+"""Attention test cases shared by every backend's tests: strategies and the reference check.
+
+A `Case` is everything needed to build one random attention call. `check_case` runs it
+through `mlx_flash.flash_attention` on a chosen backend, forward and backward (with a random
+cotangent for out and, optionally, for lse), and compares O, lse, dQ, dK, dV against the
+float64 reference at per-dtype tolerances.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import strategies as st
+
+from mlx_flash import flash_attention, reference
+from mlx_flash.spec import check_inputs
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+MASK_KINDS = ("none", "causal", "window", "causal_window", "bool", "additive")
+
+# Relative Frobenius error ||x - ref|| / ||ref|| allowed, per dtype: fp32 arithmetic lands far
+# below 1e-4; fp16/bf16 round inputs, P and dS to 11 / 8 mantissa bits.
+FORWARD_TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+GRADIENT_TOLERANCE = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 6e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    kv_heads: int = 1
+    group: int = 1
+    q_len: int = 16
+    kv_len: int = 16
+    head_dim: int = 16
+    dtype: str = "float32"
+    mask: str = "none"              # one of MASK_KINDS
+    window: Tuple[int, int] = (-1, -1)
+    softcap: Optional[float] = None
+    mask_shape: Tuple[bool, bool, bool, bool] = (True, True, True, True)  # which dims are full (else 1)
+    lse_gradient: bool = False      # also backpropagate a random cotangent through lse
+    seed: int = 0
+
+    @property
+    def q_heads(self) -> int:
+        return self.kv_heads * self.group
+
+
+def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=320,
+          dtypes=tuple(DTYPES), mask_kinds=MASK_KINDS, head_dims=None):
+    """Hypothesis strategy over `Case`s (lengths and head dims drawn independently).
+
+    head_dims: optional explicit list of head dims to sample from instead of 1..max_head_dim
+    (kernel backends use it to bound the number of compiled variants).
+    """
+    head_dim = st.sampled_from(head_dims) if head_dims else st.integers(1, max_head_dim)
+
+    @st.composite
+    def build(draw):
+        mask = draw(st.sampled_from(mask_kinds))
+        window = (-1, -1)
+        if mask in ("window", "causal_window"):
+            window = (draw(st.integers(-1, 40)), draw(st.integers(-1, 40)))
+        return Case(
+            batch=draw(st.integers(1, max_batch)),
+            kv_heads=draw(st.integers(1, max_kv_heads)),
+            group=draw(st.integers(1, max_group)),
+            q_len=draw(st.integers(1, max_len)),
+            kv_len=draw(st.integers(1, max_len)),
+            head_dim=draw(head_dim),
+            dtype=draw(st.sampled_from(dtypes)),
+            mask=mask,
+            window=window,
+            softcap=draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0]))),
+            mask_shape=tuple(draw(st.booleans()) for _ in range(4)),
+            lse_gradient=draw(st.booleans()),
+            seed=draw(st.integers(0, 2**31 - 1)),
+        )
+
+    return build()
+
+
+@dataclass
+class Arrays:
+    q: mx.array
+    k: mx.array
+    v: mx.array
+    d_out: mx.array
+    d_lse: mx.array
+    mask: object = None
+    kwargs: dict = field(default_factory=dict)
+
+
+def make_arrays(case: Case) -> Arrays:
+    """Random inputs for a case (never all zeros), in the case's dtype."""
+    rng = np.random.default_rng(case.seed)
+    dtype = DTYPES[case.dtype]
+    B, Hq, Hkv, Nq, Nk, D = case.batch, case.q_heads, case.kv_heads, case.q_len, case.kv_len, case.head_dim
+
+    def normal(*shape):
+        return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+
+    mask = None
+    kwargs = {}
+    if case.mask in ("causal", "causal_window"):
+        mask = "causal"
+    if case.mask in ("window", "causal_window"):
+        kwargs["window_size"] = case.window
+    full = (B, Hq, Nq, Nk)
+    shape = tuple(n if keep else 1 for n, keep in zip(full, case.mask_shape))
+    if case.mask == "bool":
+        # Mostly kept, some rows or columns fully dropped (rows that see no key must give 0).
+        mask = mx.array(rng.random(shape) < rng.uniform(0.3, 0.95))
+    elif case.mask == "additive":
+        values = rng.standard_normal(shape).astype(np.float32) * 2
+        values[rng.random(shape) < 0.1] = -np.inf
+        mask = mx.array(values).astype(dtype)
+    if case.softcap is not None:
+        kwargs["softcap"] = case.softcap
+    return Arrays(q=normal(B, Hq, Nq, D), k=normal(B, Hkv, Nk, D), v=normal(B, Hkv, Nk, D),
+                  d_out=normal(B, Hq, Nq, D), d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
+                  mask=mask, kwargs=kwargs)
+
+
+def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
+    """||x - ref|| / ||ref|| over finite reference entries (0 when both are all zero)."""
+    x = np.asarray(x, dtype=np.float64)
+    assert x.shape == ref.shape, f"shape {x.shape} != reference {ref.shape}"
+    assert not np.isnan(x).any(), "NaN in result"
+    diff = np.linalg.norm(x - ref)
+    norm = np.linalg.norm(ref)
+    return float(diff / norm) if norm > 0 else float(diff)
+
+
+def to_numpy(x: mx.array) -> np.ndarray:
+    return np.array(x.astype(mx.float32)) if x.dtype != mx.bool_ else np.array(x)
+
+
+def check_case(case: Case, backend: str = "mlx", gradients: bool = True,
+               forward_tolerance=None, gradient_tolerance=None) -> dict:
+    """Run `case` on `backend` and assert O, lse (and dQ, dK, dV) match the float64 reference.
+
+    Returns the measured relative errors by name.
+    """
+    a = make_arrays(case)
+    spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)
+    np_mask = None if mask4 is None else to_numpy(mask4)
+    q, k, v = (to_numpy(x) for x in (a.q, a.k, a.v))
+    ref_out, ref_lse = reference.attention_forward(q, k, v, spec, np_mask)
+    f_tol = forward_tolerance or FORWARD_TOLERANCE[case.dtype]
+    g_tol = gradient_tolerance or GRADIENT_TOLERANCE[case.dtype]
+
+    out, lse = flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend=backend, **a.kwargs)
+    assert out.dtype == a.q.dtype and out.shape == a.q.shape
+    assert lse.dtype == mx.float32 and lse.shape == a.q.shape[:3]
+    errors = {"out": relative_error(to_numpy(out), ref_out)}
+    lse_np = np.array(lse)
+    assert np.array_equal(np.isneginf(lse_np), np.isneginf(ref_lse)), "rows with no visible key differ"
+    finite = np.isfinite(ref_lse)
+    errors["lse"] = relative_error(lse_np[finite], ref_lse[finite]) if finite.any() else 0.0
+    if gradients:
+        d_lse = mx.where(mx.isinf(lse), 0.0, a.d_lse) if case.lse_gradient else None
+
+        def loss(q_, k_, v_):
+            o, l = flash_attention(q_, k_, v_, mask=a.mask, return_lse=True, backend=backend, **a.kwargs)
+            total = (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum()
+            if d_lse is not None:
+                total = total + (mx.where(mx.isinf(l), 0.0, l) * d_lse).sum()
+            return total
+
+        grads = mx.grad(loss, argnums=(0, 1, 2))(a.q, a.k, a.v)
+        ref_grads = reference.attention_backward(q, k, v, to_numpy(a.d_out), spec, np_mask,
+                                                 d_lse=None if d_lse is None else np.array(d_lse))
+        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert g.dtype == a.q.dtype
+            errors[name] = relative_error(to_numpy(g), r)
+    limits = {n: (f_tol if n in ("out", "lse") else g_tol) for n in errors}
+    bad = {n: e for n, e in errors.items() if not e <= limits[n]}
+    assert not bad, f"{case} on backend {backend!r}: errors {bad} over tolerance (all: {errors})"
+    return errors
