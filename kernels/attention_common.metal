@@ -1,0 +1,275 @@
+// Shared helpers of the mlx-flash attention kernels (forward, backward dQ, backward dK/dV).
+//
+// Passed as the `header=` of mx.fast.metal_kernel; the kernel bodies (attention_*.metal) bake
+// their compile-time constants in and call these templates. Everything here is documented MSL:
+// simdgroup_matrix<float, 8, 8> multiply-accumulate with same-type operands (as MLX's steel
+// attention), per-lane element access through thread_elements(), threadgroup tiles with a
+// compile-time size, simd_shuffle_xor row reductions.
+//
+// Layout conventions (MFA's, see ALGORITHM.md):
+//  * A simdgroup owns 8 rows of the parallel dimension. An 8x8 fragment gives each lane two
+//    adjacent elements of one row: row y = (lane / 16) * 4 + (lane / 2) % 4, columns x, x + 1
+//    with x = ((lane / 4) & 2) * 2 + (lane % 2) * 2 (fragment_coord).
+//  * Lanes l, l^1, l^8, l^9 share a row, so row reductions are two shuffles (xor 1, xor 8).
+//  * Operands streamed along the traversal dimension (K, V in forward/dQ; Q, dO in dK/dV) are
+//    staged in threadgroup memory one T x H tile at a time, in the input dtype, and read into
+//    fp32 fragments; operands of the parallel dimension are read by each lane from device memory.
+//  * All fragments fed to simdgroup_multiply_accumulate are fp32: fp16/bf16 inputs are exact in
+//    fp32, so products are exact and sums are fp32 (mixed precision). Cached input operands may
+//    be held as half pairs (cache_t) to halve their registers.
+#include <metal_stdlib>
+#include <metal_simdgroup>
+#include <metal_simdgroup_matrix>
+using namespace metal;
+
+#define ATTN_FUNC inline __attribute__((always_inline))
+#define ATTN_LOG2E 1.4426950408889634f
+#define ATTN_LN2 0.6931471805599453f
+
+typedef simdgroup_matrix<float, 8, 8> frag_t;
+
+// The two elements this lane holds in an 8x8 fragment (see fragment_coord for which).
+ATTN_FUNC thread float2& frag_elems(thread frag_t& m) {
+  return reinterpret_cast<thread float2&>(m.thread_elements());
+}
+
+// (column, row) inside an 8x8 fragment of this lane's first element; the second is column + 1.
+ATTN_FUNC ushort2 fragment_coord(ushort lane) {
+  const ushort quad = lane / 4;
+  return ushort2((quad & 2) * 2 + (lane % 2) * 2, (quad & 4) + (lane / 2) % 4);
+}
+
+// Reductions over one fragment row: its 4 column pairs are held by lanes l, l^1, l^8, l^9.
+ATTN_FUNC float row_max(float v) {
+  v = max(v, simd_shuffle_xor(v, ushort(1)));
+  return max(v, simd_shuffle_xor(v, ushort(8)));
+}
+
+ATTN_FUNC float row_sum(float v) {
+  v += simd_shuffle_xor(v, ushort(1));
+  return v + simd_shuffle_xor(v, ushort(8));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-lane loads and stores of the parallel-dimension operands (device memory)
+// ---------------------------------------------------------------------------------------------
+
+// Elements [col, col + 1] of one row, zero past `cols` or when the row is past the end.
+template <typename Ptr>
+ATTN_FUNC float2 load_pair(Ptr row_ptr, int col, int cols, bool row_ok) {
+  float2 value = float2(0.0f);
+  if (row_ok) {
+    if (col < cols) value.x = float(row_ptr[col]);
+    if (col + 1 < cols) value.y = float(row_ptr[col + 1]);
+  }
+  return value;
+}
+
+template <typename OutT, typename Ptr>
+ATTN_FUNC void store_pair(Ptr row_ptr, int col, int cols, bool row_ok, float2 value) {
+  if (row_ok) {
+    if (col < cols) row_ptr[col] = OutT(value.x);
+    if (col + 1 < cols) row_ptr[col + 1] = OutT(value.y);
+  }
+}
+
+// W / 8 pairs of one row, columns col0 + [0, W) (col0 includes the lane's column offset).
+template <int W, typename AT, typename Ptr>
+ATTN_FUNC void load_row_pairs(thread vec<AT, 2>* dst, Ptr row_ptr, int col0, int cols, bool row_ok) {
+#pragma clang loop unroll(full)
+  for (int d = 0; d < W; d += 8) {
+    dst[d / 8] = vec<AT, 2>(load_pair(row_ptr, col0 + d, cols, row_ok));
+  }
+}
+
+// An accumulator block (W / 8 fragments) read back from its fp32 spill buffer.
+template <int W, typename Ptr>
+ATTN_FUNC void load_row_frags(thread frag_t* dst, Ptr row_ptr, int col0, int cols, bool row_ok) {
+#pragma clang loop unroll(full)
+  for (int d = 0; d < W; d += 8) {
+    frag_elems(dst[d / 8]) = load_pair(row_ptr, col0 + d, cols, row_ok);
+  }
+}
+
+// factor * (W / 8 fragments) written to columns col0 + [0, W) of one row.
+template <int W, typename OutT, typename Ptr>
+ATTN_FUNC void store_row_frags(Ptr row_ptr, thread frag_t* src, float factor, int col0, int cols,
+                               bool row_ok) {
+#pragma clang loop unroll(full)
+  for (int d = 0; d < W; d += 8) {
+    store_pair<OutT>(row_ptr, col0 + d, cols, row_ok, frag_elems(src[d / 8]) * factor);
+  }
+}
+
+template <int N>
+ATTN_FUNC void zero_frags(thread frag_t* frags) {
+#pragma clang loop unroll(full)
+  for (int i = 0; i < N; ++i) {
+    frag_elems(frags[i]) = float2(0.0f);
+  }
+}
+
+// Multiplies the first `width` columns (a multiple of 8) of a W-wide block by `factor`.
+template <int W>
+ATTN_FUNC void scale_frags(thread frag_t* frags, float factor, int width) {
+#pragma clang loop unroll(full)
+  for (int d = 0; d < W; d += 8) {
+    if (d < width) frag_elems(frags[d / 8]) *= factor;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Threadgroup tiles of the traversal-dimension operands
+// ---------------------------------------------------------------------------------------------
+
+// Copies rows row0 + [0, ROWS) and columns col0 + [0, COLS) of a row-major matrix with row
+// stride `ld` into `tile` (row stride LD), zero-filling rows >= `rows` and columns >= `cols`
+// so padded rows and columns add nothing to the products. Only the 8-row fragments that hold
+// valid rows are written (the products skip the others). Barriers on both sides: the previous
+// tile's readers are done before it is overwritten, and the new tile is complete before use.
+template <int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename Ptr>
+ATTN_FUNC void stage_tile(threadgroup TileT* tile, Ptr src, long ld, int row0, int rows, int col0,
+                          int cols, ushort tid) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  const int valid_rows = min(ROWS, (rows - row0 + 7) / 8 * 8);
+  for (int i = tid; i < valid_rows * COLS; i += NTHREADS) {
+    const int r = i / COLS;
+    const int c = i % COLS;
+    const int src_row = row0 + r;
+    const int src_col = col0 + c;
+    TileT value = TileT(0.0f);
+    if (src_row < rows && src_col < cols) {
+      value = TileT(src[long(src_row) * ld + src_col]);
+    }
+    tile[r * LD + c] = value;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The two tile products. C fragments hold 8 rows of this simdgroup. Fragments starting at or
+// past `d_limit` (head columns) or `t_limit` (traversal rows) are skipped: they only hold the
+// zero padding of the last D-block or of the last traversal block.
+// ---------------------------------------------------------------------------------------------
+
+// C (8 x T, T / 8 fragments) += A (8 x W, W / 8 lane pairs) * B^T, with B = tile (T x W).
+template <int T, int W, int LD, typename AT, typename TileT>
+ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, const threadgroup TileT* tile,
+                        int d_limit, int t_limit, ushort2 lc) {
+#pragma clang loop unroll(full)
+  for (int d = 0; d < W; d += 8) {
+    if (d < d_limit) {
+      frag_t a;
+      frag_elems(a) = float2(A[d / 8]);
+#pragma clang loop unroll(full)
+      for (int t = 0; t < T; t += 8) {
+        if (t < t_limit) {
+          // b(row = head column dd, col = traversal row tt) = tile[t + tt][d + dd].
+          const threadgroup TileT* b_src = tile + (t + lc.x) * LD + d + lc.y;
+          frag_t b;
+          frag_elems(b) = float2(float(b_src[0]), float(b_src[LD]));
+          simdgroup_multiply_accumulate(C[t / 8], a, b, C[t / 8]);
+        }
+      }
+    }
+  }
+}
+
+// C (8 x W, W / 8 fragments) += A (8 x T, T / 8 fragments) * B, with B = tile (T x W).
+template <int T, int W, int LD, typename TileT>
+ATTN_FUNC void gemm_ab(thread frag_t* C, thread frag_t* A, const threadgroup TileT* tile,
+                       int d_limit, int t_limit, ushort2 lc) {
+#pragma clang loop unroll(full)
+  for (int t = 0; t < T; t += 8) {
+    if (t < t_limit) {
+#pragma clang loop unroll(full)
+      for (int d = 0; d < W; d += 8) {
+        if (d < d_limit) {
+          // b(row = traversal row tt, col = head column dd) = tile[t + tt][d + dd].
+          const threadgroup TileT* b_src = tile + (t + lc.y) * LD + d + lc.x;
+          frag_t b;
+          frag_elems(b) = float2(float(b_src[0]), float(b_src[1]));
+          simdgroup_multiply_accumulate(C[d / 8], A[t / 8], b, C[d / 8]);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scores: scale, softcap, masks
+// ---------------------------------------------------------------------------------------------
+
+struct ScoreContext {
+  float scale;    // multiplies q . k
+  float cap;      // softcap c (when compiled in)
+  float inv_cap;  // 1 / c
+  int diagonal;   // Nk - Nq: query i's own key is i + diagonal (bottom-right aligned)
+  int left;       // sliding window sides, -1 = unbounded
+  int right;
+};
+
+// Whether query i may see key j under the causal / sliding-window band (FA2 semantics).
+template <bool CAUSAL, bool WINDOW>
+ATTN_FUNC bool band_visible(int i, int j, thread const ScoreContext& ctx) {
+  const int own = i + ctx.diagonal;
+  bool visible = true;
+  if (CAUSAL) visible = visible && j <= own;
+  if (WINDOW) {
+    if (ctx.left >= 0) visible = visible && j >= own - ctx.left;
+    if (ctx.right >= 0) visible = visible && j <= own + ctx.right;
+  }
+  return visible;
+}
+
+// The final score of (query, key) in base 2 (log2(e) * natural score), -inf when masked.
+// raw = q . k. softcap_grad receives d(final)/d(scaled score) = 1 - tanh^2 (1 without softcap).
+// The array mask element is mask_line[mask_index * mask_step] (strides 0 where it broadcasts);
+// MASK_KIND: 0 none, 1 bool (true = keep), 2 additive. The mask is read only for in-bounds,
+// band-visible pairs.
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, typename MaskPtr>
+ATTN_FUNC float final_score(float raw, int query, int key, bool in_bounds, MaskPtr mask_line,
+                            long mask_index, long mask_step, thread const ScoreContext& ctx,
+                            thread float& softcap_grad) {
+  float s = raw * ctx.scale;
+  softcap_grad = 1.0f;
+  if (SOFTCAP) {
+    const float t = tanh(s * ctx.inv_cap);
+    s = t * ctx.cap;
+    softcap_grad = 1.0f - t * t;
+  }
+  bool visible = in_bounds && band_visible<CAUSAL, WINDOW>(query, key, ctx);
+  if (MASK_KIND == 1 && visible) {
+    visible = bool(mask_line[mask_index * mask_step]);
+  }
+  if (MASK_KIND == 2 && visible) {
+    s += float(mask_line[mask_index * mask_step]);
+  }
+  return visible ? s * ATTN_LOG2E : -INFINITY;
+}
+
+// Keys [lo, hi) that queries [q_first, q_last] may see under the band (spec.key_range).
+template <bool CAUSAL, bool WINDOW>
+ATTN_FUNC int2 key_range(int q_first, int q_last, int kv_len, thread const ScoreContext& ctx) {
+  int lo = 0;
+  int hi = kv_len;
+  if (CAUSAL) hi = min(hi, q_last + ctx.diagonal + 1);
+  if (WINDOW) {
+    if (ctx.left >= 0) lo = max(lo, q_first + ctx.diagonal - ctx.left);
+    if (ctx.right >= 0) hi = min(hi, q_last + ctx.diagonal + ctx.right + 1);
+  }
+  return int2(max(lo, 0), min(hi, kv_len));
+}
+
+// Queries [lo, hi) that may see any of keys [k_first, k_last] under the band (spec.query_range).
+template <bool CAUSAL, bool WINDOW>
+ATTN_FUNC int2 query_range(int k_first, int k_last, int q_len, thread const ScoreContext& ctx) {
+  int lo = 0;
+  int hi = q_len;
+  if (CAUSAL) lo = max(lo, k_first - ctx.diagonal);
+  if (WINDOW) {
+    if (ctx.right >= 0) lo = max(lo, k_first - ctx.diagonal - ctx.right);
+    if (ctx.left >= 0) hi = min(hi, k_last - ctx.diagonal + ctx.left + 1);
+  }
+  return int2(max(lo, 0), min(hi, q_len));
+}

@@ -1,0 +1,241 @@
+"""The "metal" backend: fused attention kernels for Apple GPUs through mx.fast.metal_kernel.
+
+Three kernels (kernels/attention_*.metal, sharing kernels/attention_common.metal) are rendered
+at call time from the block plan of kernels/blocks_metal.txt:
+  forward             -> out, lse
+  backward_query      -> dq, delta = rowsum(dO * O) - d_lse (also used by the next kernel)
+  backward_key_value  -> dk, dv (GQA: loops over the group's query heads inside a threadgroup)
+No atomics anywhere, so gradients are bitwise reproducible.
+
+MLX_FLASH_METAL_SIM=1 runs the same kernels through mlx_flash.metalsim (a CPU simulator of
+Metal compute kernels) instead of mx.fast.metal_kernel, so they are tested without a Mac.
+MLX_FLASH_METAL_FAMILY=m1|m3 overrides the GPU family that picks the block-table rows.
+"""
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from ..spec import AttentionSpec
+from . import metal_simulated
+from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits,
+                           make_variant, source)
+
+FAMILIES = ("m1", "m3")
+
+
+def detect_family() -> str:
+    """GPU family for the block table: MLX_FLASH_METAL_FAMILY, else from the Metal device.
+
+    MLX reports the GPU architecture as e.g. "applegpu_g13s" (M1), "applegpu_g14g" (M2),
+    "applegpu_g15s" (M3), "applegpu_g16s" (M4): generation 15 and up is the M3 family (Apple GPU
+    family 9). Without a Metal device (the simulator) the M3 table is used.
+    """
+    override = os.environ.get("MLX_FLASH_METAL_FAMILY", "").strip().lower()
+    if override:
+        if override not in FAMILIES:
+            raise ValueError(f"[metal] MLX_FLASH_METAL_FAMILY must be one of {FAMILIES}, got {override!r}.")
+        return override
+    if mx.metal.is_available():
+        info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
+        architecture = str(info.get("architecture", ""))
+        match = re.search(r"applegpu_g(\d+)", architecture)
+        if match:
+            return "m3" if int(match.group(1)) >= 15 else "m1"
+    return "m3"
+
+
+def _kernel_factory():
+    """mx.fast.metal_kernel, or the simulator's drop-in when MLX_FLASH_METAL_SIM=1."""
+    if metal_simulated():
+        from .. import metalsim
+        return metalsim.metal_kernel, False
+    return mx.fast.metal_kernel, True
+
+
+class MetalBackend:
+    """Backend protocol implementation (see mlx_flash.backends) for the Metal kernels.
+
+    Args:
+        family: "m1" or "m3" to fix the block table's GPU family; None detects it per call.
+    """
+
+    name = "metal"
+
+    def __init__(self, family: Optional[str] = None):
+        if family is not None and family not in FAMILIES:
+            raise ValueError(f"[metal] family must be one of {FAMILIES} or None, got {family!r}.")
+        self._family = family
+        # Compile cache: (variant, simulated) -> kernel object. Keyed only by compile-time
+        # constants, so new lengths, batch sizes or scales reuse a compiled kernel.
+        self._kernels: Dict[Tuple[KernelVariant, bool], object] = {}
+
+    # -- protocol -----------------------------------------------------------------------------
+
+    def unavailable_reason(self, device) -> Optional[str]:
+        if metal_simulated():
+            try:
+                from .. import metalsim  # noqa: F401
+            except ImportError as e:
+                return f"MLX_FLASH_METAL_SIM=1 but the simulator cannot be imported ({e})"
+            return None
+        if not mx.metal.is_available():
+            return "no Metal GPU (set MLX_FLASH_METAL_SIM=1 to run the kernels on the CPU simulator)"
+        if device.type != mx.gpu:
+            return f"the stream's device is {device}, the Metal kernels run on the GPU"
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.value_dim != spec.head_dim:
+            return (f"value_dim {spec.value_dim} != head_dim {spec.head_dim} is not implemented "
+                    f"in the Metal kernels")
+        return None
+
+    def family(self) -> str:
+        return self._family or detect_family()
+
+    def forward(self, q, k, v, mask, spec: AttentionSpec):
+        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
+        B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
+        if min(B, Hq, Nq, D) == 0 or spec.kv_len == 0:
+            return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+        variant = make_variant("forward", spec, self.family())
+        mask_array, mask_strides = _mask_operands(mask)
+        spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
+        out, lse, _ = self._launch(
+            variant, spec, parallel_len=Nq, heads=Hq,
+            inputs=[q, k, v, mask_array, mask_strides, _params(spec), _fparams(spec)],
+            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
+            output_dtypes=[spec.dtype, mx.float32, mx.float32])
+        return out, lse
+
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+        """(dq, dk, dv) in the input dtype; d_lse is None or the cotangent of lse."""
+        if self._empty(spec):
+            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+        dq, delta = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)
+        dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
+        return dq, dk, dv
+
+    # -- the two backward kernels, separately (the benchmark times them apart) -------------------
+
+    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+        """dq from the dQ kernel alone."""
+        if self._empty(spec):
+            return mx.zeros_like(q)
+        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)[0]
+
+    def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
+                           delta=None):
+        """(dk, dv) from the dK/dV kernel.
+
+        Args:
+            delta: rowsum(dO * O) - d_lse, fp32 [B,Hq,Nq], as the dQ kernel writes it; computed
+                here with MLX ops when None (so this kernel can run and be timed alone).
+        """
+        if self._empty(spec):
+            return mx.zeros_like(k), mx.zeros_like(v)
+        B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
+        if delta is None:
+            delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+            if d_lse is not None:
+                delta = delta - d_lse.astype(mx.float32)
+        variant = make_variant("backward_key_value", spec, self.family())
+        mask_array, mask_strides = _mask_operands(mask)
+        dk_spill = (B * Hkv * Nk * D,) if variant.spills("dK") else (1,)
+        dv_spill = (B * Hkv * Nk * D,) if variant.spills("dV") else (1,)
+        dk, dv, _, _ = self._launch(
+            variant, spec, parallel_len=Nk, heads=Hkv,
+            inputs=[q, k, v, d_out.astype(spec.dtype), lse.astype(mx.float32),
+                    delta.astype(mx.float32), mask_array, mask_strides, _params(spec), _fparams(spec)],
+            output_shapes=[(B, Hkv, Nk, D), (B, Hkv, Nk, D), dk_spill, dv_spill],
+            output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.float32])
+        return dk, dv
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _empty(spec: AttentionSpec) -> bool:
+        return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0
+
+    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
+        B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
+        variant = make_variant("backward_query", spec, self.family())
+        mask_array, mask_strides = _mask_operands(mask)
+        if d_lse is None:
+            d_lse = mx.zeros((B, Hq, Nq), mx.float32)
+        spill = (B * Hq * Nq * D,) if variant.spills("dQ") else (1,)
+        dq, delta, _ = self._launch(
+            variant, spec, parallel_len=Nq, heads=Hq,
+            inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse.astype(mx.float32),
+                    d_lse.astype(mx.float32), mask_array, mask_strides, _params(spec), _fparams(spec)],
+            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
+            output_dtypes=[spec.dtype, mx.float32, mx.float32])
+        return dq, delta
+
+    def kernel(self, variant: KernelVariant):
+        """The compiled kernel object of a variant (built once per variant and backend)."""
+        simulated = metal_simulated()
+        key = (variant, simulated)
+        compiled = self._kernels.get(key)
+        if compiled is None:
+            factory, real_metal = _kernel_factory()
+            body, header = source(variant)
+            kwargs = dict(name=variant.name, input_names=list(INPUT_NAMES[variant.kernel]),
+                          output_names=list(OUTPUT_NAMES[variant.kernel]), source=body, header=header,
+                          ensure_row_contiguous=True)
+            if real_metal:
+                # IEEE inf semantics (exp2(-inf) == 0) are relied on for masked scores.
+                kwargs["compile_options"] = {"math_mode": "safe"}
+            compiled = factory(**kwargs)
+            self._kernels[key] = compiled
+        return compiled
+
+    @property
+    def compiled_count(self) -> int:
+        """How many kernel variants this backend has built (tests check lengths reuse them)."""
+        return len(self._kernels)
+
+    def _launch(self, variant: KernelVariant, spec, parallel_len: int, heads: int, inputs,
+                output_shapes, output_dtypes):
+        check_launch_limits(variant)
+        threads = variant.threads_per_threadgroup
+        groups = -(-parallel_len // variant.plan.parallel_block)
+        # mx.fast.metal_kernel's grid counts threads; a grid dim smaller than the threadgroup
+        # dim would silently truncate (MLX issue 4534): launch whole threadgroups.
+        return self.kernel(variant)(
+            inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+            grid=(groups * threads, heads, spec.batch), threadgroup=(threads, 1, 1))
+
+
+def _params(spec: AttentionSpec) -> mx.array:
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
+                     spec.kv_heads, 0], dtype=mx.int32)
+
+
+def _fparams(spec: AttentionSpec) -> mx.array:
+    cap = spec.softcap if spec.softcap is not None else 1.0
+    return mx.array([spec.scale, cap, 1.0 / cap, 0, 0, 0, 0, 0], dtype=mx.float32)
+
+
+def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
+    """(mask, its element strides [b, h, query, key] with 0 on broadcast dims, int64).
+
+    Without a mask, a 1-element dummy keeps the kernel signature fixed (it is never read).
+    """
+    if mask is None:
+        return mx.zeros((1,), mx.bool_), mx.zeros((8,), mx.int64)
+    strides, step = [], 1
+    for size in reversed(mask.shape):
+        strides.append(step if size > 1 else 0)
+        step *= size
+    strides = strides[::-1]
+    return mask, mx.array(strides + [0] * 4, dtype=mx.int64)
+
+
+BACKEND = MetalBackend()
