@@ -1,0 +1,248 @@
+// Attention backward, dK and dV: one CTA of 4 warps owns BM = 64 * WM keys of one (batch, kv head)
+// and one slice of HB columns of dK and dV. It loops over the kv head's GROUP query heads and,
+// for each, over the query blocks of BN rows that can see its keys (Q, dO, lse2 and delta tiles
+// double buffered), working in the transposed orientation so keys are the mma rows:
+//   S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S2^T - lse2), dS^T = P^T * (dP^T - delta)
+//   dV[:, slice] += P^T dO[:, slice],  dK[:, slice] += dS^T Q[:, slice]
+// P^T and dS^T go from the accumulator registers straight into the A operand. GQA heads are summed
+// inside the CTA in a fixed order: no atomics, bitwise reproducible.
+namespace mlxflash {
+namespace bwdkv {
+typedef {{T}} T;
+typedef {{MASK_T}} MaskT;
+constexpr int HEAD_DIM = {{HEAD_DIM}};
+constexpr int DP = {{DP}};              // D padded to 16: the S / dP contraction
+constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * HB >= DP)
+constexpr int HB = {{HB}};
+constexpr int NSLICE = {{NSLICE}};
+constexpr int WM = {{WM}};
+constexpr int BN = {{BN}};              // queries per step
+constexpr bool CAUSAL = {{CAUSAL}};
+constexpr bool WINDOW = {{WINDOW}};
+constexpr bool SOFTCAP = {{SOFTCAP}};
+constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
+constexpr int ROW = DS + 8;
+constexpr int K_ELEMS = BM * ROW, Q_ELEMS = BN * ROW;
+constexpr int SMEM_BYTES = (2 * K_ELEMS + 4 * Q_ELEMS) * 2 + 4 * BN * 4;
+}  // namespace bwdkv
+
+__device__ void attention_backward_key_value(
+    const bwdkv::T* __restrict__ q, const bwdkv::T* __restrict__ k, const bwdkv::T* __restrict__ v,
+    const bwdkv::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
+    const bwdkv::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
+    bwdkv::T* __restrict__ dk, bwdkv::T* __restrict__ dv) {
+  using namespace bwdkv;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Ks = reinterpret_cast<T*>(smem_raw);
+  T* Vs = Ks + K_ELEMS;
+  T* Qs = Vs + K_ELEMS;
+  T* dOs = Qs + 2 * Q_ELEMS;
+  float* Ls = reinterpret_cast<float*>(dOs + 2 * Q_ELEMS);
+  float* Dls = Ls + 2 * BN;
+
+  const i64 bid = linear_block();
+  if (bid >= ip[P_TOTAL]) return;
+  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
+  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
+  const int nkb = (int)ip[P_NBLOCKS];
+  const float scale = fp[0], cap = fp[1];
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  const int slice = (int)(bid % NSLICE);
+  i64 rest = bid / NSLICE;
+  const int kb = (int)(rest % nkb);
+  const i64 bkv = rest / nkb;
+  const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
+  const int k0 = kb * BM, col0 = slice * HB;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const T* kg = k + (bkv * Nk + k0) * (i64)HEAD_DIM;
+  const T* vg = v + (bkv * Nk + k0) * (i64)HEAD_DIM;
+  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+
+  // Queries any key of this block is seen by.
+  const int k_last = min(k0 + BM, Nk) - 1;
+  int lo = 0, hi = Nq;
+  if (CAUSAL) lo = max(lo, k0 - diag);
+  if (WINDOW) {
+    if (wright >= 0) lo = max(lo, k0 - diag - wright);
+    if (wleft >= 0) hi = min(hi, k_last - diag + wleft + 1);
+  }
+  const int qb_begin = max(lo, 0) / BN;
+  const int qb_count = hi > lo ? (hi + BN - 1) / BN - qb_begin : 0;
+  const int items = qb_count * group;  // (query head in group, query block) pairs
+
+  float dka[WM][HB / 8][4], dva[WM][HB / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+    for (int n = 0; n < HB / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) dka[mt][n][r] = dva[mt][n][r] = 0.f;
+
+  // Stage loader for item it: Q / dO tiles (async) and lse2 / delta (plain stores).
+  auto load_item = [&](int it, int stage) {
+    const int gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+    const i64 bh = (i64)b * Hq + hk * group + gi;
+    load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, q + (bh * Nq + qs) * (i64)HEAD_DIM, Nq - qs, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(dOs + stage * Q_ELEMS, d_out + (bh * Nq + qs) * (i64)HEAD_DIM, Nq - qs, 0, HEAD_DIM, vec, tid);
+    for (int c = tid; c < BN; c += THREADS) {
+      const bool ok = qs + c < Nq;
+      Ls[stage * BN + c] = ok ? lse2[bh * Nq + qs + c] : INFINITY;
+      Dls[stage * BN + c] = ok ? delta[bh * Nq + qs + c] : 0.f;
+    }
+  };
+
+  if (items > 0) {
+    load_tile<BM, DS, ROW, THREADS>(Ks, kg, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BM, DS, ROW, THREADS>(Vs, vg, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_item(0, 0);
+    cp_async_commit();
+  }
+  const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
+
+  for (int it = 0; it < items; ++it) {
+    const int stage = it & 1;
+    if (it + 1 < items) load_item(it + 1, stage ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* Qst = Qs + stage * Q_ELEMS;
+    const T* dOst = dOs + stage * Q_ELEMS;
+    const float* Lst = Ls + stage * BN;
+    const float* Dst = Dls + stage * BN;
+    const int gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+
+    // S^T = K Q^T and dP^T = V dO^T (rows = keys, columns = queries).
+    float s[WM][BN / 8][4], dp[WM][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      u32 ak[WM][4], av[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        const int off = (warp * 16 * WM + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
+        ldmatrix_x4(ak[mt], Ks + off);
+        ldmatrix_x4(av[mt], Vs + off);
+      }
+#pragma unroll
+      for (int nn = 0; nn < BN / 16; ++nn) {
+        u32 bq[4], bd[4];
+        const int mi = lane / 8;
+        const int off = (nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
+        ldmatrix_x4(bq, Qst + off);
+        ldmatrix_x4(bd, dOst + off);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(s[mt][2 * nn], ak[mt], bq[0], bq[1], T());
+          mma(s[mt][2 * nn + 1], ak[mt], bq[2], bq[3], T());
+          mma(dp[mt][2 * nn], av[mt], bd[0], bd[1], T());
+          mma(dp[mt][2 * nn + 1], av[mt], bd[2], bd[3], T());
+        }
+      }
+    }
+
+    // P^T into s, dS^T into dp.
+    const bool full_block = qs + BN <= Nq && k0 + BM <= Nk &&
+        (!CAUSAL || k0 + BM - 1 <= qs + diag) &&
+        (!WINDOW || ((wleft < 0 || k0 >= qs + BN - 1 + diag - wleft) && (wright < 0 || k0 + BM - 1 <= qs + diag + wright)));
+    const MaskT* mhead = nullptr;
+    if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int j = k0 + warp * 16 * WM + mt * 16 + g + 8 * hf;  // key
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int cl = n * 8 + 2 * tq + e, i = qs + cl;  // query
+            float t = 0.f;
+            bool visible = true;
+            if (!full_block || MASK_KIND != 0)
+              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+            const MaskT* mp = MASK_KIND != 0 ? mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk : nullptr;
+            const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+            const float p = fast_exp2(s2 - Lst[cl]);
+            float ds = p * (dp[mt][n][2 * hf + e] - Dst[cl]);
+            if (SOFTCAP) ds *= 1.f - t * t;
+            s[mt][n][2 * hf + e] = p;
+            dp[mt][n][2 * hf + e] = ds;
+          }
+      }
+
+    // dV[:, slice] += P^T dO[:, slice];  dK[:, slice] += dS^T Q[:, slice]
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 ap[WM][4], as[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        ap[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+        ap[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+        ap[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+        ap[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+        as[mt][0] = pack2(dp[mt][2 * kk][0], dp[mt][2 * kk][1], T());
+        as[mt][1] = pack2(dp[mt][2 * kk][2], dp[mt][2 * kk][3], T());
+        as[mt][2] = pack2(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1], T());
+        as[mt][3] = pack2(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3], T());
+      }
+#pragma unroll
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        u32 bd[4], bq[4];
+        const int mi = lane / 8;
+        const int off = (kk * 16 + (mi % 2) * 8 + lane % 8) * ROW + col0 + nn * 16 + (mi / 2) * 8;
+        ldmatrix_x4_trans(bd, dOst + off);
+        ldmatrix_x4_trans(bq, Qst + off);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(dva[mt][2 * nn], ap[mt], bd[0], bd[1], T());
+          mma(dva[mt][2 * nn + 1], ap[mt], bd[2], bd[3], T());
+          mma(dka[mt][2 * nn], as[mt], bq[0], bq[1], T());
+          mma(dka[mt][2 * nn + 1], as[mt], bq[2], bq[3], T());
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int j = k0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      if (j >= Nk) continue;
+      T* krow = dk + (bkv * Nk + j) * (i64)HEAD_DIM;
+      T* vrow = dv + (bkv * Nk + j) * (i64)HEAD_DIM;
+#pragma unroll
+      for (int n = 0; n < HB / 8; ++n) {
+        const int c = col0 + n * 8 + 2 * tq;
+        const float kx = dka[mt][n][2 * hf] * scale, ky = dka[mt][n][2 * hf + 1] * scale;
+        const float vx = dva[mt][n][2 * hf], vy = dva[mt][n][2 * hf + 1];
+        if (HEAD_DIM % 2 == 0) {
+          if (c < HEAD_DIM) {
+            store2(krow + c, kx, ky);
+            store2(vrow + c, vx, vy);
+          }
+        } else {
+          if (c < HEAD_DIM) {
+            store1(krow + c, kx);
+            store1(vrow + c, vx);
+          }
+          if (c + 1 < HEAD_DIM) {
+            store1(krow + c + 1, ky);
+            store1(vrow + c + 1, vy);
+          }
+        }
+      }
+    }
+}
+
+}  // namespace mlxflash

@@ -1,0 +1,34 @@
+// Backward preprocessing, one warp per query row:
+//   delta[r] = rowsum(dO[r] * O[r]) - dL[r]   (fp32; dL = cotangent of lse, if any)
+//   lse2[r]  = L[r] * log2(e), or +inf where L = -inf (then P = exp2(S - lse2) = 0 for that row).
+namespace mlxflash {
+namespace prep {
+typedef {{T}} T;
+constexpr int HEAD_DIM = {{HEAD_DIM}};
+constexpr bool HAS_DLSE = {{HAS_DLSE}};
+constexpr int ROWS_PER_BLOCK = 4;
+}  // namespace prep
+
+__device__ void attention_backward_prepare(const prep::T* __restrict__ out, const prep::T* __restrict__ d_out,
+                                           const float* __restrict__ lse, const float* __restrict__ d_lse,
+                                           const i64* __restrict__ ip, float* __restrict__ delta,
+                                           float* __restrict__ lse2) {
+  using namespace prep;
+  const i64 rows = ip[P_BATCH] * ip[P_QHEADS] * ip[P_QLEN];
+  const i64 r = linear_block() * ROWS_PER_BLOCK + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int lane = threadIdx.x % 32;
+  const T* o = out + r * HEAD_DIM;
+  const T* d = d_out + r * HEAD_DIM;
+  float acc = 0.f;
+  for (int c = lane; c < HEAD_DIM; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) {
+    const float l = lse[r];
+    delta[r] = HAS_DLSE ? acc - d_lse[r] : acc;
+    lse2[r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  }
+}
+
+}  // namespace mlxflash

@@ -1,0 +1,224 @@
+// Attention backward, dQ: one CTA of 4 warps owns BM = 64 * WM query rows of one (batch, head)
+// and one slice of HB dQ columns, and streams the key blocks those rows can see:
+//   S = Q K^T, dP = dO V^T (both full-D contractions, mma.sync), P = exp2(S2 - lse2),
+//   dS = P * (dP - delta) [* (1 - tanh^2) with softcap],  dQ[:, slice] += dS K[:, slice].
+// dS goes from the accumulator registers straight into the A operand. No atomics: each dQ
+// element has one owner, so the result is bitwise reproducible.
+namespace mlxflash {
+namespace bwdq {
+typedef {{T}} T;
+typedef {{MASK_T}} MaskT;
+constexpr int HEAD_DIM = {{HEAD_DIM}};
+constexpr int DP = {{DP}};              // D padded to 16: the S / dP contraction
+constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * HB >= DP)
+constexpr int HB = {{HB}};
+constexpr int NSLICE = {{NSLICE}};
+constexpr int WM = {{WM}};
+constexpr int BN = {{BN}};
+constexpr bool CAUSAL = {{CAUSAL}};
+constexpr bool WINDOW = {{WINDOW}};
+constexpr bool SOFTCAP = {{SOFTCAP}};
+constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
+constexpr int ROW = DS + 8;
+constexpr int Q_ELEMS = BM * ROW, K_ELEMS = BN * ROW;
+constexpr int SMEM_BYTES = (2 * Q_ELEMS + 4 * K_ELEMS) * 2;
+}  // namespace bwdq
+
+__device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bwdq::T* __restrict__ k,
+                                         const bwdq::T* __restrict__ v, const bwdq::T* __restrict__ d_out,
+                                         const float* __restrict__ lse2, const float* __restrict__ delta,
+                                         const bwdq::MaskT* __restrict__ mask, const i64* __restrict__ ip,
+                                         const float* __restrict__ fp, bwdq::T* __restrict__ dq) {
+  using namespace bwdq;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* dOs = Qs + Q_ELEMS;
+  T* Ks = dOs + Q_ELEMS;
+  T* Vs = Ks + 2 * K_ELEMS;
+
+  const i64 bid = linear_block();
+  if (bid >= ip[P_TOTAL]) return;
+  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
+  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
+  const int nqb = (int)ip[P_NBLOCKS];
+  const float scale = fp[0], cap = fp[1];
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  const int slice = (int)(bid % NSLICE);
+  i64 rest = bid / NSLICE;
+  int qb = (int)(rest % nqb);
+  const i64 bh = rest / nqb;
+  if (CAUSAL) qb = nqb - 1 - qb;
+  const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
+  const int q0 = qb * BM, col0 = slice * HB;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
+  const T* dog = d_out + (bh * Nq + q0) * (i64)HEAD_DIM;
+  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+
+  const int q_last = min(q0 + BM, Nq) - 1;
+  int lo = 0, hi = Nk;
+  if (CAUSAL) hi = min(hi, q_last + diag + 1);
+  if (WINDOW) {
+    if (wleft >= 0) lo = max(lo, q0 + diag - wleft);
+    if (wright >= 0) hi = min(hi, q_last + diag + wright + 1);
+  }
+  const int kb_begin = max(lo, 0) / BN;
+  const int kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
+
+  float acc[WM][HB / 8][4];
+  float row_l2[WM][2], row_d[WM][2];
+  const MaskT* mrow[WM][2];
+  const i64 mbase = MASK_KIND != 0 ? (i64)b * ip[P_MSB] + (i64)h * ip[P_MSH] : 0;
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt) {
+#pragma unroll
+    for (int n = 0; n < HB / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const int ic = min(i, Nq - 1);
+      row_l2[mt][hf] = i < Nq ? lse2[bh * Nq + i] : INFINITY;
+      row_d[mt][hf] = i < Nq ? delta[bh * Nq + i] : 0.f;
+      if (MASK_KIND != 0) mrow[mt][hf] = mask + mbase + (i64)ic * ip[P_MSQ];
+    }
+  }
+  const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+
+  if (kb_begin < kb_end) {
+    load_tile<BM, DS, ROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
+    load_tile<BM, DS, ROW, THREADS>(dOs, dog, Nq - q0, 0, HEAD_DIM, vec, tid);
+    const int k0 = kb_begin * BN;
+    load_tile<BN, DS, ROW, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
+    cp_async_commit();
+  }
+
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    const int stage = (kb - kb_begin) & 1;
+    if (kb + 1 < kb_end) {
+      const int k1 = (kb + 1) * BN;
+      load_tile<BN, DS, ROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, DS, ROW, THREADS>(Vs + (stage ^ 1) * K_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* Kst = Ks + stage * K_ELEMS;
+    const T* Vst = Vs + stage * K_ELEMS;
+
+    // S = Q K^T and dP = dO V^T.
+    float s[WM][BN / 8][4], dp[WM][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      u32 aq[WM][4], ad[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        const int off = (warp * 16 * WM + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
+        ldmatrix_x4(aq[mt], Qs + off);
+        ldmatrix_x4(ad[mt], dOs + off);
+      }
+#pragma unroll
+      for (int nn = 0; nn < BN / 16; ++nn) {
+        u32 bk[4], bv[4];
+        const int mi = lane / 8;
+        const int off = (nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
+        ldmatrix_x4(bk, Kst + off);
+        ldmatrix_x4(bv, Vst + off);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(s[mt][2 * nn], aq[mt], bk[0], bk[1], T());
+          mma(s[mt][2 * nn + 1], aq[mt], bk[2], bk[3], T());
+          mma(dp[mt][2 * nn], ad[mt], bv[0], bv[1], T());
+          mma(dp[mt][2 * nn + 1], ad[mt], bv[2], bv[3], T());
+        }
+      }
+    }
+
+    // dS = P * (dP - delta) [* (1 - t^2)], written over s.
+    const int key0 = kb * BN;
+    const bool full_block = key0 + BN <= Nk &&
+        (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
+        (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = key0 + n * 8 + 2 * tq + e;
+            float t = 0.f;
+            bool visible = true;
+            if (!full_block || MASK_KIND != 0)
+              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+            const MaskT* mp = MASK_KIND != 0 ? mrow[mt][hf] + (i64)min(j, Nk - 1) * msk : nullptr;
+            const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+            const float p = fast_exp2(s2 - row_l2[mt][hf]);
+            float ds = p * (dp[mt][n][2 * hf + e] - row_d[mt][hf]);
+            if (SOFTCAP) ds *= 1.f - t * t;
+            s[mt][n][2 * hf + e] = ds;
+          }
+      }
+
+    // dQ[:, slice] += dS K[:, slice]
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+      }
+#pragma unroll
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        u32 bfr[4];
+        const int mi = lane / 8;
+        ldmatrix_x4_trans(bfr, Kst + (kk * 16 + (mi % 2) * 8 + lane % 8) * ROW + col0 + nn * 16 + (mi / 2) * 8);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(acc[mt][2 * nn], a[mt], bfr[0], bfr[1], T());
+          mma(acc[mt][2 * nn + 1], a[mt], bfr[2], bfr[3], T());
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      if (i >= Nq) continue;
+      T* row = dq + (bh * Nq + i) * (i64)HEAD_DIM;
+#pragma unroll
+      for (int n = 0; n < HB / 8; ++n) {
+        const int c = col0 + n * 8 + 2 * tq;
+        const float x = acc[mt][n][2 * hf] * scale, y = acc[mt][n][2 * hf + 1] * scale;
+        if (HEAD_DIM % 2 == 0) {
+          if (c < HEAD_DIM) store2(row + c, x, y);
+        } else {
+          if (c < HEAD_DIM) store1(row + c, x);
+          if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
+        }
+      }
+    }
+}
+
+}  // namespace mlxflash

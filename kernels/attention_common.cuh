@@ -1,0 +1,166 @@
+// Shared device helpers for the CUDA attention kernels (Hopper and newer, sm_80+ instructions).
+//
+// Everything lives in namespace mlxflash so it cannot clash with MLX's own device headers,
+// which mx.fast.cuda_kernel includes ahead of ours. Matrix products use mma.sync m16n8k16
+// (fp16/bf16 operands, fp32 accumulators); tiles are staged in shared memory with cp.async and
+// read with ldmatrix. Shared-memory rows are padded by 8 elements (16 bytes) so the 8 row
+// addresses of one ldmatrix land in 8 different bank groups.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace mlxflash {
+
+typedef unsigned int u32;
+typedef int64_t i64;
+
+// Runtime integer parameters, one int64 array shared by every kernel (layout fixed here and in
+// mlx_flash/backends/cuda.py: keep the two in step).
+enum Param {
+  P_BATCH = 0, P_QHEADS, P_KVHEADS, P_QLEN, P_KVLEN, P_GROUP, P_DIAG, P_WLEFT, P_WRIGHT,
+  P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_COUNT
+};
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte asynchronous copy; src_bytes = 0 writes zeros (tiles past N or D).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
+}
+
+// c += a (16x16, row) * b (16x8, col), fp32 accumulate.
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __half) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack2(float x, float y, __nv_bfloat16) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
+  return *reinterpret_cast<u32*>(&v);
+}
+__device__ __forceinline__ u32 pack2(float x, float y, __half) {
+  __half2 v = __floats2half2_rn(x, y);
+  return *reinterpret_cast<u32*>(&v);
+}
+__device__ __forceinline__ void store2(__nv_bfloat16* p, float x, float y) {
+  *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
+}
+__device__ __forceinline__ void store2(__half* p, float x, float y) {
+  *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
+}
+__device__ __forceinline__ void store1(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
+__device__ __forceinline__ void store1(__half* p, float x) { *p = __float2half_rn(x); }
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(bool x) { return x ? 1.0f : 0.0f; }
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+// Copy a ROWS x COLS tile (global rows [0, rows_valid) of `g`, columns [col0, col0 + COLS))
+// into shared memory with row stride SROW; rows past rows_valid and columns past head_dim are
+// zero-filled. `vec` = 16-byte copies are legal (head_dim % 8 == 0 and g 16-byte aligned);
+// otherwise elements are copied one by one (visible after the next __syncthreads).
+template <int ROWS, int COLS, int SROW, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(T* s, const T* g, int rows_valid, int col0, int head_dim,
+                                          bool vec, int tid) {
+  constexpr int CHUNKS = COLS / 8;
+  if (vec) {
+#pragma unroll
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+      const bool ok = r < rows_valid && col0 + c < head_dim;
+      cp_async16(s + r * SROW + c, ok ? g + (i64)r * head_dim + col0 + c : g, ok);
+    }
+  } else {
+    for (int idx = tid; idx < ROWS * COLS; idx += THREADS) {
+      const int r = idx / COLS, c = idx % COLS;
+      const bool ok = r < rows_valid && col0 + c < head_dim;
+      s[r * SROW + c] = ok ? g[(i64)r * head_dim + col0 + c] : T(0.0f);
+    }
+  }
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Whether query row i may see key j under causal / sliding window (band from indices only).
+template <bool CAUSAL, bool WINDOW>
+__device__ __forceinline__ bool band_visible(int i, int j, int diag, int wleft, int wright) {
+  bool ok = true;
+  if (CAUSAL) ok = ok && j <= i + diag;
+  if (WINDOW) {
+    if (wleft >= 0) ok = ok && j >= i + diag - wleft;
+    if (wright >= 0) ok = ok && j <= i + diag + wright;
+  }
+  return ok;
+}
+
+// The block's linear index over a 2-D grid (x capped so any block count fits the grid limits).
+__device__ __forceinline__ i64 linear_block() {
+  return (i64)blockIdx.y * gridDim.x + blockIdx.x;
+}
+
+}  // namespace mlxflash
+
+namespace mlxflash {
+
+// One element's final score in log2 units (scores * log2(e)), -inf where masked.
+// raw = q . k; `t` receives tanh(raw * scale / cap) when SOFTCAP (the backward needs 1 - t^2).
+// MASK_KIND: 0 none, 1 bool (True = keep), 2 additive; `m` points at the element's mask value.
+template <bool SOFTCAP, int MASK_KIND, typename MaskT>
+__device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT* m, float scale,
+                                            float scale_log2, float cap, float& t) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  if (!visible) return -INFINITY;
+  if (!SOFTCAP && MASK_KIND == 0) return raw * scale_log2;
+  float s = raw * scale;
+  if (SOFTCAP) {
+    t = tanhf(s / cap);
+    s = cap * t;
+  }
+  if (MASK_KIND == 1) {
+    if (!to_float(*m)) return -INFINITY;
+  } else if (MASK_KIND == 2) {
+    s += to_float(*m);
+  }
+  return s * LOG2E;
+}
+
+}  // namespace mlxflash

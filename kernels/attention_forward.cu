@@ -1,0 +1,259 @@
+// Attention forward: O = softmax(scale * Q K^T + mask) V and L = logsumexp (natural log, fp32).
+//
+// One CTA of 4 warps owns BM = 64 * WM query rows of one (batch, head) and one slice of HB output
+// columns; each warp owns 16 * WM rows. It streams key blocks of BN keys (K and V tiles double
+// buffered through cp.async), computes S = Q K^T with mma.sync m16n8k16, applies softcap and
+// masks, runs the online softmax in fp32 (base 2), and feeds P straight from registers into
+// O += P V. Key blocks outside the causal / window band are never loaded. Head dims that do not
+// fit the registers are split into NSLICE column slices, one CTA each (S is recomputed per slice).
+// Rendered by mlx_flash.backends.cuda with the constants below.
+namespace mlxflash {
+namespace fwd {
+typedef {{T}} T;
+typedef {{MASK_T}} MaskT;
+constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D
+constexpr int DP = {{DP}};              // D padded to 16 (QK^T contraction)
+constexpr int HB = {{HB}};              // output columns per CTA (multiple of 16)
+constexpr int NSLICE = {{NSLICE}};      // ceil(D / HB)
+constexpr int WM = {{WM}};              // 16-row m-tiles per warp
+constexpr int BN = {{BN}};              // keys per step
+constexpr bool CAUSAL = {{CAUSAL}};
+constexpr bool WINDOW = {{WINDOW}};
+constexpr bool SOFTCAP = {{SOFTCAP}};
+constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr bool CACHE_Q = {{CACHE_Q}};
+constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
+constexpr int QROW = DP + 8, KROW = DP + 8, VROW = HB + 8;  // padded smem rows (elements)
+constexpr int Q_ELEMS = BM * QROW, K_ELEMS = BN * KROW, V_ELEMS = BN * VROW;
+constexpr int SMEM_BYTES = (Q_ELEMS + 2 * K_ELEMS + 2 * V_ELEMS) * 2;
+}  // namespace fwd
+
+__device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __restrict__ k,
+                                  const fwd::T* __restrict__ v, const fwd::MaskT* __restrict__ mask,
+                                  const i64* __restrict__ ip, const float* __restrict__ fp,
+                                  fwd::T* __restrict__ out, float* __restrict__ lse) {
+  using namespace fwd;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* Qs = reinterpret_cast<T*>(smem_raw);
+  T* Ks = Qs + Q_ELEMS;
+  T* Vs = Ks + 2 * K_ELEMS;
+
+  const i64 bid = linear_block();
+  if (bid >= ip[P_TOTAL]) return;
+  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
+  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
+  const int nqb = (int)ip[P_NBLOCKS];
+  const float scale = fp[0], cap = fp[1];
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  const int slice = (int)(bid % NSLICE);
+  i64 rest = bid / NSLICE;
+  int qb = (int)(rest % nqb);
+  const i64 bh = rest / nqb;
+  if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
+  const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
+  const int q0 = qb * BM, col0 = slice * HB;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+
+  const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
+  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v);
+
+  // Keys any row of this block may see.
+  const int q_last = min(q0 + BM, Nq) - 1;
+  int lo = 0, hi = Nk;
+  if (CAUSAL) hi = min(hi, q_last + diag + 1);
+  if (WINDOW) {
+    if (wleft >= 0) lo = max(lo, q0 + diag - wleft);
+    if (wright >= 0) hi = min(hi, q_last + diag + wright + 1);
+  }
+  const int kb_begin = max(lo, 0) / BN;
+  const int kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
+
+  float o[WM][HB / 8][4];
+  float row_max[WM][2], row_sum[WM][2];
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt) {
+#pragma unroll
+    for (int n = 0; n < HB / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const fwd::MaskT* mrow[WM][2];
+  if (MASK_KIND != 0) {
+    const i64 mbase = (i64)b * ip[P_MSB] + (i64)h * ip[P_MSH];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = min(q0 + warp * 16 * WM + mt * 16 + g + 8 * hf, Nq - 1);
+        mrow[mt][hf] = mask + mbase + (i64)i * ip[P_MSQ];
+      }
+  }
+  const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+
+  if (kb_begin < kb_end) {
+    load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
+    const int k0 = kb_begin * BN;
+    load_tile<BN, DP, KROW, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, HB, VROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, col0, HEAD_DIM, vec, tid);
+    cp_async_commit();
+  }
+  u32 qf[CACHE_Q ? WM : 1][CACHE_Q ? DP / 16 : 1][4];
+
+  for (int kb = kb_begin; kb < kb_end; ++kb) {
+    const int stage = (kb - kb_begin) & 1;
+    if (kb + 1 < kb_end) {
+      const int k1 = (kb + 1) * BN;
+      load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, HB, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, col0, HEAD_DIM, vec, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const T* Kst = Ks + stage * K_ELEMS;
+    const T* Vst = Vs + stage * V_ELEMS;
+
+    if (CACHE_Q && kb == kb_begin) {
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+        for (int kk = 0; kk < DP / 16; ++kk)
+          ldmatrix_x4(qf[mt][kk], Qs + (warp * 16 * WM + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
+    }
+
+    // S = Q K^T
+    float s[WM][BN / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int n = 0; n < BN / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DP / 16; ++kk) {
+      u32 a[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        if (CACHE_Q) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kk][r];
+        } else {
+          ldmatrix_x4(a[mt], Qs + (warp * 16 * WM + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
+        }
+      }
+#pragma unroll
+      for (int nn = 0; nn < BN / 16; ++nn) {
+        u32 bfr[4];
+        const int mi = lane / 8;
+        ldmatrix_x4(bfr, Kst + (nn * 16 + (mi / 2) * 8 + lane % 8) * KROW + kk * 16 + (mi % 2) * 8);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(s[mt][2 * nn], a[mt], bfr[0], bfr[1], T());
+          mma(s[mt][2 * nn + 1], a[mt], bfr[2], bfr[3], T());
+        }
+      }
+    }
+
+    // Scores -> log2 units with masks; online softmax.
+    const int key0 = kb * BN;
+    const bool full_block = key0 + BN <= Nk &&
+        (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
+        (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt) {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+        float mx = row_max[mt][hf];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int j = key0 + n * 8 + 2 * tq + e;
+            float t;
+            bool visible = true;
+            if (!full_block || MASK_KIND != 0)
+              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+            const MaskT* mp = MASK_KIND != 0 ? mrow[mt][hf] + (i64)min(j, Nk - 1) * msk : nullptr;
+            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+            s[mt][n][2 * hf + e] = v2;
+            mx = fmaxf(mx, v2);
+          }
+        mx = quad_max(mx);
+        const float m_use = mx == -INFINITY ? 0.f : mx;
+        const float corr = fast_exp2(row_max[mt][hf] - m_use);
+        row_max[mt][hf] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float p = fast_exp2(s[mt][n][2 * hf + e] - m_use);
+            s[mt][n][2 * hf + e] = p;
+            sum += p;
+          }
+        row_sum[mt][hf] = row_sum[mt][hf] * corr + sum;
+#pragma unroll
+        for (int n = 0; n < HB / 8; ++n) {
+          o[mt][n][2 * hf] *= corr;
+          o[mt][n][2 * hf + 1] *= corr;
+        }
+      }
+    }
+
+    // O += P V (P from the accumulator registers: the C layout of two n8 tiles is the A layout of one k16).
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 a[WM][4];
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+      }
+#pragma unroll
+      for (int nn = 0; nn < HB / 16; ++nn) {
+        u32 bfr[4];
+        const int mi = lane / 8;
+        ldmatrix_x4_trans(bfr, Vst + (kk * 16 + (mi % 2) * 8 + lane % 8) * VROW + nn * 16 + (mi / 2) * 8);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(o[mt][2 * nn], a[mt], bfr[0], bfr[1], T());
+          mma(o[mt][2 * nn + 1], a[mt], bfr[2], bfr[3], T());
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  // Normalize and store O (rows < Nq, columns < D) and L.
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt) {
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const float l = quad_sum(row_sum[mt][hf]);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      if (i < Nq) {
+        T* orow = out + (bh * Nq + i) * (i64)HEAD_DIM;
+#pragma unroll
+        for (int n = 0; n < HB / 8; ++n) {
+          const int c = col0 + n * 8 + 2 * tq;
+          const float x = o[mt][n][2 * hf] * inv, y = o[mt][n][2 * hf + 1] * inv;
+          if (HEAD_DIM % 2 == 0) {
+            if (c < HEAD_DIM) store2(orow + c, x, y);
+          } else {
+            if (c < HEAD_DIM) store1(orow + c, x);
+            if (c + 1 < HEAD_DIM) store1(orow + c + 1, y);
+          }
+        }
+        if (slice == 0 && tq == 0)
+          lse[bh * Nq + i] = l > 0.f ? row_max[mt][hf] * 0.6931471805599453f + logf(l) : -INFINITY;
+      }
+    }
+  }
+}
+
+}  // namespace mlxflash

@@ -1,0 +1,333 @@
+"""The "cuda" backend: fused attention kernels for NVIDIA GPUs through `mx.fast.cuda_kernel`.
+
+plan -> source -> launch:
+  * `kernel_config` asks the shared planner (kernels/blocks_cuda.txt) for the block sizes of one
+    kernel and folds in what the call needs at compile time (dtype, head dim, causal / window /
+    softcap presence, mask kind and dtype);
+  * `kernel_source` renders kernels/attention_*.cu with those constants (after the helpers in
+    kernels/attention_common.cuh) and `_kernel` compiles it once per configuration (NVRTC, cached);
+  * forward / backward launch the kernels with the runtime values (sizes, strides, scale, softcap,
+    window) passed as two small arrays, so a new sequence length or batch never recompiles.
+
+Kernels: forward (O, L), a per-row preprocessing step for the backward (delta = rowsum(dO * O)
+- dL, L in base 2), dQ, and dK/dV. No atomics anywhere: gradients are bitwise reproducible.
+Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding
+window, softcap, bool / additive array masks with broadcast strides. float32 inputs, value_dim !=
+head_dim and head_dim > 512 go to the "mlx" backend (counted by mlx_flash.fallback).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, replace
+from typing import List, Optional, Tuple
+
+import mlx.core as mx
+
+from .. import planner
+from ..render import render, template_text
+from ..spec import AttentionSpec
+
+FAMILY = "sm90"
+WARPS = 4
+THREADS = 32 * WARPS
+MAX_HEAD_DIM = 512
+# Opt-in shared memory per block on sm_90 (227 KB); sm_80 has 163 KB, sm_86/89 99 KB.
+SHARED_MEMORY_LIMIT = 227 * 1024
+PREPARE_ROWS_PER_BLOCK = 4
+MAX_GRID_X_BLOCKS = 1 << 16  # the rest of the block count goes on grid y (limit 65535)
+
+_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.bool_: "bool"}
+_MASK_KINDS = {"none": 0, "bool": 1, "additive": 2}
+_TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_backward_query.cu",
+              "backward_key_value": "attention_backward_key_value.cu"}
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Compile-time constants of one attention kernel (hashable: the kernel cache key).
+
+    Attributes:
+        kernel: "forward", "backward_query" or "backward_key_value".
+        dtype: CUDA element type of q, k, v ("__half" or "__nv_bfloat16").
+        head_dim: D. padded_dim: D rounded up to 16 (the QK^T / dO V^T contraction).
+        slice_width: output columns per CTA (H, a multiple of 16); slices: ceil(D / H).
+        m_tiles: 16-row m-tiles per warp (parallel block = 64 * m_tiles rows).
+        traversal_block: keys (forward, dQ) or queries (dK/dV) streamed per step.
+        causal, window, softcap: which index masks / transforms are compiled in.
+        mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
+        cache_q: the forward keeps Q fragments in registers.
+    """
+
+    kernel: str
+    dtype: str
+    head_dim: int
+    padded_dim: int
+    slice_width: int
+    slices: int
+    m_tiles: int
+    traversal_block: int
+    causal: bool
+    window: bool
+    softcap: bool
+    mask_kind: int
+    mask_type: str
+    cache_q: bool
+
+    @property
+    def parallel_block(self) -> int:
+        return 16 * self.m_tiles * WARPS
+
+    @property
+    def staged_dim(self) -> int:
+        """Columns of each shared-memory tile in the backward kernels (every slice fits)."""
+        return self.slices * self.slice_width
+
+    @property
+    def shared_memory(self) -> int:
+        """Bytes of dynamic shared memory (must match SMEM_BYTES in the template)."""
+        bm, bn = self.parallel_block, self.traversal_block
+        if self.kernel == "forward":
+            row = self.padded_dim + 8
+            return (bm * row + 2 * bn * row + 2 * bn * (self.slice_width + 8)) * 2
+        row = self.staged_dim + 8
+        if self.kernel == "backward_query":
+            return (2 * bm * row + 4 * bn * row) * 2
+        return (2 * bm * row + 4 * bn * row) * 2 + 4 * bn * 4
+
+    @property
+    def name(self) -> str:
+        flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
+                                         ("q", self.cache_q)) if on)
+        return (f"mlxflash_{self.kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
+                f"_h{self.slice_width}_m{self.m_tiles}_n{self.traversal_block}_k{self.mask_kind}"
+                f"{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
+
+
+def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
+    """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
+    if plan.parallel_block % (16 * WARPS):
+        raise ValueError(f"[cuda] blocks_cuda.txt: P={plan.parallel_block} for {kernel} must be a multiple of {16 * WARPS}.")
+    padded = _round_up(spec.head_dim, 16)
+    width = min(_round_up(plan.head_block, 16), padded)
+    config = KernelConfig(
+        kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=padded,
+        slice_width=width, slices=-(-spec.head_dim // width), m_tiles=plan.parallel_block // (16 * WARPS),
+        traversal_block=plan.traversal_block, causal=spec.causal, window=spec.window is not None,
+        softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
+        mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
+        cache_q=kernel == "forward" and plan.is_cached("Q"))
+    # A table row too large for shared memory halves its traversal block (down to 16).
+    while config.shared_memory > SHARED_MEMORY_LIMIT and config.traversal_block > 16:
+        config = replace(config, traversal_block=config.traversal_block // 2)
+    if config.shared_memory > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"[cuda] {kernel} at head_dim={spec.head_dim} needs {config.shared_memory} bytes of "
+                         f"shared memory (limit {SHARED_MEMORY_LIMIT}); reduce P or H in blocks_cuda.txt.")
+    return config
+
+
+def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, input names, output names) for mx.fast.cuda_kernel."""
+    constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
+                     DP=config.padded_dim, HB=config.slice_width, NSLICE=config.slices,
+                     WM=config.m_tiles, BN=config.traversal_block, CAUSAL=config.causal,
+                     WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind)
+    if config.kernel == "forward":
+        constants["CACHE_Q"] = config.cache_q
+    else:
+        constants["DS"] = config.staged_dim
+    header = template_text("attention_common.cuh") + "\n" + render(_TEMPLATES[config.kernel], **constants)
+    has_mask = config.mask_kind != 0
+    mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
+    if config.kernel == "forward":
+        inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
+        outputs = ["out", "lse"]
+        body = f"mlxflash::attention_forward(q, k, v, {mask_arg}, params, fparams, out, lse);"
+    elif config.kernel == "backward_query":
+        inputs = ["q", "k", "v", "d_out", "lse2", "delta"] + (["mask"] if has_mask else []) + ["params", "fparams"]
+        outputs = ["dq"]
+        body = f"mlxflash::attention_backward_query(q, k, v, d_out, lse2, delta, {mask_arg}, params, fparams, dq);"
+    else:
+        inputs = ["q", "k", "v", "d_out", "lse2", "delta"] + (["mask"] if has_mask else []) + ["params", "fparams"]
+        outputs = ["dk", "dv"]
+        body = (f"mlxflash::attention_backward_key_value(q, k, v, d_out, lse2, delta, {mask_arg}, params, "
+                f"fparams, dk, dv);")
+    return header, body, inputs, outputs
+
+
+def prepare_source(dtype: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, inputs, outputs) of the backward preprocessing kernel."""
+    header = template_text("attention_common.cuh") + "\n" + render(
+        "attention_backward_prepare.cu", T=dtype, HEAD_DIM=head_dim, HAS_DLSE=has_d_lse)
+    body = "mlxflash::attention_backward_prepare(out, d_out, lse, d_lse, params, delta, lse2);"
+    return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"]
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(config: KernelConfig):
+    header, body, inputs, outputs = kernel_source(config)
+    return mx.fast.cuda_kernel(name=config.name, input_names=inputs, output_names=outputs, source=body,
+                               header=header, ensure_row_contiguous=True, shared_memory=config.shared_memory)
+
+
+@functools.lru_cache(maxsize=None)
+def _prepare_kernel(dtype: str, head_dim: int, has_d_lse: bool):
+    header, body, inputs, outputs = prepare_source(dtype, head_dim, has_d_lse)
+    name = f"mlxflash_prepare_{'bf16' if 'bfloat' in dtype else 'f16'}_d{head_dim}_{int(has_d_lse)}"
+    return mx.fast.cuda_kernel(name=name, input_names=inputs, output_names=outputs, source=body,
+                               header=header, ensure_row_contiguous=True)
+
+
+def _grid(total_blocks: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+    """(grid in threads, threadgroup) for a 1-D block count of any size (B*H past 65535 too)."""
+    gx = max(1, min(total_blocks, MAX_GRID_X_BLOCKS))
+    gy = -(-total_blocks // gx)
+    if gy > 65535:
+        raise ValueError(f"[cuda] {total_blocks} thread blocks exceed the grid limit.")
+    return (gx * THREADS, gy, 1), (THREADS, 1, 1)
+
+
+def _mask_strides(spec: AttentionSpec) -> List[int]:
+    """Element strides of the row-contiguous rank-4 mask, 0 along broadcast (size-1) dims."""
+    if spec.mask_shape is None:
+        return [0, 0, 0, 0]
+    shape = spec.mask_shape
+    strides, step = [0] * 4, 1
+    for axis in range(3, -1, -1):
+        strides[axis] = step if shape[axis] > 1 else 0
+        step *= shape[axis]
+    return strides
+
+
+def _int_params(spec: AttentionSpec, blocks: int, total: int) -> mx.array:
+    # Order = enum Param in kernels/attention_common.cuh.
+    left, right = spec.window if spec.window is not None else (-1, -1)
+    values = [spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.group,
+              spec.diagonal, left, right, *_mask_strides(spec), blocks, total]
+    return mx.array(values, dtype=mx.int64)
+
+
+def _float_params(spec: AttentionSpec) -> mx.array:
+    return mx.array([spec.scale, spec.softcap if spec.softcap is not None else 1.0], dtype=mx.float32)
+
+
+def _empty(spec: AttentionSpec) -> bool:
+    return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len) == 0
+
+
+def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+    """Returns (out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
+    B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
+    if _empty(spec):
+        return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+    config = kernel_config("forward", spec, None if mask is None else mask.dtype)
+    blocks = -(-Nq // config.parallel_block)
+    total = B * Hq * blocks * config.slices
+    grid, group = _grid(total)
+    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total), _float_params(spec)]
+    out, lse = _kernel(config)(inputs=inputs, output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)],
+                               output_dtypes=[spec.dtype, mx.float32], grid=grid, threadgroup=group)
+    return out, lse
+
+
+def prepare_backward(out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+    """(delta, lse2): delta = rowsum(dO * O) - dL and lse in base 2 (+inf for rows with no key)."""
+    rows = spec.batch * spec.q_heads * spec.q_len
+    has_d_lse = d_lse is not None
+    kernel = _prepare_kernel(_CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse)
+    blocks = -(-rows // PREPARE_ROWS_PER_BLOCK)
+    grid, group = _grid(blocks)
+    d_lse = d_lse.astype(mx.float32) if has_d_lse else mx.zeros((1,), mx.float32)
+    shape = (spec.batch, spec.q_heads, spec.q_len)
+    delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks)],
+                         output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
+                         grid=grid, threadgroup=group)
+    return delta, lse2
+
+
+def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> mx.array:
+    config = kernel_config("backward_query", spec, None if mask is None else mask.dtype)
+    blocks = -(-spec.q_len // config.parallel_block)
+    total = spec.batch * spec.q_heads * blocks * config.slices
+    grid, group = _grid(total)
+    inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
+        _int_params(spec, blocks, total), _float_params(spec)]
+    return _kernel(config)(inputs=inputs, output_shapes=[q.shape], output_dtypes=[spec.dtype],
+                           grid=grid, threadgroup=group)[0]
+
+
+def _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+    config = kernel_config("backward_key_value", spec, None if mask is None else mask.dtype)
+    blocks = -(-spec.kv_len // config.parallel_block)
+    total = spec.batch * spec.kv_heads * blocks * config.slices
+    grid, group = _grid(total)
+    inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
+        _int_params(spec, blocks, total), _float_params(spec)]
+    dk, dv = _kernel(config)(inputs=inputs, output_shapes=[k.shape, v.shape],
+                             output_dtypes=[spec.dtype, spec.dtype], grid=grid, threadgroup=group)
+    return dk, dv
+
+
+def backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec) -> mx.array:
+    """dQ alone (preprocessing + the dQ kernel), for timing the kernels separately."""
+    if _empty(spec):
+        return mx.zeros_like(q)
+    delta, lse2 = prepare_backward(out, lse, d_out, d_lse, spec)
+    return _backward_query(q, k, v, mask, d_out, lse2, delta, spec)
+
+
+def backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+    """(dK, dV) alone (preprocessing + the dK/dV kernel), for timing the kernels separately."""
+    if _empty(spec):
+        return mx.zeros_like(k), mx.zeros_like(v)
+    delta, lse2 = prepare_backward(out, lse, d_out, d_lse, spec)
+    return _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
+
+
+def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+    """Returns (dq, dk, dv) in the input dtype. d_lse (or None) is the cotangent of lse."""
+    if _empty(spec):
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+    delta, lse2 = prepare_backward(out, lse, d_out, d_lse, spec)
+    dq = _backward_query(q, k, v, mask, d_out, lse2, delta, spec)
+    dk, dv = _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
+    return dq, dk, dv
+
+
+def cuda_available() -> bool:
+    return hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+class CUDABackend:
+    """Backend protocol implementation for the CUDA kernels."""
+
+    name = "cuda"
+
+    def unavailable_reason(self, device) -> Optional[str]:
+        if not cuda_available():
+            return "no CUDA GPU (mx.cuda.is_available() is False: MLX without its CUDA backend or no NVIDIA GPU)"
+        if device.type != mx.gpu:
+            return f"the stream's device is {device}, not the GPU"
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec) -> Optional[str]:
+        if spec.dtype == mx.float32:
+            return "float32 inputs (the CUDA kernels are fp16/bf16 tensor-core kernels)"
+        if spec.value_dim != spec.head_dim:
+            return f"value_dim {spec.value_dim} != head_dim {spec.head_dim}"
+        if spec.head_dim > MAX_HEAD_DIM:
+            return f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}"
+        return None
+
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+    backward_query = staticmethod(backward_query)
+    backward_key_value = staticmethod(backward_key_value)
+
+
+BACKEND = CUDABackend()
