@@ -1,0 +1,311 @@
+"""Build, test and benchmark the "cuda" backend on an NVIDIA GPU in one go.
+
+Usage (on the GPU machine):
+    python benchmarks/gpu_check.py --out DIR [--phases smoke,test,sanitize,bench] [--quick]
+
+Phases:
+    smoke     a few forward / backward checks against the float64 reference, printed at once
+    test      pytest tests/test_cuda.py (log in DIR/pytest.log)
+    sanitize  compute-sanitizer memcheck and racecheck over small calls of every kernel
+    bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
+              bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
+              backward kernels alone; results in DIR/bench.json, a table printed last.
+Every phase runs even if an earlier one fails; the exit code says whether all passed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def log(*args):
+    print(*args, flush=True)
+
+
+# ----------------------------------------------------------------------------- smoke
+def phase_smoke(out_dir):
+    from attention_cases import Case, check_case
+    cases = [
+        Case(head_dim=64, q_len=128, kv_len=128, dtype="bfloat16"),
+        Case(head_dim=64, q_len=100, kv_len=77, dtype="float16", mask="causal", group=2),
+        Case(head_dim=128, q_len=200, kv_len=300, dtype="bfloat16", mask="additive", softcap=5.0, lse_gradient=True),
+        Case(head_dim=37, q_len=50, kv_len=61, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
+        Case(head_dim=256, q_len=130, kv_len=130, dtype="bfloat16", mask="window", window=(10, 5)),
+        Case(head_dim=512, q_len=70, kv_len=90, dtype="bfloat16", mask="causal"),
+    ]
+    ok = True
+    for case in cases:
+        t0 = time.time()
+        try:
+            errors = check_case(case, backend="cuda")
+            log(f"smoke OK   d={case.head_dim} {case.dtype} {case.mask} {case.q_len}x{case.kv_len}: "
+                + " ".join(f"{k}={v:.2e}" for k, v in errors.items()) + f" ({time.time() - t0:.1f}s)")
+        except Exception as e:  # report and go on: one failure should not hide the others
+            ok = False
+            log(f"smoke FAIL d={case.head_dim} {case.dtype} {case.mask}: {str(e)[:600]}")
+    return ok
+
+
+# ----------------------------------------------------------------------------- test
+def phase_test(out_dir, extra=()):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", os.path.join(ROOT, "tests", "test_cuda.py"),
+           *extra]
+    with open(os.path.join(out_dir, "pytest.log"), "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    tail = open(os.path.join(out_dir, "pytest.log")).read().splitlines()[-15:]
+    log("pytest:", *tail, sep="\n  ")
+    return r.returncode == 0
+
+
+# ----------------------------------------------------------------------------- sanitize
+def sanitize_case():
+    """Small calls of every kernel (run under compute-sanitizer)."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    mx.random.seed(0)
+    for D, mask, N in ((64, "causal", 100), (72, None, 65), (130, "bool", 40)):
+        q = mx.random.normal((1, 2, N, D)).astype(mx.bfloat16)
+        k = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
+        v = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
+        m = mask
+        if mask == "bool":
+            m = mx.random.uniform(shape=(1, 1, N, N + 3)) < 0.7
+
+        def f(q_, k_, v_):
+            return flash_attention(q_, k_, v_, mask=m, softcap=20.0 if D == 72 else None, backend="cuda").astype(mx.float32).sum()
+
+        g = mx.grad(f, argnums=(0, 1, 2))(q, k, v)
+        mx.eval(g)
+    print("sanitize case done", flush=True)
+
+
+def phase_sanitize(out_dir):
+    ok = True
+    for tool in ("memcheck", "racecheck"):
+        path = os.path.join(out_dir, f"sanitizer_{tool}.log")
+        cmd = ["compute-sanitizer", "--tool", tool, "--error-exitcode", "3",
+               sys.executable, os.path.abspath(__file__), "--sanitize-case"]
+        t0 = time.time()
+        try:
+            with open(path, "w") as f:
+                r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=240)
+            code = r.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        text = open(path).read()
+        summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l or "done" in l]
+        log(f"sanitizer {tool}: exit {code} ({time.time() - t0:.0f}s) " + " | ".join(summary[-3:]))
+        ok = ok and code == 0
+    return ok
+
+
+# ----------------------------------------------------------------------------- bench
+def _median_time(fn, warmup=3, reps=10, sync=None):
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench_one(B, H, N, D, causal, with_torch=True, reps=10):
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    from mlx_flash.backends import get_backend
+    from mlx_flash.spec import check_inputs
+
+    mx.random.seed(B * N + D)
+    q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+    mx.eval(q, k, v, do)
+    mask = "causal" if causal else None
+    scale = D ** -0.5
+    flops = 4 * B * H * N * N * D / (2 if causal else 1)
+    row = dict(B=B, H=H, N=N, D=D, causal=causal)
+    sync = mx.synchronize
+
+    def ours_fwd():
+        mx.eval(flash_attention(q, k, v, scale=scale, mask=mask, backend="cuda"))
+
+    def mlx_fwd():
+        mx.eval(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+
+    def ours_fb():
+        o, vjp = mx.vjp(lambda a, b, c: flash_attention(a, b, c, scale=scale, mask=mask, backend="cuda"), [q, k, v], [do])
+        mx.eval(o, vjp)
+
+    def mlx_fb():
+        o, vjp = mx.vjp(lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=scale, mask=mask), [q, k, v], [do])
+        mx.eval(o, vjp)
+
+    for name, fn, mult in (("ours_fwd", ours_fwd, 1.0), ("mlx_fwd", mlx_fwd, 1.0),
+                           ("ours_fb", ours_fb, 3.5), ("mlx_fb", mlx_fb, 3.5)):
+        try:
+            t = _median_time(fn, reps=reps, sync=sync)
+            row[name + "_ms"] = t * 1e3
+            row[name + "_tflops"] = flops * mult / t / 1e12
+        except Exception as e:
+            row[name + "_error"] = str(e)[:300]
+    # Peak memory of fwd+bwd (after the warm runs above).
+    for name, fn in (("ours_fb", ours_fb), ("mlx_fb", mlx_fb)):
+        try:
+            mx.synchronize()
+            mx.reset_peak_memory()
+            base = mx.get_active_memory()
+            fn()
+            mx.synchronize()
+            row[name + "_peak_mib"] = (mx.get_peak_memory() - base) / 2**20
+        except Exception as e:
+            row[name + "_peak_error"] = str(e)[:300]
+    # Backward kernels alone.
+    try:
+        backend = get_backend("cuda")
+        spec, m4 = check_inputs(q, k, v, scale=scale, mask=mask)
+        out, lse = backend.forward(q, k, v, m4, spec)
+        mx.eval(out, lse)
+        t = _median_time(lambda: mx.eval(backend.backward_query(q, k, v, m4, out, lse, do, None, spec)), reps=reps, sync=sync)
+        row["ours_dq_ms"] = t * 1e3
+        t = _median_time(lambda: mx.eval(backend.backward_key_value(q, k, v, m4, out, lse, do, None, spec)), reps=reps, sync=sync)
+        row["ours_dkdv_ms"] = t * 1e3
+    except Exception as e:
+        row["ours_bwd_error"] = str(e)[:300]
+    if with_torch and D <= 256:
+        row.update(bench_torch(B, H, N, D, causal, flops, reps))
+    return row
+
+
+def bench_torch(B, H, N, D, causal, flops, reps):
+    res = {}
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
+        sync = torch.cuda.synchronize
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            def fwd():
+                F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+            qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+
+            def fb():
+                o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=causal)
+                o.backward(do)
+
+            for name, fn, mult in (("fa2_fwd", fwd, 1.0), ("fa2_fb", fb, 3.5)):
+                t = _median_time(fn, reps=reps, sync=sync)
+                res[name + "_ms"] = t * 1e3
+                res[name + "_tflops"] = flops * mult / t / 1e12
+        del q, k, v, do, qg, kg, vg
+        torch.cuda.empty_cache()
+    except Exception as e:
+        res["fa2_error"] = str(e)[:300]
+    return res
+
+
+BENCH_SHAPES = [
+    # (B, H, N, D): B * N = 16384, H = 16 for D <= 128; B = 1, H = 16, N = 4096 for large D.
+    (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128),
+    (1, 16, 4096, 160), (1, 16, 4096, 192), (1, 16, 4096, 256), (1, 16, 4096, 512),
+]
+
+
+def phase_bench(out_dir, quick=False):
+    shapes = BENCH_SHAPES[:2] + BENCH_SHAPES[5:6] if quick else BENCH_SHAPES
+    rows = []
+    for B, H, N, D in shapes:
+        for causal in (False, True):
+            t0 = time.time()
+            try:
+                row = bench_one(B, H, N, D, causal, reps=5 if quick else 10)
+            except Exception as e:
+                row = dict(B=B, H=H, N=N, D=D, causal=causal, error=str(e)[:300])
+            rows.append(row)
+            log(f"bench {B}x{H}x{N}x{D} causal={causal} ({time.time() - t0:.0f}s): "
+                + json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in row.items()}))
+            with open(os.path.join(out_dir, "bench.json"), "w") as f:
+                json.dump(rows, f, indent=1)
+    print_table(rows)
+    return True
+
+
+def print_table(rows):
+    def f(row, key, fmt="{:.0f}"):
+        v = row.get(key)
+        return fmt.format(v) if isinstance(v, (int, float)) else "-"
+
+    log("\n| B | H | N | D | causal | ours fwd | mlx fwd | FA2 fwd | ours f+b | mlx f+b | FA2 f+b | ours f+b ms | "
+        "mlx f+b ms | dq ms | dkdv ms | ours peak MiB | mlx peak MiB |")
+    log("|" + "---|" * 17)
+    by_key = {(r["B"], r["N"], r["D"], r["causal"]): r for r in rows}
+    for r in rows:
+        log(f"| {r['B']} | {r['H']} | {r['N']} | {r['D']} | {'y' if r['causal'] else 'n'} | "
+            f"{f(r, 'ours_fwd_tflops')} | {f(r, 'mlx_fwd_tflops')} | {f(r, 'fa2_fwd_tflops')} | "
+            f"{f(r, 'ours_fb_tflops')} | {f(r, 'mlx_fb_tflops')} | {f(r, 'fa2_fb_tflops')} | "
+            f"{f(r, 'ours_fb_ms', '{:.2f}')} | {f(r, 'mlx_fb_ms', '{:.2f}')} | {f(r, 'ours_dq_ms', '{:.2f}')} | "
+            f"{f(r, 'ours_dkdv_ms', '{:.2f}')} | {f(r, 'ours_fb_peak_mib')} | {f(r, 'mlx_fb_peak_mib')} |")
+    log("(TFLOP/s: 4*B*H*N^2*D fwd, x3.5 fwd+bwd, halved for causal)")
+    for r in rows:
+        if r["causal"]:
+            nc = by_key.get((r["B"], r["N"], r["D"], False))
+            if nc and "ours_fb_ms" in r and "ours_fb_ms" in nc:
+                log(f"causal/non-causal time N={r['N']} D={r['D']}: fwd {r.get('ours_fwd_ms', 0) / nc.get('ours_fwd_ms', 1):.2f} "
+                    f"f+b {r['ours_fb_ms'] / nc['ours_fb_ms']:.2f}")
+    errors = [(r["D"], r["causal"], k, v) for r in rows for k, v in r.items() if "error" in k]
+    for e in errors:
+        log("error:", *e)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
+    parser.add_argument("--phases", default="smoke,test,sanitize,bench")
+    parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes and repetitions")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments (space separated)")
+    parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.sanitize_case:
+        sanitize_case()
+        return 0
+    os.makedirs(args.out, exist_ok=True)
+    import mlx.core as mx
+    log(f"mlx {mx.__version__}, cuda available: {mx.cuda.is_available()}")
+    results = {}
+    for phase in args.phases.split(","):
+        t0 = time.time()
+        try:
+            if phase == "smoke":
+                results[phase] = phase_smoke(args.out)
+            elif phase == "test":
+                results[phase] = phase_test(args.out, args.pytest_args.split())
+            elif phase == "sanitize":
+                results[phase] = phase_sanitize(args.out)
+            elif phase == "bench":
+                results[phase] = phase_bench(args.out, args.quick)
+            else:
+                raise ValueError(f"unknown phase {phase!r}")
+        except Exception:
+            results[phase] = False
+            log(f"phase {phase} crashed:\n{traceback.format_exc()}")
+        log(f"== phase {phase}: {'ok' if results[phase] else 'FAILED'} ({time.time() - t0:.0f}s)")
+    log("phases:", results)
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

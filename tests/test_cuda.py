@@ -1,0 +1,135 @@
+"""The "cuda" backend against the float64 reference, on an NVIDIA GPU.
+
+Skipped (whole module, with the reason) where MLX has no CUDA device. Covers the shared
+property suite (hypothesis over shapes, dtypes, masks, softcap, GQA, lse cotangents) at a
+bounded set of head dims (each distinct head dim / flag set compiles new kernels), explicit
+edge cases (D = 1..512 incl. odd and prime sizes, primes for N, rows with no visible key,
+broadcast masks), GPU-sized cases (N up to 16K) against the "mlx" backend in fp32 on a subset
+of rows, bitwise determinism of the gradients, and the float32 fallback being counted.
+"""
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
+
+if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
+    pytest.skip("no CUDA GPU: mx.cuda.is_available() is False (MLX CPU/Metal build or no NVIDIA device)",
+                allow_module_level=True)
+
+from mlx_flash import fallback_counts, flash_attention, reset_fallback_counts  # noqa: E402
+from mlx_flash.backends import get_backend  # noqa: E402
+from mlx_flash.spec import check_inputs  # noqa: E402
+
+# Head dims the property test samples from (bounds the number of compiled kernel variants).
+PROPERTY_HEAD_DIMS = [8, 37, 64, 80, 128, 160, 256]
+HALF_DTYPES = ("float16", "bfloat16")
+
+
+@settings(max_examples=40)
+@given(cases(max_len=200, dtypes=HALF_DTYPES, head_dims=PROPERTY_HEAD_DIMS))
+def test_property_suite(case):
+    check_case(case, backend="cuda")
+
+
+EDGE_CASES = [
+    Case(head_dim=1, q_len=1, kv_len=1, dtype="bfloat16"),
+    Case(head_dim=3, q_len=17, kv_len=5, dtype="float16", mask="causal"),  # Nq > Nk: rows see no key
+    Case(head_dim=64, q_len=127, kv_len=131, dtype="bfloat16", mask="causal", group=4, kv_heads=2),
+    Case(head_dim=72, q_len=131, kv_len=257, dtype="float16", mask="window", window=(17, 3)),
+    Case(head_dim=96, q_len=64, kv_len=64, dtype="bfloat16", softcap=5.0, lse_gradient=True),
+    Case(head_dim=128, q_len=257, kv_len=65, dtype="bfloat16", mask="bool", mask_shape=(False, True, True, True), batch=2),
+    Case(head_dim=131, q_len=70, kv_len=300, dtype="float16", mask="additive", mask_shape=(True, False, False, True), batch=2),
+    Case(head_dim=192, q_len=97, kv_len=97, dtype="bfloat16", mask="causal_window", window=(20, -1), group=2),
+    Case(head_dim=200, q_len=33, kv_len=190, dtype="float16", softcap=30.0, mask="bool", mask_shape=(True, True, False, True)),
+    Case(head_dim=256, q_len=129, kv_len=129, dtype="bfloat16", mask="causal", lse_gradient=True),
+    Case(head_dim=320, q_len=61, kv_len=67, dtype="float16", group=3),
+    Case(head_dim=509, q_len=40, kv_len=53, dtype="bfloat16", mask="additive"),
+    Case(head_dim=512, q_len=130, kv_len=70, dtype="float16", mask="causal", group=2, kv_heads=2),
+]
+
+
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: f"d{c.head_dim}-{c.dtype}-{c.mask}-{c.q_len}x{c.kv_len}")
+def test_edge_cases(case):
+    check_case(case, backend="cuda")
+
+
+def _rows_subset_error(out, ref, rows):
+    return relative_error(to_numpy(out[..., rows, :]), to_numpy(ref[..., rows, :]).astype(np.float64))
+
+
+@pytest.mark.parametrize("n,d,causal", [(4096, 64, True), (16384, 128, False), (16384, 128, True), (4099, 256, True)])
+def test_large_against_mlx_fp32(n, d, causal):
+    """GPU-sized problems: compare with the blocked "mlx" backend run in fp32 on the same inputs."""
+    rng = np.random.default_rng(n + d)
+    B, H = 1, 2
+    q, k, v, do = (mx.array(rng.standard_normal((B, H, n, d)).astype(np.float32)) for _ in range(4))
+    mask = "causal" if causal else None
+
+    def loss(backend, dtype):
+        def f(q_, k_, v_):
+            o = flash_attention(q_.astype(dtype), k_.astype(dtype), v_.astype(dtype), mask=mask, backend=backend)
+            return (o.astype(mx.float32) * do).sum(), o
+        return mx.value_and_grad(f, argnums=(0, 1, 2))
+
+    (_, out), grads = loss("cuda", mx.bfloat16)(q, k, v)
+    # The fp32 reference sees the same bf16-rounded inputs.
+    qr, kr, vr = (x.astype(mx.bfloat16).astype(mx.float32) for x in (q, k, v))
+    (_, ref_out), ref_grads = loss("mlx", mx.float32)(qr, kr, vr)
+    mx.eval(out, grads, ref_out, ref_grads)
+    rows = np.r_[0:64, n // 2:n // 2 + 64, n - 64:n]
+    assert _rows_subset_error(out, ref_out, rows) < 2e-2
+    for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+        err = _rows_subset_error(g, r, rows)
+        assert err < 5e-2, f"{name}: relative error {err}"
+
+
+def test_gradients_bitwise_deterministic():
+    case = Case(batch=2, kv_heads=2, group=4, q_len=333, kv_len=517, head_dim=128, dtype="bfloat16", mask="causal")
+    a = make_arrays(case)
+
+    def grads():
+        def f(q_, k_, v_):
+            return (flash_attention(q_, k_, v_, mask=a.mask, backend="cuda").astype(mx.float32) * a.d_out.astype(mx.float32)).sum()
+        g = mx.grad(f, argnums=(0, 1, 2))(a.q, a.k, a.v)
+        mx.eval(g)
+        return [np.array(x.astype(mx.float32)) for x in g]
+
+    first, second = grads(), grads()
+    for x, y in zip(first, second):
+        assert np.array_equal(x, y)
+
+
+def test_many_heads_past_grid_y_limit():
+    """B * H = 70000 blocks: the launch must not rely on grid y holding B * H."""
+    rng = np.random.default_rng(1)
+    q, k, v = (mx.array(rng.standard_normal((70000, 1, 16, 16)).astype(np.float32)).astype(mx.float16) for _ in range(3))
+    out = flash_attention(q, k, v, backend="cuda")
+    ref = flash_attention(q.astype(mx.float32), k.astype(mx.float32), v.astype(mx.float32), backend="mlx")
+    assert relative_error(to_numpy(out), to_numpy(ref).astype(np.float64)) < 4e-3
+
+
+def test_float32_falls_back_counted():
+    reset_fallback_counts()
+    q = mx.random.normal((1, 2, 32, 64))
+    with pytest.warns(UserWarning):
+        out = flash_attention(q, q, q, backend="cuda")
+    mx.eval(out)
+    assert any("float32" in reason for reason in fallback_counts())
+
+
+def test_backward_kernels_separately_match_backward():
+    case = Case(batch=1, kv_heads=2, group=2, q_len=200, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
+    a = make_arrays(case)
+    spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask)
+    backend = get_backend("cuda")
+    out, lse = backend.forward(a.q, a.k, a.v, mask4, spec)
+    dq, dk, dv = backend.backward(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    dq2 = backend.backward_query(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    dk2, dv2 = backend.backward_key_value(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    for x, y in ((dq, dq2), (dk, dk2), (dv, dv2)):
+        assert np.array_equal(to_numpy(x), to_numpy(y))
+    assert math.isfinite(float(mx.abs(dq.astype(mx.float32)).sum()))
