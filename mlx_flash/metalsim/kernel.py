@@ -1,0 +1,358 @@
+"""``metalsim.metal_kernel``: the drop-in for ``mx.fast.metal_kernel``.
+
+A call converts the inputs to numpy buffers (zero-copy where possible),
+compiles the kernel variant for the call's dtypes/template arguments (cached
+in memory and on disk), launches it on the fiber runtime and wraps the output
+buffers back into ``mx.array``s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from . import compiler
+from .rewrite import UnsupportedError, rewrite
+from .signature import METAL_ATTRIBUTES, InputSpec, KernelSpec, generate, metal_source
+
+__all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError"]
+
+MAX_THREADS_PER_THREADGROUP = 1024
+MAX_THREADGROUP_MEMORY = 32768
+
+
+class MetalSimError(RuntimeError):
+    """A kernel failed at run time (out-of-bounds access in bounds-check mode,
+    too much threadgroup memory, deadlock)."""
+
+
+class MetalSimUnsupportedError(compiler.CompileError):
+    """The kernel uses MSL that metalsim does not support."""
+
+
+# mx dtype -> (MLX type string, numpy storage dtype)
+_DTYPES: dict[Any, tuple[str, Any]] = {
+    mx.float32: ("float", np.float32),
+    mx.float16: ("float16_t", np.float16),
+    mx.bfloat16: ("bfloat16_t", np.uint16),
+    mx.bool_: ("bool", np.bool_),
+    mx.int8: ("int8_t", np.int8),
+    mx.int16: ("int16_t", np.int16),
+    mx.int32: ("int32_t", np.int32),
+    mx.int64: ("int64_t", np.int64),
+    mx.uint8: ("uint8_t", np.uint8),
+    mx.uint16: ("uint16_t", np.uint16),
+    mx.uint32: ("uint32_t", np.uint32),
+    mx.uint64: ("uint64_t", np.uint64),
+}
+
+
+def _dtype_info(dt) -> tuple[str, Any]:
+    try:
+        return _DTYPES[dt]
+    except KeyError:
+        raise ValueError(f"[metal_kernel] metalsim: unsupported dtype {dt} (Metal has no "
+                         "float64/complex kernel arguments)") from None
+
+
+class _Desc(ctypes.Structure):
+    _fields_ = [
+        ("thunk", ctypes.c_void_p),
+        ("args", ctypes.c_void_p),
+        ("grid", ctypes.c_uint * 3),
+        ("tg", ctypes.c_uint * 3),
+        ("reversed", ctypes.c_int),
+        ("nworkers", ctypes.c_int),
+        ("stack_size", ctypes.c_size_t),
+        ("tg_mem_limit", ctypes.c_size_t),
+        ("kernel_name", ctypes.c_char_p),
+        ("tg_names", ctypes.c_void_p),
+    ]
+
+
+@dataclass
+class _Variant:
+    lib: ctypes.CDLL
+    thunk: int
+    tg_names: int
+    spec: KernelSpec
+    cpp: str
+
+
+def _env_flag(name: str) -> str:
+    return os.environ.get(name, "").strip().lower()
+
+
+def _check_mode(check) -> bool:
+    if check is None:
+        return _env_flag("MLX_FLASH_METALSIM_CHECK") in ("bounds", "1", "true", "yes", "on")
+    if isinstance(check, str):
+        if check not in ("bounds", "none", "off"):
+            raise ValueError(f"metalsim: check must be 'bounds' or None, got {check!r}")
+        return check == "bounds"
+    return bool(check)
+
+
+def _reversed_order(order) -> bool:
+    o = order if order is not None else (_env_flag("MLX_FLASH_METALSIM_ORDER") or "forward")
+    if o not in ("forward", "reversed"):
+        raise ValueError(f"metalsim: thread order must be 'forward' or 'reversed', got {o!r}")
+    return o == "reversed"
+
+
+def _parse_compile_options(opts) -> dict:
+    if opts is None:
+        return {}
+    if not isinstance(opts, dict):
+        raise ValueError("[metal_kernel] Expected `compile_options` to be a dict.")
+    for k, v in opts.items():
+        if k != "math_mode":
+            raise ValueError(f"[metal_kernel] Unknown compile option `{k}`.")
+        if v not in ("safe", "relaxed", "fast"):
+            raise ValueError("[metal_kernel] Expected math_mode to be 'safe', 'relaxed', or 'fast'.")
+    return dict(opts)
+
+
+def _as_mx(x) -> mx.array:
+    if isinstance(x, mx.array):
+        return x
+    if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
+        return mx.array(x)
+    raise TypeError(f"[metal_kernel] inputs must be arrays or scalars, got {type(x).__name__}")
+
+
+def _poison(buf: np.ndarray, dt) -> None:
+    """Fills an output buffer with a recognisable garbage pattern (MLX leaves
+    outputs uninitialised): NaN for floating types, 0xDEADBEEF for ints."""
+    if dt in (mx.float32, mx.float16):
+        buf.fill(np.nan)
+    elif dt == mx.bfloat16:
+        buf.fill(0x7FC0)  # bfloat16 NaN
+    elif dt == mx.bool_:
+        buf.fill(True)
+    else:
+        size = buf.dtype.itemsize
+        pattern = {1: 0xEF, 2: 0xBEEF, 4: 0xDEADBEEF, 8: 0xDEADBEEFDEADBEEF}[size]
+        buf.view(f"u{size}").fill(pattern)
+
+
+def _fill(buf: np.ndarray, dt, value: float) -> None:
+    if dt == mx.bfloat16:
+        bits = mx.array(value, mx.float32).astype(mx.bfloat16).view(mx.uint16).item()
+        buf.fill(bits)
+    else:
+        buf.fill(np.asarray(value).astype(buf.dtype))
+
+
+class MetalKernel:
+    """A kernel built from an MSL body; call it like an MLX metal_kernel."""
+
+    def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
+                 source: str, header: str = "", ensure_row_contiguous: bool = True,
+                 atomic_outputs: bool = False, compile_options: dict | None = None,
+                 thread_order: str | None = None, check: str | bool | None = None):
+        if not output_names:
+            raise ValueError("[metal_kernel] Must specify at least one output.")
+        self.name = name
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+        self.source = source
+        self.header = header
+        self.ensure_row_contiguous = ensure_row_contiguous
+        self.atomic_outputs = atomic_outputs
+        self.compile_options = _parse_compile_options(compile_options)
+        self.thread_order = thread_order
+        self.check = check
+        _reversed_order(thread_order)  # validate early
+        # MLX's rules: substring search in the body only.
+        self._shape_info = [(n + "_shape" in source, n + "_strides" in source, n + "_ndim" in source)
+                            for n in self.input_names]
+        self._attributes = tuple((a, t) for a, t in METAL_ATTRIBUTES if a in source)
+        self._variants: dict[tuple, _Variant] = {}
+        self._lock = threading.Lock()
+        self._rewritten: dict[bool, tuple[str, str, list[str]]] = {}
+
+    # -- compilation ---------------------------------------------------------
+    def _rewrite(self, check: bool) -> tuple[str, str, list[str]]:
+        r = self._rewritten.get(check)
+        if r is None:
+            try:
+                h = rewrite(self.header, check=check, site_base=0)
+            except UnsupportedError as e:
+                raise MetalSimUnsupportedError(
+                    f"metalsim: kernel '{self.name}' header line {e.line}: {e.msg}") from None
+            try:
+                b = rewrite(self.source, check=check, site_base=len(h.tg_sites))
+            except UnsupportedError as e:
+                raise MetalSimUnsupportedError(
+                    f"metalsim: kernel '{self.name}' source line {e.line}: {e.msg}") from None
+            r = (h.text, b.text, h.tg_sites + b.tg_sites)
+            self._rewritten[check] = r
+        return r
+
+    def _variant(self, key: tuple, spec: KernelSpec) -> _Variant:
+        v = self._variants.get(key)
+        if v is not None:
+            return v
+        with self._lock:
+            v = self._variants.get(key)
+            if v is None:
+                header_cpp, body_cpp, tg_names = self._rewrite(spec.check)
+                cpp = generate(spec, body_cpp, header_cpp, tg_names)
+                lib = compiler.compile_kernel(cpp, self.name, self.source, self.header)
+                thunk = ctypes.cast(lib.msim_thunk, ctypes.c_void_p).value
+                names = ctypes.addressof(ctypes.c_void_p.in_dll(lib, "msim_tg_names"))
+                v = _Variant(lib, thunk, names, spec, cpp)
+                self._variants[key] = v
+        return v
+
+    # -- call ----------------------------------------------------------------
+    def __call__(self, *, inputs: Sequence[Any], output_shapes: Sequence[Sequence[int]],
+                 output_dtypes: Sequence[Any], grid: Sequence[int], threadgroup: Sequence[int],
+                 template: Sequence[tuple[str, Any]] | None = None,
+                 init_value: float | None = None, verbose: bool = False, stream=None):
+        def check_size(actual, expected, what):
+            if actual != expected:
+                raise ValueError(f"[metal_kernel] Expected `{what}` to have size {expected} "
+                                 f"but got size {actual}.")
+
+        check_size(len(inputs), len(self.input_names), "inputs")
+        check_size(len(output_shapes), len(self.output_names), "output_shapes")
+        check_size(len(output_dtypes), len(self.output_names), "output_dtypes")
+        grid = tuple(int(g) for g in grid)
+        tg = tuple(int(t) for t in threadgroup)
+        if len(grid) != 3 or len(tg) != 3:
+            raise ValueError("[metal_kernel] grid and threadgroup must be 3-tuples")
+        check = _check_mode(self.check)
+
+        # Inputs -> numpy views (kept alive in `keep` until the launch ends).
+        arrs = [_as_mx(x) for x in inputs]
+        tmpl = []
+        for tname, val in template or ():
+            if isinstance(val, (bool, np.bool_)):
+                tmpl.append((tname, "bool", "true" if val else "false"))
+            elif isinstance(val, (int, np.integer)):
+                tmpl.append((tname, "int", str(int(val))))
+            elif isinstance(val, mx.Dtype):
+                tmpl.append((tname, "typename", _dtype_info(val)[0]))
+            else:
+                raise ValueError("[metal_kernel] Invalid template argument. Must be "
+                                 "`mlx.core.Dtype`, `int` or `bool`.")
+        in_specs = []
+        for n, a, (sh, st, nd) in zip(self.input_names, arrs, self._shape_info):
+            in_specs.append(InputSpec(n, _dtype_info(a.dtype)[0], a.ndim, a.size, sh, st, nd))
+        out_ct = tuple((n, _dtype_info(d)[0]) for n, d in zip(self.output_names, output_dtypes))
+        spec = KernelSpec(self.name, tuple(in_specs), out_ct, tuple(tmpl), self._attributes,
+                          self.atomic_outputs, check)
+        key = (spec.inputs, spec.outputs, spec.template, check)
+        if verbose:
+            print(f"Generated source code for `{self.name}`:\n```\n"
+                  f"{metal_source(spec, self.source, self.header)}\n```")
+        variant = self._variant(key, spec)
+
+        tg_size = tg[0] * tg[1] * tg[2]
+        if tg_size > MAX_THREADS_PER_THREADGROUP:
+            raise ValueError(
+                f"[metal_kernel] Thread group size ({tg_size}) is greater than  the maximum "
+                f"allowed threads per threadgroup ({MAX_THREADS_PER_THREADGROUP}).")
+        if min(tg) <= 0 and min(grid) > 0:
+            raise ValueError("[metal_kernel] threadgroup dimensions must be positive")
+
+        keep: list[np.ndarray] = []
+        ptrs: list[int] = []
+        bounds: list[int] = []
+
+        def add(buf: np.ndarray, lo: int = 0, hi: int | None = None):
+            keep.append(buf)
+            ptrs.append(buf.ctypes.data)
+            bounds.extend((lo, buf.nbytes if hi is None else hi))
+
+        for a, inp in zip(arrs, in_specs):
+            src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+            buf = np.asarray(src)
+            if self.ensure_row_contiguous or a.ndim == 0:
+                buf = np.ascontiguousarray(buf)
+            if inp.ndim == 0:
+                add(buf)
+                continue
+            item = buf.itemsize
+            estrides = [s // item for s in buf.strides]
+            lo = sum(s * (d - 1) for s, d in zip(buf.strides, buf.shape) if s < 0 and d > 0)
+            hi = sum(s * (d - 1) for s, d in zip(buf.strides, buf.shape) if s > 0 and d > 0) + item
+            if buf.size == 0:
+                lo = hi = 0
+            add(buf, lo, hi)
+            if inp.shape:
+                add(np.asarray(buf.shape, dtype=np.int32))
+            if inp.strides:
+                add(np.asarray(estrides, dtype=np.int64))
+            if inp.ndim_ref:
+                add(np.asarray(inp.ndim, dtype=np.int32))
+        outs: list[np.ndarray] = []
+        for shape, dt in zip(output_shapes, output_dtypes):
+            o = np.empty(tuple(int(s) for s in shape), dtype=_dtype_info(dt)[1])
+            if init_value is not None:
+                _fill(o, dt, init_value)
+            else:
+                _poison(o, dt)
+            outs.append(o)
+            add(o)
+        bnd = np.asarray(bounds, dtype=np.int64)
+        keep.append(bnd)
+        args = (ctypes.c_void_p * (len(ptrs) + 1))(*ptrs, bnd.ctypes.data)
+
+        # MLX clamps each threadgroup dimension to the grid (dispatchThreads).
+        tgc = tuple(min(t, g) for t, g in zip(tg, grid))
+        if min(grid) > 0:
+            self._launch(variant, args, grid, tgc)
+        res = []
+        for o, dt in zip(outs, output_dtypes):
+            r = mx.array(o)
+            if dt == mx.bfloat16:
+                r = r.view(mx.bfloat16)
+            res.append(r)
+        return res
+
+    def _launch(self, v: _Variant, args, grid, tg) -> None:
+        rt = compiler.load_runtime()
+        nworkers = int(os.environ.get("MLX_FLASH_METALSIM_THREADS", "0") or 0) or (os.cpu_count() or 1)
+        stack_kb = int(os.environ.get("MLX_FLASH_METALSIM_STACK_KB", "0") or 0) or 128
+        d = _Desc()
+        d.thunk = v.thunk
+        d.args = ctypes.cast(args, ctypes.c_void_p).value
+        d.grid[:] = grid
+        d.tg[:] = tg
+        d.reversed = 1 if _reversed_order(self.thread_order) else 0
+        d.nworkers = nworkers
+        d.stack_size = stack_kb * 1024
+        d.tg_mem_limit = MAX_THREADGROUP_MEMORY
+        d.kernel_name = self.name.encode()
+        d.tg_names = v.tg_names
+        err = ctypes.create_string_buffer(2048)
+        if rt.msim_rt_launch(ctypes.byref(d), err, len(err)) != 0:
+            raise MetalSimError(err.value.decode(errors="replace"))
+
+
+def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
+                 header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
+                 compile_options: dict | None = None, *, thread_order: str | None = None,
+                 check: str | bool | None = None) -> MetalKernel:
+    """Same arguments as ``mx.fast.metal_kernel`` plus metalsim options:
+
+    thread_order: ``"forward"`` (default) or ``"reversed"``: the order in
+        which the threads of a threadgroup run between synchronisation points.
+        Reversed order exposes missing barriers. Default from
+        ``MLX_FLASH_METALSIM_ORDER``.
+    check: ``"bounds"`` compiles device pointers and threadgroup arrays as
+        bounds-checked wrappers; an out-of-bounds access raises
+        :class:`MetalSimError`. Default from ``MLX_FLASH_METALSIM_CHECK``.
+    """
+    return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
+                       atomic_outputs, compile_options, thread_order=thread_order, check=check)

@@ -1,0 +1,456 @@
+"""Source rewriter: Metal Shading Language body/header -> C++ for metalsim.
+
+Works on the token stream of :mod:`tokenizer` (never on raw text) and edits
+token output texts in place, so line numbers are preserved. Rewrites:
+
+* unsuffixed floating literals get an ``f`` (MSL literals are float, not
+  double); ``1.5h`` becomes ``((half)1.5f)``;
+* address-space qualifiers ``device``/``constant``/``thread``/``threadgroup``
+  are dropped (``constant`` becomes ``const``); in bounds-check mode device,
+  constant and threadgroup pointers become ``msim::dptr<T>`` checked pointers
+  and pointer casts become ``msim::ptr_cast<T>(...)``;
+* ``threadgroup T name[N]...;`` declarations become references into the
+  threadgroup's shared memory (one allocation per declaration per
+  threadgroup, shared by all of its threads);
+* vector constructors and casts (``float4(a.xy, b, c)``, ``float4(h4)``,
+  ``(float4)x``, ``static_cast<float4>(x)``, ``float4 v(1, 2, 3, 4)``) become
+  ``msim::vctor<float4>(...)``;
+* ``#include <metal_*>`` and ``#pragma METAL`` lines are dropped.
+
+Unsupported MSL (textures, samplers, imageblocks, raster order groups,
+function constants, Metal ``[[attributes]]``, matrix types) raise
+:class:`UnsupportedError` naming the line.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from .tokenizer import Token, TokenizeError, match_bracket, split_shift, tokenize
+
+__all__ = ["rewrite", "RewriteResult", "UnsupportedError", "VECTOR_TYPES"]
+
+
+class UnsupportedError(ValueError):
+    """An MSL construct metalsim does not support; `line` is 1-based."""
+
+    def __init__(self, msg: str, line: int):
+        super().__init__(msg)
+        self.msg = msg
+        self.line = line
+
+
+_BASES = ["float", "half", "bfloat", "int", "uint", "short", "ushort", "char", "uchar",
+          "long", "ulong", "bool"]
+VECTOR_TYPES = frozenset(
+    [f"{b}{n}" for b in _BASES for n in (2, 3, 4)]
+    + [f"packed_{b}{n}" for b in _BASES for n in (2, 4)]
+)
+
+_UNSUPPORTED = {
+    "sampler": "samplers",
+    "imageblock": "imageblocks",
+    "imageblock_data": "imageblocks",
+    "raster_order_group": "raster order groups",
+    "function_constant": "function constants",
+    "visible_function_table": "visible function tables",
+    "intersection_function_table": "intersection function tables",
+    "acceleration_structure": "ray tracing",
+    "primitive_acceleration_structure": "ray tracing",
+    "instance_acceleration_structure": "ray tracing",
+    "intersector": "ray tracing",
+    "indirect_command_buffer": "indirect command buffers",
+    "render_pipeline_state": "indirect command buffers",
+    "compute_pipeline_state": "indirect command buffers",
+    "simdgroup_event": "simdgroup async copies",
+    "simdgroup_async_copy": "simdgroup async copies",
+    "mesh_grid_properties": "mesh shaders",
+    "object_data": "mesh shaders",
+    "patch_control_point": "tessellation",
+}
+_TEXTURE_RE = re.compile(r"^(texture(1d|2d|3d|cube|_buffer)\w*|depth(2d|cube)\w*)$")
+_MATRIX_RE = re.compile(r"^(float|half|bfloat)[234]x[234]$")
+_PACKED3_RE = re.compile(r"^packed_\w+3$")
+_STD_ATTRS = {"maybe_unused", "likely", "unlikely", "fallthrough", "nodiscard", "noreturn",
+              "deprecated", "carries_dependency"}
+_ADDRESS_SPACES = {"device", "constant", "thread", "threadgroup"}
+_CHECKED_SPACES = {"device", "constant", "threadgroup"}
+_FUNDAMENTAL = {"unsigned", "signed", "long", "short", "int", "char", "float", "double", "bool",
+                "void"}
+_KEYWORDS_BEFORE_EXPR = {"return", "case", "else", "do", "co_return", "throw"}
+
+
+@dataclass
+class RewriteResult:
+    text: str
+    tg_sites: list[str] = field(default_factory=list)  # names, indexed by site id
+
+
+def rewrite(src: str, *, check: bool = False, site_base: int = 0) -> RewriteResult:
+    """Rewrites MSL source (a kernel body or header) into metalsim C++.
+
+    `site_base` numbers the threadgroup declarations (body and header share
+    one numbering). Raises UnsupportedError for unsupported constructs.
+    """
+    try:
+        toks = split_shift(tokenize(src))
+    except TokenizeError as e:
+        raise UnsupportedError(f"cannot tokenize: {e}", e.line) from None
+    rw = _Rewriter(toks, check, site_base)
+    rw.run()
+    return RewriteResult("".join(t.out for t in toks), rw.tg_sites)
+
+
+class _Rewriter:
+    def __init__(self, toks: list[Token], check: bool, site_base: int):
+        self.toks = toks
+        self.sig = [i for i, t in enumerate(toks) if t.kind not in ("ws", "comment")]
+        self.check = check
+        self.site_base = site_base
+        self.tg_sites: list[str] = []
+
+    # -- helpers -------------------------------------------------------------
+    def t(self, k: int) -> Token | None:
+        return self.toks[self.sig[k]] if 0 <= k < len(self.sig) else None
+
+    def is_p(self, k: int, text: str) -> bool:
+        t = self.t(k)
+        return t is not None and t.kind == "punct" and t.text == text
+
+    def is_id(self, k: int, text: str | None = None) -> bool:
+        t = self.t(k)
+        return t is not None and t.kind == "ident" and (text is None or t.text == text)
+
+    def match(self, k: int) -> int:
+        return match_bracket(self.toks, self.sig, k)
+
+    def outs(self, a: int, b: int) -> str:
+        """Output text of significant tokens [a, b) joined with spaces."""
+        return " ".join(self.t(k).out for k in range(a, b) if self.t(k).out)
+
+    def blank(self, a: int, b: int) -> None:
+        for k in range(a, b):
+            self.t(k).out = ""
+
+    def stmt_start(self, k: int) -> bool:
+        p = self.t(k - 1)
+        if p is None:
+            return True
+        if p.kind in ("pp", "ppend", "define"):
+            return True
+        return p.kind == "punct" and p.text in (";", "{", "}", ":")
+
+    def parse_type(self, k: int) -> int:
+        """End (exclusive) of a type starting at k: qualifiers, (qualified)
+        names, template arguments. Stops before the declarator."""
+        j = k
+        seen_name = False
+        fundamental_only = True
+        while j < len(self.sig):
+            t = self.t(j)
+            if t.kind == "ident" and t.text in ("const", "volatile"):
+                j += 1
+                continue
+            if t.kind == "ident" and t.text in _FUNDAMENTAL and (not seen_name or fundamental_only):
+                seen_name = True
+                j += 1
+                continue
+            if t.kind == "ident" and t.text in ("typename", "struct", "class"):
+                j += 1
+                continue
+            if (t.kind == "ident" and not seen_name) or (t.kind == "punct" and t.text == "::" and j == k):
+                seen_name = True
+                fundamental_only = False
+                j += 1
+                while True:
+                    if self.is_p(j, "<"):
+                        m = self.match(j)
+                        if m < 0:
+                            return j
+                        j = m + 1
+                    if self.is_p(j, "::") and self.is_id(j + 1):
+                        j += 2
+                        continue
+                    break
+                continue
+            break
+        return j
+
+    def operand_end(self, k: int) -> int:
+        """End (exclusive) of the unary-expression operand starting at k."""
+        j = k
+        while self.t(j) is not None and self.t(j).kind == "punct" and self.t(j).text in ("-", "+", "!", "~", "*", "&", "++", "--"):
+            j += 1
+        t = self.t(j)
+        if t is None:
+            return -1
+        if self.is_p(j, "("):
+            m = self.match(j)
+            if m < 0:
+                return -1
+            j = m + 1
+        elif t.kind in ("ident", "number", "string", "char"):
+            j += 1
+            while self.is_p(j, "::") and self.is_id(j + 1):
+                j += 2
+            if self.is_p(j, "<") and self.t(j - 1).text in ("as_type", "static_cast", "reinterpret_cast"):
+                m = self.match(j)
+                if m > 0:
+                    j = m + 1
+        else:
+            return -1
+        # postfix: calls, subscripts, member access
+        while True:
+            if self.is_p(j, "(") or self.is_p(j, "["):
+                m = self.match(j)
+                if m < 0:
+                    return -1
+                j = m + 1
+            elif (self.is_p(j, ".") or self.is_p(j, "->")) and self.is_id(j + 1):
+                j += 2
+            elif self.is_p(j, "++") or self.is_p(j, "--"):
+                j += 1
+            else:
+                return j
+
+    def vec_type_end(self, k: int) -> int:
+        """If a vector type starts at k, its end (exclusive), else -1."""
+        t = self.t(k)
+        if t is None or t.kind != "ident":
+            return -1
+        if t.text in VECTOR_TYPES:
+            return k + 1
+        if t.text == "vec" and self.is_p(k + 1, "<"):
+            m = self.match(k + 1)
+            return m + 1 if m > 0 else -1
+        return -1
+
+    # -- passes --------------------------------------------------------------
+    def run(self) -> None:
+        self.check_unsupported()
+        self.fix_literals()
+        self.fix_preprocessor()
+        self.fix_vectors()
+        self.fix_address_spaces()
+
+    def check_unsupported(self) -> None:
+        for k in range(len(self.sig)):
+            t = self.t(k)
+            if t.kind == "ident":
+                what = _UNSUPPORTED.get(t.text)
+                if what is None and _TEXTURE_RE.match(t.text):
+                    what = "textures"
+                if what is None and _MATRIX_RE.match(t.text):
+                    what = "matrix types (floatNxM); use simdgroup_matrix or arrays"
+                if what is None and _PACKED3_RE.match(t.text):
+                    what = "packed 3-element vectors"
+                if what is not None:
+                    raise UnsupportedError(f"'{t.text}': {what} are not supported in metalsim", t.line)
+            elif t.kind == "punct" and t.text == "[" and self.is_p(k + 1, "["):
+                a = self.t(k + 2)
+                name = a.text if a is not None else ""
+                if a is None or a.kind != "ident" or not (name in _STD_ATTRS or self.is_p(k + 3, "::")):
+                    raise UnsupportedError(
+                        f"attribute [[{name}...]] is not supported in metalsim (Metal attributes "
+                        "belong to the generated kernel signature)", t.line)
+
+    def fix_literals(self) -> None:
+        for k in range(len(self.sig)):
+            t = self.t(k)
+            if t.kind != "number":
+                continue
+            s = t.text.replace("'", "")
+            low = s.lower()
+            if low.startswith("0x"):
+                is_float = "p" in low
+            elif low.startswith("0b"):
+                is_float = False
+            else:
+                is_float = "." in s or "e" in low
+            if not is_float:
+                continue
+            if low.endswith("h"):
+                t.out = f"((half){s[:-1]}f)"
+            elif low.endswith("f") and not low.startswith("0x"):
+                pass
+            elif low.endswith("f") and "p" in low:  # hex float with f suffix
+                pass
+            elif low.endswith("l"):
+                t.out = s[:-1] + "f"
+            else:
+                t.out = s + "f"
+
+    def fix_preprocessor(self) -> None:
+        for k in range(len(self.sig)):
+            t = self.t(k)
+            if t.kind == "pp":
+                body = t.text.lstrip("#").strip()
+                if re.match(r"include\s*<metal_\w*>", body) or re.match(r"pragma\s+METAL\b", body):
+                    t.out = "\n" * t.text.count("\n")
+
+    def fix_vectors(self) -> None:
+        k = 0
+        n = len(self.sig)
+        while k < n:
+            t = self.t(k)
+            # static_cast<float4>(x) -> msim::vctor<float4>(x)
+            if t.kind == "ident" and t.text == "static_cast" and self.is_p(k + 1, "<"):
+                e = self.vec_type_end(k + 2)
+                if e > 0 and self.is_p(e, ">") and self.is_p(e + 1, "("):
+                    t.out = "msim::vctor"
+            e = self.vec_type_end(k)
+            if e < 0:
+                k += 1
+                continue
+            type_text = self.outs(k, e)
+            prev = self.t(k - 1)
+            # C-style cast: (float4)x
+            if (self.is_p(k - 1, "(") and self.is_p(e, ")")
+                    and not (self.t(k - 2) is not None and self.t(k - 2).kind == "ident"
+                             and self.t(k - 2).text not in _KEYWORDS_BEFORE_EXPR)
+                    and not self.is_p(k - 2, ")") and not self.is_p(k - 2, "]")):
+                oe = self.operand_end(e + 1)
+                if oe > 0:
+                    self.t(k - 1).out = f"msim::vctor<{type_text}>("
+                    self.blank(k, e + 1)
+                    last = self.t(oe - 1)
+                    last.out = last.out + ")"
+                    k = e + 1
+                    continue
+            if self.is_p(e, "(") and not (prev is not None and prev.kind == "ident" and prev.text == "operator"):
+                # functional construction float4(...)
+                self.t(k).out = "msim::vctor<" + self.t(k).out
+                self.t(e - 1).out = self.t(e - 1).out + ">"
+                k = e
+                continue
+            if self.is_p(e, "{"):
+                m = self.match(e)
+                if m > 0:
+                    self.t(k).out = "msim::vctor<" + self.t(k).out
+                    self.t(e - 1).out = self.t(e - 1).out + ">"
+                    self.t(e).out = "("
+                    self.t(m).out = ")"
+                k = e
+                continue
+            # declaration with direct or brace initialisation: float4 v(1, 2, 3, 4);
+            if self.is_id(e) and (self.is_p(e + 1, "(") or self.is_p(e + 1, "{")):
+                m = self.match(e + 1)
+                if m > 0 and m > e + 2 and (self.is_p(m + 1, ";") or self.is_p(m + 1, ",")):
+                    if self.t(e + 1).text == "(" and self._looks_like_params(e + 2, m):
+                        k = e
+                        continue
+                    self.t(e + 1).out = f" = msim::vctor<{type_text}>("
+                    self.t(m).out = ")"
+            k = e
+
+    def _looks_like_params(self, a: int, b: int) -> bool:
+        """Whether tokens [a, b) look like a parameter list (a prototype)."""
+        te = self.parse_type(a)
+        return te > a and te < b and self.is_id(te) and (te + 1 == b or self.is_p(te + 1, ","))
+
+    def fix_address_spaces(self) -> None:
+        k = 0
+        while k < len(self.sig):
+            t = self.t(k)
+            if t.kind != "ident" or t.text not in _ADDRESS_SPACES:
+                k += 1
+                continue
+            q = t.text
+            if q == "threadgroup" and self.stmt_start(k) and self._tg_declaration(k):
+                k = self.k_after
+                continue
+            # [const] q TYPE (* | &) ...
+            const_before = self.is_id(k - 1, "const")
+            a = k - 1 if const_before else k
+            te = self.parse_type(k + 1)
+            type_text = self.outs(k + 1, te)
+            has_const = const_before or any(self.t(j).text == "const" for j in range(k + 1, te))
+            is_ptr = self.is_p(te, "*")
+            if not is_ptr:
+                if q == "constant":
+                    t.out = "" if (has_const or self.is_id(k + 1, "constexpr") or self.is_id(k - 1, "constexpr")) else "const"
+                else:
+                    t.out = ""
+                k += 1
+                continue
+            ctype = ("const " if const_before else "") + type_text
+            if q == "constant" and not has_const:
+                ctype = "const " + ctype
+            # reinterpret_cast<device T*>(x) / static_cast / const_cast
+            if (self.is_p(a - 1, "<") and self.is_id(a - 2)
+                    and self.t(a - 2).text in ("reinterpret_cast", "static_cast", "const_cast")
+                    and self.is_p(te + 1, ">")):
+                if self.check and q in _CHECKED_SPACES:
+                    self.t(a - 2).out = f"msim::ptr_cast<{ctype}>"
+                    self.blank(a - 1, te + 2)
+                else:
+                    t.out = "const" if (q == "constant" and not has_const) else ""
+                k = te + 2
+                continue
+            # C-style cast: (device T*)x
+            if self.is_p(a - 1, "(") and self.is_p(te + 1, ")"):
+                oe = self.operand_end(te + 2)
+                if oe > 0 and self.check and q in _CHECKED_SPACES:
+                    self.t(a - 1).out = f"msim::ptr_cast<{ctype}>("
+                    self.blank(a, te + 2)
+                    self.t(oe - 1).out += ")"
+                    k = te + 2
+                    continue
+                t.out = "const" if (q == "constant" and not has_const) else ""
+                k = te + 1
+                continue
+            if self.check and q in _CHECKED_SPACES:
+                # Pointer declaration (variable, parameter, member).
+                self.t(a).out = f"msim::dptr<{ctype}>"
+                self.blank(a + 1, te + 1)
+                k = te + 1
+                continue
+            t.out = "const" if (q == "constant" and not has_const) else ""
+            k += 1
+
+    def _tg_declaration(self, k: int) -> bool:
+        """Rewrites `threadgroup T a[N], b;` at sig index k. Returns False if
+        this is not a declaration of threadgroup variables (e.g. a pointer)."""
+        te = self.parse_type(k + 1)
+        if te == k + 1:
+            return False
+        if not self.is_id(te) or self.is_p(te + 1, "("):
+            return False  # pointer/reference declarations or a function
+        type_text = self.outs(k + 1, te)
+        decls: list[str] = []
+        j = te
+        line = self.t(k).line
+        while True:
+            if not self.is_id(j):
+                return False
+            name = self.t(j).text
+            j += 1
+            dims = ""
+            while self.is_p(j, "["):
+                m = self.match(j)
+                if m < 0:
+                    return False
+                dims += "[" + self.outs(j + 1, m) + "]"
+                j = m + 1
+            if self.is_p(j, "="):
+                raise UnsupportedError(
+                    f"threadgroup variable '{name}' cannot have an initializer (as in Metal)", line)
+            site = self.site_base + len(self.tg_sites)
+            self.tg_sites.append(name)
+            full = f"{type_text}{dims}"
+            alloc = f"msim::tg_alloc({site}, sizeof({full}), alignof({full}))"
+            if dims and self.check:
+                decls.append(f'auto {name} = msim::tg_check<{full}>({alloc}, "{name}")')
+            else:
+                decls.append(f"auto& {name} = msim::tg_ref<{full}>({alloc})")
+            if self.is_p(j, ","):
+                j += 1
+                continue
+            if self.is_p(j, ";"):
+                break
+            return False
+        self.blank(k, j)
+        self.t(k).out = "; ".join(decls)
+        self.k_after = j
+        return True

@@ -1,0 +1,1192 @@
+// metalsim kernel-side runtime: the subset of the Metal Shading Language
+// standard library that metalsim supports, written for clang on a CPU.
+//
+// Kept lean on purpose (no C++ standard library): every kernel variant
+// compiles against it. Address-space qualifiers are removed by the source
+// rewriter (rewrite.py) before the kernel reaches clang, threadgroup arrays
+// are turned into references into the threadgroup's shared arena, and vector
+// constructors/casts are rewritten to msim::vctor<V>(...).
+#pragma once
+#include "msim_abi.h"
+
+#define METAL_FUNC inline __attribute__((always_inline))
+#define MSIM_INL static inline __attribute__((always_inline))
+#define MLX_MTL_PRAGMA_UNROLL _Pragma("clang loop unroll(full)")
+#define MSIM_BARRIER_FENCE() __asm__ __volatile__("" ::: "memory")
+
+// ---------------------------------------------------------------------------
+// Scalar and vector types
+// ---------------------------------------------------------------------------
+typedef _Float16 half;
+typedef __bf16 bfloat;
+typedef half float16_t;
+typedef bfloat bfloat16_t;
+typedef unsigned char uchar;
+typedef unsigned short ushort;
+typedef unsigned int uint;
+typedef unsigned long ulong;
+
+template <class T, int N>
+using vec = T __attribute__((ext_vector_type(N)));
+
+#define MSIM_VEC(T)                 \
+  typedef vec<T, 2> T##2;           \
+  typedef vec<T, 3> T##3;           \
+  typedef vec<T, 4> T##4;           \
+  typedef vec<T, 2> packed_##T##2;  \
+  typedef vec<T, 4> packed_##T##4;
+MSIM_VEC(float)
+MSIM_VEC(half)
+MSIM_VEC(bfloat)
+MSIM_VEC(int)
+MSIM_VEC(uint)
+MSIM_VEC(short)
+MSIM_VEC(ushort)
+MSIM_VEC(char)
+MSIM_VEC(uchar)
+MSIM_VEC(long)
+MSIM_VEC(ulong)
+MSIM_VEC(bool)
+#undef MSIM_VEC
+
+namespace msim {
+
+template <bool B, class T = void> struct enable_if {};
+template <class T> struct enable_if<true, T> { typedef T type; };
+template <bool B, class T = void> using enable_if_t = typename enable_if<B, T>::type;
+template <class A, class B> struct is_same { static constexpr bool value = false; };
+template <class A> struct is_same<A, A> { static constexpr bool value = true; };
+template <class T> struct identity { typedef T type; };
+template <class T> struct remove_cv { typedef T type; };
+template <class T> struct remove_cv<const T> { typedef T type; };
+template <class T> struct remove_cv<volatile T> { typedef T type; };
+template <class T> struct remove_cv<const volatile T> { typedef T type; };
+template <class T> struct remove_ref { typedef T type; };
+template <class T> struct remove_ref<T&> { typedef T type; };
+template <class T> T&& declval();
+
+// vinfo<V>: element type and lane count of a vector (1 for scalars).
+template <class V> struct vinfo {
+  static constexpr int n = 1;
+  static constexpr bool is_vec = false;
+  typedef V elem;
+};
+template <class T, int N> struct vinfo<vec<T, N>> {
+  static constexpr int n = N;
+  static constexpr bool is_vec = true;
+  typedef T elem;
+};
+template <class V> constexpr bool is_vec_v = vinfo<typename remove_cv<V>::type>::is_vec;
+
+template <class T> struct is_float_scalar { static constexpr bool value = false; };
+template <> struct is_float_scalar<float> { static constexpr bool value = true; };
+template <> struct is_float_scalar<half> { static constexpr bool value = true; };
+template <> struct is_float_scalar<bfloat> { static constexpr bool value = true; };
+template <> struct is_float_scalar<double> { static constexpr bool value = true; };
+
+// The i-th lane of a vector, or the scalar itself.
+template <class X>
+MSIM_INL auto lane_of(const X& x, int i) {
+  if constexpr (is_vec_v<X>) return x[i]; else return x;
+}
+
+// Vector construction with Metal's rules: a scalar splats, a vector of the
+// same length converts element-wise, several scalars/vectors are
+// concatenated (float4(a.xy, b, c)).
+template <class V, class A>
+MSIM_INL void vput(V& r, int& k, const A& a) {
+  typedef typename vinfo<V>::elem E;
+  if constexpr (is_vec_v<A>) {
+    for (int i = 0; i < vinfo<A>::n; ++i) r[k++] = (E)a[i];
+  } else {
+    r[k++] = (E)a;
+  }
+}
+template <class V, class... A>
+MSIM_INL V vctor(const A&... a) {
+  typedef typename vinfo<V>::elem E;
+  if constexpr (!is_vec_v<V>) {
+    static_assert(sizeof...(A) == 1, "metalsim: scalar construction takes one argument");
+    return (V)(a, ...);
+  } else if constexpr (sizeof...(A) == 0) {
+    return V(0);
+  } else if constexpr (sizeof...(A) == 1 && (!is_vec_v<A> && ...)) {
+    return V((E)(a, ...));
+  } else if constexpr (sizeof...(A) == 1) {
+    typedef typename remove_cv<typename remove_ref<decltype((a, ...))>::type>::type Src;
+    static_assert(vinfo<Src>::n == vinfo<V>::n, "metalsim: vector conversion between different lengths");
+    return __builtin_convertvector((a, ...), V);
+  } else {
+    V r;
+    int k = 0;
+    (vput(r, k, a), ...);
+    return r;
+  }
+}
+
+}  // namespace msim
+
+// ---------------------------------------------------------------------------
+// Limits and constants
+// ---------------------------------------------------------------------------
+#define INFINITY (__builtin_inff())
+#define NAN (__builtin_nanf(""))
+#define HUGE_VALF (__builtin_huge_valf())
+#define HUGE_VALH ((half)__builtin_inff())
+#define MAXFLOAT 0x1.fffffep+127f
+#define FLT_MAX 0x1.fffffep+127f
+#define FLT_MIN 0x1p-126f
+#define FLT_EPSILON 0x1p-23f
+#define HALF_MAX ((half)65504.0f)
+#define HALF_MIN ((half)0x1p-14f)
+#define HALF_EPSILON ((half)0x1p-10f)
+#define BFLOAT_MAX ((bfloat)0x1.fep+127f)
+#define INT_MAX 2147483647
+#define INT_MIN (-2147483647 - 1)
+#define UINT_MAX 4294967295u
+#define SHRT_MAX 32767
+#define SHRT_MIN (-32768)
+#define USHRT_MAX 65535
+#define CHAR_BIT 8
+#define M_E_F 2.71828182845904523536f
+#define M_LOG2E_F 1.44269504088896340736f
+#define M_LOG10E_F 0.434294481903251827651f
+#define M_LN2_F 0.693147180559945309417f
+#define M_LN10_F 2.30258509299404568402f
+#define M_PI_F 3.14159265358979323846f
+#define M_PI_2_F 1.57079632679489661923f
+#define M_PI_4_F 0.785398163397448309616f
+#define M_1_PI_F 0.318309886183790671538f
+#define M_2_PI_F 0.636619772367581343076f
+#define M_2_SQRTPI_F 1.12837916709551257390f
+#define M_SQRT2_F 1.41421356237309504880f
+#define M_SQRT1_2_F 0.707106781186547524401f
+#define M_E_H ((half)M_E_F)
+#define M_LOG2E_H ((half)M_LOG2E_F)
+#define M_LN2_H ((half)M_LN2_F)
+#define M_PI_H ((half)M_PI_F)
+
+namespace metal {
+
+template <class T> struct numeric_limits;
+#define MSIM_INT_LIMITS(T, LO, HI)                                  \
+  template <> struct numeric_limits<T> {                            \
+    static constexpr bool is_specialized = true;                    \
+    static constexpr bool is_integer = true;                        \
+    static constexpr T min() { return (T)(LO); }                    \
+    static constexpr T max() { return (T)(HI); }                    \
+    static constexpr T lowest() { return (T)(LO); }                 \
+  };
+MSIM_INT_LIMITS(bool, 0, 1)
+MSIM_INT_LIMITS(char, -128, 127)
+MSIM_INT_LIMITS(signed char, -128, 127)
+MSIM_INT_LIMITS(unsigned char, 0, 255)
+MSIM_INT_LIMITS(short, -32768, 32767)
+MSIM_INT_LIMITS(unsigned short, 0, 65535)
+MSIM_INT_LIMITS(int, -2147483647 - 1, 2147483647)
+MSIM_INT_LIMITS(unsigned int, 0, 4294967295u)
+MSIM_INT_LIMITS(long, -9223372036854775807L - 1, 9223372036854775807L)
+MSIM_INT_LIMITS(unsigned long, 0, 18446744073709551615UL)
+MSIM_INT_LIMITS(long long, -9223372036854775807LL - 1, 9223372036854775807LL)
+MSIM_INT_LIMITS(unsigned long long, 0, 18446744073709551615ULL)
+#undef MSIM_INT_LIMITS
+#define MSIM_FLOAT_LIMITS(T, MIN, MAX, EPS, DMIN)                         \
+  template <> struct numeric_limits<T> {                                   \
+    static constexpr bool is_specialized = true;                           \
+    static constexpr bool is_integer = false;                              \
+    static constexpr bool has_infinity = true;                             \
+    static constexpr bool has_quiet_NaN = true;                            \
+    static constexpr T min() { return (T)(MIN); }                          \
+    static constexpr T max() { return (T)(MAX); }                          \
+    static constexpr T lowest() { return (T)(-(MAX)); }                    \
+    static constexpr T epsilon() { return (T)(EPS); }                      \
+    static constexpr T denorm_min() { return (T)(DMIN); }                  \
+    static constexpr T infinity() { return (T)__builtin_inff(); }          \
+    static constexpr T quiet_NaN() { return (T)__builtin_nanf(""); }       \
+    static constexpr T signaling_NaN() { return (T)__builtin_nansf(""); }  \
+  };
+MSIM_FLOAT_LIMITS(float, 0x1p-126f, 0x1.fffffep+127f, 0x1p-23f, 0x1p-149f)
+MSIM_FLOAT_LIMITS(half, 0x1p-14f, 65504.0f, 0x1p-10f, 0x1p-24f)
+MSIM_FLOAT_LIMITS(bfloat, 0x1p-126f, 0x1.fep+127f, 0x1p-7f, 0x1p-133f)
+#undef MSIM_FLOAT_LIMITS
+
+// ---------------------------------------------------------------------------
+// Bit casts
+// ---------------------------------------------------------------------------
+template <class T, class U>
+MSIM_INL T as_type(const U& x) {
+  static_assert(sizeof(T) == sizeof(U), "metalsim: as_type between types of different size");
+  return __builtin_bit_cast(T, x);
+}
+
+// ---------------------------------------------------------------------------
+// Math (metal::, metal::fast::, metal::precise::). Floating functions compute
+// in float and round back to half/bfloat; vectors apply lane by lane.
+// ---------------------------------------------------------------------------
+#define MSIM_F1(name, expr)                                                  \
+  MSIM_INL float name(float x) { return (expr); }                           \
+  MSIM_INL half name(half h) { return (half)name((float)h); }               \
+  MSIM_INL bfloat name(bfloat h) { return (bfloat)name((float)h); }         \
+  template <class V, class = msim::enable_if_t<msim::is_vec_v<V>>>          \
+  MSIM_INL V name(V v) {                                                     \
+    V r;                                                                     \
+    for (int i = 0; i < msim::vinfo<V>::n; ++i) r[i] = name(v[i]);           \
+    return r;                                                                \
+  }
+
+MSIM_F1(exp, __builtin_expf(x))
+MSIM_F1(exp2, __builtin_exp2f(x))
+MSIM_F1(exp10, __builtin_powf(10.0f, x))
+MSIM_F1(expm1, __builtin_expm1f(x))
+MSIM_F1(log, __builtin_logf(x))
+MSIM_F1(log2, __builtin_log2f(x))
+MSIM_F1(log10, __builtin_log10f(x))
+MSIM_F1(log1p, __builtin_log1pf(x))
+MSIM_F1(sqrt, __builtin_sqrtf(x))
+MSIM_F1(rsqrt, 1.0f / __builtin_sqrtf(x))
+MSIM_F1(cbrt, __builtin_cbrtf(x))
+MSIM_F1(sin, __builtin_sinf(x))
+MSIM_F1(cos, __builtin_cosf(x))
+MSIM_F1(tan, __builtin_tanf(x))
+MSIM_F1(asin, __builtin_asinf(x))
+MSIM_F1(acos, __builtin_acosf(x))
+MSIM_F1(atan, __builtin_atanf(x))
+MSIM_F1(sinh, __builtin_sinhf(x))
+MSIM_F1(cosh, __builtin_coshf(x))
+MSIM_F1(tanh, __builtin_tanhf(x))
+MSIM_F1(asinh, __builtin_asinhf(x))
+MSIM_F1(acosh, __builtin_acoshf(x))
+MSIM_F1(atanh, __builtin_atanhf(x))
+MSIM_F1(erf, __builtin_erff(x))
+MSIM_F1(erfc, __builtin_erfcf(x))
+MSIM_F1(floor, __builtin_floorf(x))
+MSIM_F1(ceil, __builtin_ceilf(x))
+MSIM_F1(round, __builtin_roundf(x))
+MSIM_F1(rint, __builtin_rintf(x))
+MSIM_F1(trunc, __builtin_truncf(x))
+MSIM_F1(fract, __builtin_fminf(x - __builtin_floorf(x), 0x1.fffffep-1f))
+MSIM_F1(fabs, __builtin_fabsf(x))
+MSIM_F1(saturate, __builtin_fminf(__builtin_fmaxf(x, 0.0f), 1.0f))
+MSIM_F1(sign, x > 0.0f ? 1.0f : (x < 0.0f ? -1.0f : 0.0f))
+MSIM_F1(sinpi, __builtin_sinf(x * M_PI_F))
+MSIM_F1(cospi, __builtin_cosf(x * M_PI_F))
+MSIM_F1(tanpi, __builtin_tanf(x * M_PI_F))
+
+// abs: floating and integer
+MSIM_INL float abs(float x) { return __builtin_fabsf(x); }
+MSIM_INL half abs(half x) { return (half)__builtin_fabsf((float)x); }
+MSIM_INL bfloat abs(bfloat x) { return (bfloat)__builtin_fabsf((float)x); }
+MSIM_INL int abs(int x) { return x < 0 ? -x : x; }
+MSIM_INL short abs(short x) { return (short)(x < 0 ? -x : x); }
+MSIM_INL char abs(char x) { return (char)(x < 0 ? -x : x); }
+MSIM_INL long abs(long x) { return x < 0 ? -x : x; }
+MSIM_INL uint abs(uint x) { return x; }
+MSIM_INL ushort abs(ushort x) { return x; }
+MSIM_INL uchar abs(uchar x) { return x; }
+template <class V, class = msim::enable_if_t<msim::is_vec_v<V>>>
+MSIM_INL V abs(V v) {
+  V r;
+  for (int i = 0; i < msim::vinfo<V>::n; ++i) r[i] = abs(v[i]);
+  return r;
+}
+
+// Result type of an element-wise binary/ternary function: the vector type if
+// any argument is a vector, the common scalar type otherwise (same type in,
+// same type out: max(short, short) is a short).
+template <class A, class B, class = void> struct bin_result {
+  typedef decltype(msim::declval<A>() + msim::declval<B>()) type;
+};
+template <class A> struct bin_result<A, A> { typedef A type; };
+template <class A, class B>
+struct bin_result<A, B, msim::enable_if_t<msim::is_vec_v<A> && !msim::is_same<A, B>::value>> {
+  typedef A type;
+};
+template <class A, class B>
+struct bin_result<A, B, msim::enable_if_t<!msim::is_vec_v<A> && msim::is_vec_v<B>>> {
+  typedef B type;
+};
+
+namespace detail {
+template <class T> MSIM_INL T fmax1(T a, T b) {
+  if constexpr (msim::is_float_scalar<T>::value) {
+    if (a != a) return b;
+    if (b != b) return a;
+  }
+  return a > b ? a : b;
+}
+template <class T> MSIM_INL T fmin1(T a, T b) {
+  if constexpr (msim::is_float_scalar<T>::value) {
+    if (a != a) return b;
+    if (b != b) return a;
+  }
+  return a < b ? a : b;
+}
+}  // namespace detail
+
+#define MSIM_F2(name, body)                                                   \
+  template <class A, class B, class R = typename bin_result<A, B>::type>     \
+  MSIM_INL R name(A a_, B b_) {                                               \
+    if constexpr (msim::is_vec_v<R>) {                                        \
+      R r;                                                                    \
+      typedef typename msim::vinfo<R>::elem E;                                \
+      for (int i = 0; i < msim::vinfo<R>::n; ++i) {                           \
+        E a = (E)msim::lane_of(a_, i), b = (E)msim::lane_of(b_, i);           \
+        r[i] = (E)(body);                                                     \
+      }                                                                       \
+      return r;                                                               \
+    } else {                                                                  \
+      typedef R E;                                                            \
+      E a = (E)a_, b = (E)b_;                                                 \
+      return (E)(body);                                                       \
+    }                                                                         \
+  }
+MSIM_F2(max, detail::fmax1<E>(a, b))
+MSIM_F2(min, detail::fmin1<E>(a, b))
+MSIM_F2(fmax, detail::fmax1<E>(a, b))
+MSIM_F2(fmin, detail::fmin1<E>(a, b))
+MSIM_F2(pow, __builtin_powf((float)a, (float)b))
+MSIM_F2(powr, __builtin_powf((float)a, (float)b))
+MSIM_F2(atan2, __builtin_atan2f((float)a, (float)b))
+MSIM_F2(fmod, __builtin_fmodf((float)a, (float)b))
+MSIM_F2(copysign, __builtin_copysignf((float)a, (float)b))
+MSIM_F2(fdim, (float)a > (float)b ? (float)a - (float)b : 0.0f)
+MSIM_F2(step, (float)b < (float)a ? 0.0f : 1.0f)
+MSIM_F2(hypot, __builtin_sqrtf((float)a * (float)a + (float)b * (float)b))
+MSIM_F2(absdiff, a > b ? a - b : b - a)
+MSIM_F2(divide, (float)a / (float)b)
+#undef MSIM_F2
+
+#define MSIM_F3(name, body)                                                       \
+  template <class A, class B, class C,                                            \
+            class R = typename bin_result<typename bin_result<A, B>::type, C>::type> \
+  MSIM_INL R name(A a_, B b_, C c_) {                                             \
+    if constexpr (msim::is_vec_v<R>) {                                            \
+      R r;                                                                        \
+      typedef typename msim::vinfo<R>::elem E;                                    \
+      for (int i = 0; i < msim::vinfo<R>::n; ++i) {                               \
+        E a = (E)msim::lane_of(a_, i), b = (E)msim::lane_of(b_, i),               \
+          c = (E)msim::lane_of(c_, i);                                            \
+        r[i] = (E)(body);                                                         \
+      }                                                                           \
+      return r;                                                                   \
+    } else {                                                                      \
+      typedef R E;                                                                \
+      E a = (E)a_, b = (E)b_, c = (E)c_;                                          \
+      return (E)(body);                                                           \
+    }                                                                             \
+  }
+MSIM_F3(fma, __builtin_fmaf((float)a, (float)b, (float)c))
+MSIM_F3(mad, (float)a * (float)b + (float)c)
+MSIM_F3(clamp, detail::fmin1<E>(detail::fmax1<E>(a, b), c))
+MSIM_F3(mix, (float)a + ((float)b - (float)a) * (float)c)
+MSIM_F3(max3, detail::fmax1<E>(detail::fmax1<E>(a, b), c))
+MSIM_F3(min3, detail::fmin1<E>(detail::fmin1<E>(a, b), c))
+MSIM_F3(fmax3, detail::fmax1<E>(detail::fmax1<E>(a, b), c))
+MSIM_F3(fmin3, detail::fmin1<E>(detail::fmin1<E>(a, b), c))
+MSIM_F3(median3, detail::fmax1<E>(detail::fmin1<E>(a, b), detail::fmin1<E>(detail::fmax1<E>(a, b), c)))
+MSIM_F3(smoothstep, ([](float e0, float e1, float x) {
+          float t = __builtin_fminf(__builtin_fmaxf((x - e0) / (e1 - e0), 0.0f), 1.0f);
+          return t * t * (3.0f - 2.0f * t);
+        })((float)a, (float)b, (float)c))
+#undef MSIM_F3
+
+MSIM_INL float recip(float x) { return 1.0f / x; }
+MSIM_INL half recip(half x) { return (half)(1.0f / (float)x); }
+
+// select(a, b, c): c ? b : a, lane by lane.
+template <class T, class C>
+MSIM_INL T select(T a, T b, C c) {
+  if constexpr (msim::is_vec_v<T>) {
+    T r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = msim::lane_of(c, i) ? b[i] : a[i];
+    return r;
+  } else {
+    return c ? b : a;
+  }
+}
+
+// Classification
+template <class T> MSIM_INL auto isnan(T x) {
+  if constexpr (msim::is_vec_v<T>) {
+    vec<bool, msim::vinfo<T>::n> r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = x[i] != x[i];
+    return r;
+  } else {
+    return x != x;
+  }
+}
+template <class T> MSIM_INL auto isinf(T x) {
+  if constexpr (msim::is_vec_v<T>) {
+    vec<bool, msim::vinfo<T>::n> r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = __builtin_isinf((float)x[i]);
+    return r;
+  } else {
+    return (bool)__builtin_isinf((float)x);
+  }
+}
+template <class T> MSIM_INL auto isfinite(T x) {
+  if constexpr (msim::is_vec_v<T>) {
+    vec<bool, msim::vinfo<T>::n> r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = __builtin_isfinite((float)x[i]);
+    return r;
+  } else {
+    return (bool)__builtin_isfinite((float)x);
+  }
+}
+template <class T> MSIM_INL auto signbit(T x) {
+  if constexpr (msim::is_vec_v<T>) {
+    vec<bool, msim::vinfo<T>::n> r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = __builtin_signbit((float)x[i]);
+    return r;
+  } else {
+    return (bool)__builtin_signbit((float)x);
+  }
+}
+template <class T> MSIM_INL bool all(T v) {
+  if constexpr (msim::is_vec_v<T>) {
+    for (int i = 0; i < msim::vinfo<T>::n; ++i)
+      if (!v[i]) return false;
+    return true;
+  } else {
+    return (bool)v;
+  }
+}
+template <class T> MSIM_INL bool any(T v) {
+  if constexpr (msim::is_vec_v<T>) {
+    for (int i = 0; i < msim::vinfo<T>::n; ++i)
+      if (v[i]) return true;
+    return false;
+  } else {
+    return (bool)v;
+  }
+}
+
+// Geometric
+template <class V> MSIM_INL typename msim::vinfo<V>::elem dot(V a, V b) {
+  float s = 0.0f;
+  for (int i = 0; i < msim::vinfo<V>::n; ++i) s += (float)a[i] * (float)b[i];
+  return (typename msim::vinfo<V>::elem)s;
+}
+template <class V> MSIM_INL typename msim::vinfo<V>::elem length(V a) {
+  return (typename msim::vinfo<V>::elem)__builtin_sqrtf((float)dot(a, a));
+}
+template <class V> MSIM_INL typename msim::vinfo<V>::elem length_squared(V a) { return dot(a, a); }
+template <class V> MSIM_INL typename msim::vinfo<V>::elem distance(V a, V b) { return length(a - b); }
+template <class V> MSIM_INL V normalize(V a) {
+  return a * (typename msim::vinfo<V>::elem)(1.0f / (float)length(a));
+}
+template <class V> MSIM_INL V cross(V a, V b) {
+  return V{a.y * b.z - a.z * b.y, a.z * b.x - a.x * b.z, a.x * b.y - a.y * b.x};
+}
+
+// Integer
+template <class T> MSIM_INL T popcount(T x) {
+  if constexpr (msim::is_vec_v<T>) {
+    T r;
+    for (int i = 0; i < msim::vinfo<T>::n; ++i) r[i] = popcount(x[i]);
+    return r;
+  } else if constexpr (sizeof(T) == 8) {
+    return (T)__builtin_popcountll((unsigned long long)x);
+  } else {
+    return (T)__builtin_popcount((unsigned)x & (unsigned)((1ull << (8 * sizeof(T))) - 1));
+  }
+}
+template <class T> MSIM_INL T clz(T x) {
+  if constexpr (sizeof(T) == 8) return x ? (T)__builtin_clzll((unsigned long long)x) : (T)64;
+  else {
+    unsigned v = (unsigned)x & (unsigned)((1ull << (8 * sizeof(T))) - 1);
+    return v ? (T)(__builtin_clz(v) - (32 - 8 * (int)sizeof(T))) : (T)(8 * sizeof(T));
+  }
+}
+template <class T> MSIM_INL T ctz(T x) {
+  if constexpr (sizeof(T) == 8) return x ? (T)__builtin_ctzll((unsigned long long)x) : (T)64;
+  else {
+    unsigned v = (unsigned)x & (unsigned)((1ull << (8 * sizeof(T))) - 1);
+    return v ? (T)__builtin_ctz(v) : (T)(8 * sizeof(T));
+  }
+}
+MSIM_INL int mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
+MSIM_INL uint mulhi(uint a, uint b) { return (uint)(((unsigned long long)a * b) >> 32); }
+
+namespace fast {
+using metal::abs; using metal::acos; using metal::asin; using metal::atan; using metal::atan2;
+using metal::ceil; using metal::clamp; using metal::cos; using metal::cosh; using metal::divide;
+using metal::exp; using metal::exp10; using metal::exp2; using metal::fabs; using metal::floor;
+using metal::fma; using metal::fmax; using metal::fmin; using metal::fmod; using metal::fract;
+using metal::log; using metal::log10; using metal::log2; using metal::max; using metal::min;
+using metal::pow; using metal::powr; using metal::rint; using metal::round; using metal::rsqrt;
+using metal::saturate; using metal::sign; using metal::sin; using metal::sinh; using metal::sqrt;
+using metal::tan; using metal::tanh; using metal::trunc; using metal::max3; using metal::min3;
+using metal::fmax3; using metal::fmin3; using metal::recip; using metal::normalize;
+using metal::length; using metal::distance; using metal::sinpi; using metal::cospi;
+using metal::tanpi; using metal::median3; using metal::exp2; using metal::log1p;
+}  // namespace fast
+namespace precise {
+using namespace metal::fast;
+}
+
+// ---------------------------------------------------------------------------
+// Barriers
+// ---------------------------------------------------------------------------
+enum class mem_flags : unsigned {
+  mem_none = 0,
+  mem_device = 1,
+  mem_threadgroup = 2,
+  mem_texture = 4,
+  mem_threadgroup_imageblock = 8,
+  mem_object_data = 16,
+};
+MSIM_INL mem_flags operator|(mem_flags a, mem_flags b) { return (mem_flags)((unsigned)a | (unsigned)b); }
+MSIM_INL mem_flags operator&(mem_flags a, mem_flags b) { return (mem_flags)((unsigned)a & (unsigned)b); }
+
+// A real synchronisation point: the fiber leaves and comes back once every
+// live thread of the threadgroup has arrived. The asm clobbers keep the
+// optimiser from moving memory accesses across it.
+MSIM_INL void threadgroup_barrier(mem_flags = mem_flags::mem_none) {
+  MSIM_BARRIER_FENCE();
+  msim_rt_barrier();
+  MSIM_BARRIER_FENCE();
+}
+
+enum memory_order {
+  memory_order_relaxed = __ATOMIC_RELAXED,
+  memory_order_acquire = __ATOMIC_ACQUIRE,
+  memory_order_release = __ATOMIC_RELEASE,
+  memory_order_acq_rel = __ATOMIC_ACQ_REL,
+  memory_order_seq_cst = __ATOMIC_SEQ_CST,
+};
+enum class thread_scope { thread_scope_thread, thread_scope_simdgroup, thread_scope_threadgroup, thread_scope_device };
+MSIM_INL void atomic_thread_fence(mem_flags, memory_order = memory_order_seq_cst,
+                                  thread_scope = thread_scope::thread_scope_device) {
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+}
+
+// ---------------------------------------------------------------------------
+// SIMD-group functions (width 32). Each is a collective: the lanes' values
+// are exchanged through msim_coll slots pointing into the lanes' stacks.
+// ---------------------------------------------------------------------------
+namespace detail {
+template <class T> MSIM_INL T& in_of(msim_coll* const* s, int l) { return *(T*)s[l]->p[0]; }
+template <class T> MSIM_INL T& out_of(msim_coll* const* s, int l) { return *(T*)s[l]->p[1]; }
+
+struct OpSum { template <class T> static T f(T a, T b) { return a + b; } };
+struct OpProd { template <class T> static T f(T a, T b) { return a * b; } };
+struct OpMax { template <class T> static T f(T a, T b) { return metal::max(a, b); } };
+struct OpMin { template <class T> static T f(T a, T b) { return metal::min(a, b); } };
+struct OpAnd { template <class T> static T f(T a, T b) { return a & b; } };
+struct OpOr { template <class T> static T f(T a, T b) { return a | b; } };
+struct OpXor { template <class T> static T f(T a, T b) { return a ^ b; } };
+
+// Reduction over the active lanes of each group of `W` lanes (32: simd, 4: quad).
+template <class T, class Op, int W>
+void coll_reduce(msim_coll* const* s, unsigned mask) {
+  for (int g = 0; g < 32; g += W) {
+    unsigned gm = (mask >> g) & (W >= 32 ? 0xffffffffu : ((1u << (W & 31)) - 1));
+    if (!gm) continue;
+    T acc = in_of<T>(s, g + __builtin_ctz(gm));
+    for (unsigned m = gm & (gm - 1); m; m &= m - 1) acc = Op::f(acc, in_of<T>(s, g + __builtin_ctz(m)));
+    for (unsigned m = gm; m; m &= m - 1) out_of<T>(s, g + __builtin_ctz(m)) = acc;
+  }
+}
+// Prefix scans over active lanes in lane order.
+template <class T, class Op, bool Inclusive>
+void coll_scan(msim_coll* const* s, unsigned mask) {
+  bool first = true;
+  T acc{};
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    T v = in_of<T>(s, l);
+    if (Inclusive) {
+      acc = first ? v : Op::f(acc, v);
+      out_of<T>(s, l) = acc;
+    } else {
+      out_of<T>(s, l) = first ? (T)(msim::is_same<Op, OpProd>::value ? 1 : 0) : acc;
+      acc = first ? v : Op::f(acc, v);
+    }
+    first = false;
+  }
+}
+// Shuffles: each lane reads lane src(l) of its group; u[0] is the lane's
+// argument, u[1] the mode. Reading an inactive lane yields zero; shuffle
+// up/down keep the lane's own value when the source is outside the group.
+enum { SH_IDX, SH_XOR, SH_UP, SH_DOWN, SH_ROT_DOWN, SH_ROT_UP };
+template <class T, int W>
+void coll_shuffle(msim_coll* const* s, unsigned mask) {
+  T tmp[32];
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    int g = l & ~(W - 1), i = l - g;
+    long arg = (long)s[l]->u[0];
+    long src;
+    bool keep = false;
+    switch ((int)s[l]->u[1]) {
+      case SH_IDX: src = arg; break;
+      case SH_XOR: src = i ^ arg; break;
+      case SH_UP: src = i - arg; keep = src < 0; break;
+      case SH_DOWN: src = i + arg; keep = src >= W; break;
+      case SH_ROT_DOWN: src = (i + arg) % W; break;
+      default: src = ((i - arg) % W + W) % W; break;
+    }
+    if (keep) tmp[l] = in_of<T>(s, l);
+    else if (src < 0 || src >= W || !((mask >> (g + src)) & 1)) tmp[l] = T{};
+    else tmp[l] = in_of<T>(s, (int)(g + src));
+  }
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    out_of<T>(s, l) = tmp[l];
+  }
+}
+template <class T>
+void coll_bcast_first(msim_coll* const* s, unsigned mask) {
+  T v = in_of<T>(s, __builtin_ctz(mask));
+  for (unsigned m = mask; m; m &= m - 1) out_of<T>(s, __builtin_ctz(m)) = v;
+}
+void coll_ballot(msim_coll* const* s, unsigned mask);
+inline void coll_ballot(msim_coll* const* s, unsigned mask) {
+  unsigned long long bits = 0;
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    if (in_of<bool>(s, l)) bits |= 1ull << l;
+  }
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    out_of<unsigned long long>(s, l) = bits;
+    s[l]->u[3] = mask;
+  }
+}
+inline void coll_noop(msim_coll* const*, unsigned) {}
+
+template <class T>
+MSIM_INL T run_coll(msim_coll_fn fn, T x, uint64_t a0 = 0, uint64_t a1 = 0) {
+  T r;
+  msim_coll c;
+  c.fn = fn;
+  c.p[0] = &x;
+  c.p[1] = &r;
+  c.u[0] = a0;
+  c.u[1] = a1;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+  return r;
+}
+}  // namespace detail
+
+#define MSIM_SIMD_RED(name, Op, W) \
+  template <class T> MSIM_INL T name(T x) { return detail::run_coll<T>(&detail::coll_reduce<T, detail::Op, W>, x); }
+MSIM_SIMD_RED(simd_sum, OpSum, 32)
+MSIM_SIMD_RED(simd_product, OpProd, 32)
+MSIM_SIMD_RED(simd_max, OpMax, 32)
+MSIM_SIMD_RED(simd_min, OpMin, 32)
+MSIM_SIMD_RED(simd_and, OpAnd, 32)
+MSIM_SIMD_RED(simd_or, OpOr, 32)
+MSIM_SIMD_RED(simd_xor, OpXor, 32)
+MSIM_SIMD_RED(quad_sum, OpSum, 4)
+MSIM_SIMD_RED(quad_product, OpProd, 4)
+MSIM_SIMD_RED(quad_max, OpMax, 4)
+MSIM_SIMD_RED(quad_min, OpMin, 4)
+MSIM_SIMD_RED(quad_and, OpAnd, 4)
+MSIM_SIMD_RED(quad_or, OpOr, 4)
+MSIM_SIMD_RED(quad_xor, OpXor, 4)
+#undef MSIM_SIMD_RED
+
+template <class T> MSIM_INL T simd_prefix_inclusive_sum(T x) { return detail::run_coll<T>(&detail::coll_scan<T, detail::OpSum, true>, x); }
+template <class T> MSIM_INL T simd_prefix_exclusive_sum(T x) { return detail::run_coll<T>(&detail::coll_scan<T, detail::OpSum, false>, x); }
+template <class T> MSIM_INL T simd_prefix_inclusive_product(T x) { return detail::run_coll<T>(&detail::coll_scan<T, detail::OpProd, true>, x); }
+template <class T> MSIM_INL T simd_prefix_exclusive_product(T x) { return detail::run_coll<T>(&detail::coll_scan<T, detail::OpProd, false>, x); }
+
+#define MSIM_SHUF(name, mode, W)                                                     \
+  template <class T> MSIM_INL T name(T x, ushort a) {                                \
+    return detail::run_coll<T>(&detail::coll_shuffle<T, W>, x, a, detail::mode);     \
+  }
+MSIM_SHUF(simd_shuffle, SH_IDX, 32)
+MSIM_SHUF(simd_broadcast, SH_IDX, 32)
+MSIM_SHUF(simd_shuffle_xor, SH_XOR, 32)
+MSIM_SHUF(simd_shuffle_up, SH_UP, 32)
+MSIM_SHUF(simd_shuffle_down, SH_DOWN, 32)
+MSIM_SHUF(simd_shuffle_rotate_down, SH_ROT_DOWN, 32)
+MSIM_SHUF(simd_shuffle_rotate_up, SH_ROT_UP, 32)
+MSIM_SHUF(quad_shuffle, SH_IDX, 4)
+MSIM_SHUF(quad_broadcast, SH_IDX, 4)
+MSIM_SHUF(quad_shuffle_xor, SH_XOR, 4)
+MSIM_SHUF(quad_shuffle_up, SH_UP, 4)
+MSIM_SHUF(quad_shuffle_down, SH_DOWN, 4)
+MSIM_SHUF(quad_shuffle_rotate_down, SH_ROT_DOWN, 4)
+MSIM_SHUF(quad_shuffle_rotate_up, SH_ROT_UP, 4)
+#undef MSIM_SHUF
+
+template <class T> MSIM_INL T simd_broadcast_first(T x) {
+  return detail::run_coll<T>(&detail::coll_bcast_first<T>, x);
+}
+
+struct simd_vote {
+  typedef unsigned long long vote_t;
+  vote_t v;
+  vote_t active;
+  explicit constexpr operator vote_t() const { return v; }
+  bool all() const { return v == active; }
+  bool any() const { return v != 0; }
+};
+MSIM_INL simd_vote simd_ballot(bool x) {
+  unsigned long long r;
+  msim_coll c;
+  c.fn = &detail::coll_ballot;
+  c.p[0] = &x;
+  c.p[1] = &r;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+  return simd_vote{r, (unsigned long long)c.u[3]};
+}
+MSIM_INL simd_vote simd_active_threads_mask() { return simd_ballot(true); }
+MSIM_INL bool simd_all(bool x) { return simd_ballot(x).all(); }
+MSIM_INL bool simd_any(bool x) { return simd_ballot(x).any(); }
+MSIM_INL bool simd_is_first() {
+  simd_vote v = simd_ballot(true);
+  return (unsigned)__builtin_ctzll(v.v) == msim_rt_lane();
+}
+MSIM_INL bool quad_all(bool x) {
+  unsigned long long b = (unsigned long long)simd_ballot(x);
+  unsigned long long a = simd_active_threads_mask().v;
+  unsigned sh = msim_rt_lane() & ~3u;
+  return ((b >> sh) & 15) == ((a >> sh) & 15);
+}
+MSIM_INL bool quad_any(bool x) {
+  unsigned long long b = (unsigned long long)simd_ballot(x);
+  return ((b >> (msim_rt_lane() & ~3u)) & 15) != 0;
+}
+
+MSIM_INL void simdgroup_barrier(mem_flags = mem_flags::mem_none) {
+  msim_coll c;
+  c.fn = &detail::coll_noop;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+}
+
+// ---------------------------------------------------------------------------
+// simdgroup_matrix<T, 8, 8>. Each lane owns two elements (thread_elements()),
+// laid out as on Apple GPUs: lane l holds row (l/16)*4 + (l/2)%4, columns
+// x and x+1 with x = ((l/4)&2)*2 + (l%2)*2. Load, store and multiply are
+// collectives executed once per simdgroup by the last lane to arrive.
+// ---------------------------------------------------------------------------
+namespace detail {
+MSIM_INL int sgm_row(int l) { return (l / 16) * 4 + (l / 2) % 4; }
+MSIM_INL int sgm_col(int l) { return ((l / 4) & 2) * 2 + (l % 2) * 2; }
+}  // namespace detail
+
+template <class T, int Cols, int Rows>
+struct simdgroup_matrix {
+  static_assert(Cols == 8 && Rows == 8, "metalsim: only 8x8 simdgroup matrices are supported");
+  typedef T value_type;
+  vec<T, 2> e;
+  simdgroup_matrix() = default;
+  // Metal: simdgroup_matrix(T d) builds a diagonal matrix.
+  explicit simdgroup_matrix(T d) {
+    int l = (int)msim_rt_lane();
+    int y = detail::sgm_row(l), x = detail::sgm_col(l);
+    e[0] = y == x ? d : (T)0;
+    e[1] = y == x + 1 ? d : (T)0;
+  }
+  vec<T, 2>& thread_elements() { return e; }
+  const vec<T, 2>& thread_elements() const { return e; }
+};
+typedef simdgroup_matrix<float, 8, 8> simdgroup_float8x8;
+typedef simdgroup_matrix<half, 8, 8> simdgroup_half8x8;
+typedef simdgroup_matrix<bfloat, 8, 8> simdgroup_bfloat8x8;
+
+template <class T, int C, int R>
+MSIM_INL simdgroup_matrix<T, C, R> make_filled_simdgroup_matrix(T v) {
+  simdgroup_matrix<T, C, R> m;
+  m.e = vec<T, 2>(v);
+  return m;
+}
+
+namespace detail {
+// slots: p[0] = lane's matrix, p[1] = lane's pointer object (raw or checked);
+// u[0] = elements per row, u[1] = origin.x (column), u[2] = origin.y (row),
+// u[3] = transpose.
+template <class T, class P>
+void coll_sgm_load(msim_coll* const* s, unsigned mask) {
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    auto& mat = *(simdgroup_matrix<T, 8, 8>*)s[l]->p[0];
+    const P& src = *(const P*)s[l]->p[1];
+    long epr = (long)s[l]->u[0], ox = (long)s[l]->u[1], oy = (long)s[l]->u[2];
+    bool tr = s[l]->u[3] != 0;
+    int y = sgm_row(l), x = sgm_col(l);
+    for (int k = 0; k < 2; ++k) {
+      long r = y, c = x + k;
+      long idx = tr ? (oy + c) * epr + ox + r : (oy + r) * epr + ox + c;
+      mat.e[k] = (T)src[idx];
+    }
+  }
+}
+template <class T, class P>
+void coll_sgm_store(msim_coll* const* s, unsigned mask) {
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    const auto& mat = *(const simdgroup_matrix<T, 8, 8>*)s[l]->p[0];
+    const P& dst = *(const P*)s[l]->p[1];
+    long epr = (long)s[l]->u[0], ox = (long)s[l]->u[1], oy = (long)s[l]->u[2];
+    bool tr = s[l]->u[3] != 0;
+    int y = sgm_row(l), x = sgm_col(l);
+    for (int k = 0; k < 2; ++k) {
+      long r = y, c = x + k;
+      long idx = tr ? (oy + c) * epr + ox + r : (oy + r) * epr + ox + c;
+      dst[idx] = mat.e[k];
+    }
+  }
+}
+template <class T>
+MSIM_INL void sgm_gather(float* out, msim_coll* const* s, unsigned mask, int which) {
+  for (int i = 0; i < 64; ++i) out[i] = 0.0f;
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    const auto& mat = *(const simdgroup_matrix<T, 8, 8>*)s[l]->p[which];
+    int o = sgm_row(l) * 8 + sgm_col(l);
+    out[o] = (float)mat.e[0];
+    out[o + 1] = (float)mat.e[1];
+  }
+}
+// D = A * B (+ C); p[0..3] = D, A, B, C. Accumulates in float and rounds the
+// result to D's element type.
+template <class TD, class TA, class TB, class TC, bool Acc>
+void coll_sgm_mma(msim_coll* const* s, unsigned mask) {
+  float A[64], B[64], D[64];
+  sgm_gather<TA>(A, s, mask, 1);
+  sgm_gather<TB>(B, s, mask, 2);
+  if (Acc) sgm_gather<TC>(D, s, mask, 3);
+  else
+    for (int i = 0; i < 64; ++i) D[i] = 0.0f;
+  for (int i = 0; i < 8; ++i)
+    for (int k = 0; k < 8; ++k) {
+      float a = A[i * 8 + k];
+      for (int j = 0; j < 8; ++j) D[i * 8 + j] += a * B[k * 8 + j];
+    }
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    auto& mat = *(simdgroup_matrix<TD, 8, 8>*)s[l]->p[0];
+    int o = sgm_row(l) * 8 + sgm_col(l);
+    mat.e[0] = (TD)D[o];
+    mat.e[1] = (TD)D[o + 1];
+  }
+}
+}  // namespace detail
+
+template <class T, int C, int R, class P, class O = ulong2>
+MSIM_INL void simdgroup_load(simdgroup_matrix<T, C, R>& d, P src, ulong elements_per_row = C,
+                             O matrix_origin = O(0), bool transpose_matrix = false) {
+  msim_coll c;
+  c.fn = &detail::coll_sgm_load<T, P>;
+  c.p[0] = &d;
+  c.p[1] = &src;
+  c.u[0] = elements_per_row;
+  c.u[1] = matrix_origin.x;
+  c.u[2] = matrix_origin.y;
+  c.u[3] = transpose_matrix;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+}
+template <class T, int C, int R, class P, class O = ulong2>
+MSIM_INL void simdgroup_store(const simdgroup_matrix<T, C, R>& a, P dst, ulong elements_per_row = C,
+                              O matrix_origin = O(0), bool transpose_matrix = false) {
+  msim_coll c;
+  c.fn = &detail::coll_sgm_store<T, P>;
+  c.p[0] = (void*)&a;
+  c.p[1] = &dst;
+  c.u[0] = elements_per_row;
+  c.u[1] = matrix_origin.x;
+  c.u[2] = matrix_origin.y;
+  c.u[3] = transpose_matrix;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+}
+template <class TD, class TA, class TB, class TC>
+MSIM_INL void simdgroup_multiply_accumulate(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                            const simdgroup_matrix<TB, 8, 8>& b,
+                                            const simdgroup_matrix<TC, 8, 8>& c) {
+  simdgroup_matrix<TD, 8, 8> r;
+  msim_coll k;
+  k.fn = &detail::coll_sgm_mma<TD, TA, TB, TC, true>;
+  k.p[0] = &r;
+  k.p[1] = (void*)&a;
+  k.p[2] = (void*)&b;
+  k.p[3] = (void*)&c;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&k);
+  MSIM_BARRIER_FENCE();
+  d = r;
+}
+template <class TD, class TA, class TB>
+MSIM_INL void simdgroup_multiply(simdgroup_matrix<TD, 8, 8>& d, const simdgroup_matrix<TA, 8, 8>& a,
+                                 const simdgroup_matrix<TB, 8, 8>& b) {
+  simdgroup_matrix<TD, 8, 8> r;
+  msim_coll k;
+  k.fn = &detail::coll_sgm_mma<TD, TA, TB, TD, false>;
+  k.p[0] = &r;
+  k.p[1] = (void*)&a;
+  k.p[2] = (void*)&b;
+  k.p[3] = nullptr;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&k);
+  MSIM_BARRIER_FENCE();
+  d = r;
+}
+
+// ---------------------------------------------------------------------------
+// Atomics (device and threadgroup memory). Threadgroups run concurrently on
+// several OS threads, so these are real atomic operations.
+// ---------------------------------------------------------------------------
+template <class T>
+struct atomic {
+  static_assert(sizeof(T) == 4 || sizeof(T) == 8, "metalsim: atomic of unsupported size");
+  alignas(sizeof(T)) T v;
+};
+typedef atomic<int> atomic_int;
+typedef atomic<uint> atomic_uint;
+typedef atomic<float> atomic_float;
+
+namespace detail {
+template <class T> struct atomic_bits { typedef unsigned type; };
+template <> struct atomic_bits<long> { typedef unsigned long type; };
+template <> struct atomic_bits<ulong> { typedef unsigned long type; };
+template <class T, class F>
+MSIM_INL T atomic_rmw_cas(atomic<T>* o, F f) {
+  typedef typename atomic_bits<T>::type B;
+  B* p = (B*)&o->v;
+  B old = __atomic_load_n(p, __ATOMIC_RELAXED);
+  for (;;) {
+    T ov = __builtin_bit_cast(T, old);
+    B nw = __builtin_bit_cast(B, (T)f(ov));
+    if (__atomic_compare_exchange_n(p, &old, nw, true, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) return ov;
+  }
+}
+template <class P> MSIM_INL auto raw_ptr(P p) { return &*p; }
+template <class T> MSIM_INL T* raw_ptr(T* p) { return p; }
+}  // namespace detail
+
+#define MSIM_ATOMIC_RMW(name, intop, fexpr)                                                 \
+  template <class P, class V>                                                              \
+  MSIM_INL auto name(P obj, V val, memory_order = memory_order_relaxed) {                  \
+    auto* o = detail::raw_ptr(obj);                                                        \
+    typedef typename msim::remove_cv<decltype(o->v)>::type T;                              \
+    T x = (T)val;                                                                          \
+    if constexpr (msim::is_float_scalar<T>::value) {                                       \
+      return detail::atomic_rmw_cas<T>((atomic<T>*)o, [x](T a) { return fexpr; });         \
+    } else {                                                                               \
+      return (T)intop((T*)&o->v, x, __ATOMIC_SEQ_CST);                                     \
+    }                                                                                      \
+  }
+MSIM_ATOMIC_RMW(atomic_fetch_add_explicit, __atomic_fetch_add, a + x)
+MSIM_ATOMIC_RMW(atomic_fetch_sub_explicit, __atomic_fetch_sub, a - x)
+MSIM_ATOMIC_RMW(atomic_fetch_and_explicit, __atomic_fetch_and, a)
+MSIM_ATOMIC_RMW(atomic_fetch_or_explicit, __atomic_fetch_or, a)
+MSIM_ATOMIC_RMW(atomic_fetch_xor_explicit, __atomic_fetch_xor, a)
+MSIM_ATOMIC_RMW(atomic_fetch_min_explicit, __atomic_fetch_min, detail::fmin1<T>(a, x))
+MSIM_ATOMIC_RMW(atomic_fetch_max_explicit, __atomic_fetch_max, detail::fmax1<T>(a, x))
+#undef MSIM_ATOMIC_RMW
+
+template <class P, class V>
+MSIM_INL void atomic_store_explicit(P obj, V val, memory_order = memory_order_relaxed) {
+  auto* o = detail::raw_ptr(obj);
+  typedef typename msim::remove_cv<decltype(o->v)>::type T;
+  T x = (T)val;
+  __atomic_store((T*)&o->v, &x, __ATOMIC_SEQ_CST);
+}
+template <class P>
+MSIM_INL auto atomic_load_explicit(P obj, memory_order = memory_order_relaxed) {
+  auto* o = detail::raw_ptr(obj);
+  typedef typename msim::remove_cv<decltype(o->v)>::type T;
+  T x;
+  __atomic_load((T*)&o->v, &x, __ATOMIC_SEQ_CST);
+  return x;
+}
+template <class P, class V>
+MSIM_INL auto atomic_exchange_explicit(P obj, V val, memory_order = memory_order_relaxed) {
+  auto* o = detail::raw_ptr(obj);
+  typedef typename msim::remove_cv<decltype(o->v)>::type T;
+  T x = (T)val, r;
+  __atomic_exchange((T*)&o->v, &x, &r, __ATOMIC_SEQ_CST);
+  return r;
+}
+template <class P, class E, class V>
+MSIM_INL bool atomic_compare_exchange_weak_explicit(P obj, E* expected, V desired, memory_order = memory_order_relaxed,
+                                                    memory_order = memory_order_relaxed) {
+  auto* o = detail::raw_ptr(obj);
+  typedef typename msim::remove_cv<decltype(o->v)>::type T;
+  T d = (T)desired;
+  return __atomic_compare_exchange((T*)&o->v, (T*)detail::raw_ptr(expected), &d, false, __ATOMIC_SEQ_CST,
+                                   __ATOMIC_SEQ_CST);
+}
+template <class P, class E, class V>
+MSIM_INL bool atomic_compare_exchange_strong_explicit(P obj, E* expected, V desired,
+                                                      memory_order a = memory_order_relaxed,
+                                                      memory_order b = memory_order_relaxed) {
+  return atomic_compare_exchange_weak_explicit(obj, expected, desired, a, b);
+}
+
+}  // namespace metal
+
+using namespace metal;
+
+// ---------------------------------------------------------------------------
+// Checked pointers (bounds-check mode): device buffers and threadgroup
+// arrays become these wrappers; an out-of-bounds access is reported to the
+// runtime (which turns it into a Python exception) and redirected to a
+// scratch slot so the process keeps running.
+// ---------------------------------------------------------------------------
+namespace msim {
+alignas(64) inline char scratch_[256];
+
+template <class T>
+struct dptr {
+  T* p;
+  char* base;       // allocation start
+  long long lo_b;   // valid byte range [lo_b, hi_b) relative to base
+  long long hi_b;
+  const char* name;
+  int is_tg;
+
+  dptr() : p(nullptr), base(nullptr), lo_b(0), hi_b(0), name("?"), is_tg(0) {}
+  dptr(decltype(nullptr)) : dptr() {}
+  // From a raw pointer (e.g. &tile[i][j]): no bounds known, never reported.
+  dptr(T* raw)
+      : p(raw), base(nullptr), lo_b(-(1LL << 62)), hi_b(1LL << 62), name("?"), is_tg(0) {}
+  dptr(T* p_, const void* base_, long long lo, long long hi, const char* n, int tg = 0)
+      : p(p_), base((char*)base_), lo_b(lo), hi_b(hi), name(n), is_tg(tg) {}
+  template <class U, class = enable_if_t<!is_same<U, T>::value && is_same<const U, T>::value>>
+  dptr(const dptr<U>& o) : p(o.p), base(o.base), lo_b(o.lo_b), hi_b(o.hi_b), name(o.name), is_tg(o.is_tg) {}
+
+  T* check(T* q) const {
+    long long off = (long long)((char*)q - base);
+    if (__builtin_expect(off < lo_b || off + (long long)sizeof(T) > hi_b, 0)) {
+      long long sz = (long long)sizeof(T);
+      long long idx = off >= 0 ? off / sz : -((-off + sz - 1) / sz);
+      msim_rt_oob(name, idx, lo_b / sz, hi_b / sz, is_tg);
+      return (T*)scratch_;
+    }
+    return q;
+  }
+  T* get() const { return p; }
+  operator T*() const { return p; }
+  T& operator*() const { return *check(p); }
+  T* operator->() const { return check(p); }
+  template <class I>
+  T& operator[](I i) const { return *check(p + (long long)i); }
+  template <class I> dptr operator+(I i) const { dptr r = *this; r.p = p + (long long)i; return r; }
+  template <class I> dptr operator-(I i) const { dptr r = *this; r.p = p - (long long)i; return r; }
+  long long operator-(const dptr& o) const { return p - o.p; }
+  template <class I> dptr& operator+=(I i) { p += (long long)i; return *this; }
+  template <class I> dptr& operator-=(I i) { p -= (long long)i; return *this; }
+  dptr& operator++() { ++p; return *this; }
+  dptr& operator--() { --p; return *this; }
+  dptr operator++(int) { dptr r = *this; ++p; return r; }
+  dptr operator--(int) { dptr r = *this; --p; return r; }
+};
+template <class I, class T> dptr<T> operator+(I i, const dptr<T>& d) { return d + i; }
+
+// Pointer casts that keep the bounds (reinterpret_cast<device float4*>(p)).
+template <class U, class T>
+MSIM_INL dptr<U> ptr_cast(const dptr<T>& d) { return dptr<U>((U*)d.p, d.base, d.lo_b, d.hi_b, d.name, d.is_tg); }
+template <class U, class T>
+MSIM_INL U* ptr_cast(T* p) { return (U*)p; }
+
+// Threadgroup array views for bounds-check mode: tg_view<float[4][8]>
+// checks every subscript against its dimension.
+template <class A> struct tg_view;
+template <class T, unsigned long N>
+struct tg_view<T[N]> {
+  T* p;
+  const char* name;
+  T& operator[](long long i) const {
+    if (i < 0 || i >= N) {
+      msim_rt_oob(name, i, 0, N, 1);
+      return *(T*)scratch_;
+    }
+    return p[i];
+  }
+  operator dptr<T>() const { return dptr<T>(p, p, 0, (long long)(N * sizeof(T)), name, 1); }
+  operator dptr<const T>() const { return dptr<const T>(p, p, 0, (long long)(N * sizeof(T)), name, 1); }
+  operator T*() const { return p; }
+  template <class I> dptr<T> operator+(I i) const { return dptr<T>(*this) + i; }
+  T& operator*() const { return (*this)[0]; }
+};
+template <class T, unsigned long N, unsigned long M>
+struct tg_view<T[N][M]> {
+  T* p;
+  const char* name;
+  operator T*() const { return p; }
+  tg_view<T[M]> operator[](long long i) const {
+    if (i < 0 || i >= N) {
+      msim_rt_oob(name, i, 0, N, 1);
+      return tg_view<T[M]>{(T*)scratch_, name};
+    }
+    return tg_view<T[M]>{p + i * M, name};
+  }
+};
+template <class T, unsigned long N, unsigned long M, unsigned long K>
+struct tg_view<T[N][M][K]> {
+  T* p;
+  const char* name;
+  tg_view<T[M][K]> operator[](long long i) const {
+    if (i < 0 || i >= N) {
+      msim_rt_oob(name, i, 0, N, 1);
+      return tg_view<T[M][K]>{(T*)scratch_, name};
+    }
+    return tg_view<T[M][K]>{p + i * M * K, name};
+  }
+};
+template <class A> struct tg_elem { typedef A type; };
+template <class T, unsigned long N> struct tg_elem<T[N]> { typedef typename tg_elem<T>::type type; };
+// Threadgroup declarations: `threadgroup float a[4][8];` becomes
+// `auto& a = msim::tg_ref<float[4][8]>(msim_rt_tg_alloc(...));` (or
+// `auto a = msim::tg_check<float[4][8]>(..., "a")` in bounds-check mode).
+template <class A>
+MSIM_INL A& tg_ref(void* mem) { return *(A*)mem; }
+template <class A>
+MSIM_INL tg_view<A> tg_check(void* mem, const char* name) {
+  return tg_view<A>{(typename tg_elem<A>::type*)mem, name};
+}
+MSIM_INL void* tg_alloc(int site, unsigned long size, unsigned long align) {
+  return msim_rt_tg_alloc(site, size, align < 16 ? 16 : align);
+}
+}  // namespace msim
+
+// ---------------------------------------------------------------------------
+// Subset of MLX's kernels/utils.h that custom kernels commonly use.
+// ---------------------------------------------------------------------------
+template <typename U>
+struct Limits {
+  static constexpr U max = metal::numeric_limits<U>::max();
+  static constexpr U min = metal::numeric_limits<U>::min();
+  static constexpr U finite_max = metal::numeric_limits<U>::max();
+  static constexpr U finite_min = metal::numeric_limits<U>::min();
+};
+#define MSIM_FLOAT_LIMIT(T)                                           \
+  template <> struct Limits<T> {                                     \
+    static constexpr T max = metal::numeric_limits<T>::infinity();   \
+    static constexpr T min = -metal::numeric_limits<T>::infinity();  \
+    static constexpr T finite_max = metal::numeric_limits<T>::max(); \
+    static constexpr T finite_min = -metal::numeric_limits<T>::max();\
+  };
+MSIM_FLOAT_LIMIT(float)
+MSIM_FLOAT_LIMIT(half)
+MSIM_FLOAT_LIMIT(bfloat)
+#undef MSIM_FLOAT_LIMIT
+
+template <typename T, typename U>
+inline T ceildiv(T N, U M) {
+  return (N + M - 1) / M;
+}
+template <typename IdxT = int64_t, class S, class St>
+METAL_FUNC IdxT elem_to_loc(IdxT elem, S shape, St strides, int ndim) {
+  IdxT loc = 0;
+  for (int i = ndim - 1; i >= 0 && elem > 0; --i) {
+    loc += (elem % shape[i]) * IdxT(strides[i]);
+    elem /= shape[i];
+  }
+  return loc;
+}
