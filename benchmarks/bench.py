@@ -1,0 +1,461 @@
+"""Benchmark mlx-flash against MLX's attention, a plain unfused MLX attention and, optionally,
+PyTorch's FlashAttention-2, all in the same run.
+
+    python benchmarks/bench.py                                   # CPU-sized default sweep
+    python benchmarks/bench.py --seq-lens 1024 2048 4096 --masks none causal --dtypes fp32
+    python benchmarks/bench.py --dtypes bf16 --head-dims 64 128 256 --seq-lens 1024 16384 --torch
+    python benchmarks/bench.py --replot results/bench.json      # plots from a recorded JSON
+
+Every row: median milliseconds (and IQR, min/max in the JSON), TFLOP/s, G instructions/s,
+peak memory, and the time and memory of the row as a multiple of mx.fast's (lower is better).
+What each pass times, and the metric formulas, are in mlx_flash/benchmark.py's docstring.
+Outputs: the table on stdout, <out>/<name>.json (rows + environment, rewritten after every
+case so an interrupted run keeps what it measured) and <out>/<name>_d<D>_<dtype>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+
+from mlx_flash import benchmark as bm
+from mlx_flash.backends import auto_backend_name, get_backend
+from mlx_flash.fallback import fallback_counts
+
+IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2")
+BASELINE = "mx.fast"
+# Unfused attention keeps ~1.3 (forward) and ~3.7 (forward+backward) score-sized arrays alive
+# (measured with mx.get_peak_memory on CPU, fp32 and bf16); the estimate rounds up for margin.
+_SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional PyTorch FlashAttention-2
+
+
+class TorchFlash:
+    """torch.nn.functional.scaled_dot_product_attention restricted to the FlashAttention-2
+    kernel on a CUDA device. `unavailable` says why it cannot run here (or is None)."""
+
+    name = "torch-fa2"
+
+    def __init__(self):
+        self.unavailable: Optional[str] = None
+        try:
+            import torch
+        except ImportError as error:
+            self.unavailable = f"torch is not importable ({error})"
+            return
+        if not torch.cuda.is_available():
+            self.unavailable = f"torch {torch.__version__} sees no CUDA device"
+            return
+        self.torch = torch
+        self.version = torch.__version__
+        self.device_name = torch.cuda.get_device_name()
+
+    def unsupported_reason(self, case: bm.BenchCase) -> Optional[str]:
+        if self.unavailable:
+            return self.unavailable
+        if case.dtype == "float32":
+            return "FlashAttention-2 needs fp16/bf16"
+        if case.head_dim > 256:
+            return "FlashAttention-2 needs head_dim <= 256"
+        if case.causal and case.q_len != case.kv_len:
+            return "torch's is_causal is top-left aligned; only Nq == Nk compares"
+        return None
+
+    def finish(self, result) -> None:
+        self.torch.cuda.synchronize()
+
+    def memory_probe(self):
+        torch = self.torch
+
+        class Probe:
+            def start(self):
+                torch.cuda.synchronize()
+                self.baseline = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+
+            def peak(self):
+                torch.cuda.synchronize()
+                return max(0, torch.cuda.max_memory_allocated() - self.baseline)
+
+        return Probe()
+
+    def passes(self, case: bm.BenchCase, seed: int):
+        """{pass: (prepare, run)} on fresh random CUDA inputs of the case's shapes."""
+        torch = self.torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+
+        def normal(*shape):
+            return torch.randn(*shape, generator=generator, device="cuda", dtype=dtype)
+
+        q = normal(case.batch, case.q_heads, case.q_len, case.head_dim)
+        k = normal(case.batch, case.kv_heads, case.kv_len, case.head_dim)
+        v = normal(case.batch, case.kv_heads, case.kv_len, case.head_dim)
+        d_out = normal(case.batch, case.q_heads, case.q_len, case.head_dim)
+        gqa = case.q_heads != case.kv_heads
+
+        def attend(q_, k_, v_):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q_, k_, v_, is_causal=case.causal, scale=case.scale, **({"enable_gqa": True} if gqa else {}))
+
+        def with_grad():
+            return [x.detach().requires_grad_(True) for x in (q, k, v)]
+
+        def forward(_):
+            with torch.no_grad():
+                return attend(q, k, v)
+
+        def forward_backward(_):
+            leaves = with_grad()
+            out = attend(*leaves)
+            return out, torch.autograd.grad(out, leaves, d_out)
+
+        def prepare_backward():
+            leaves = with_grad()
+            out = attend(*leaves)
+            torch.cuda.synchronize()
+            return out, leaves
+
+        def backward(state):
+            out, leaves = state
+            return torch.autograd.grad(out, leaves, d_out)
+
+        return {"forward": (None, forward), "forward_backward": (None, forward_backward),
+                "backward": (prepare_backward, backward)}
+
+
+# ---------------------------------------------------------------------------------------------
+# The sweep
+
+
+def memory_budget(args) -> Tuple[Optional[float], str]:
+    """(bytes, how it was chosen) for the out-of-memory guard."""
+    if args.max_memory_gb is not None:
+        return args.max_memory_gb * (1 << 30), f"--max-memory-gb {args.max_memory_gb}"
+    total = bm.device_memory_bytes()
+    if total is None:
+        return None, "device memory unknown: no guard"
+    return args.memory_fraction * total, f"{args.memory_fraction:.0%} of {bm.format_bytes(total)} device memory"
+
+
+def mx_fast_is_fused(case: bm.BenchCase, pass_name: str) -> bool:
+    """Whether MLX 0.32 runs mx.fast attention fused here (then it needs no N^2 memory).
+
+    Only feeds the out-of-memory estimate. CPU: never. Metal: the forward for the head dims of
+    its kernels; any traced gradient runs unfused. CUDA: cuDNN for fp16/bf16 with D <= 128."""
+    device = mx.default_device()
+    if device.type != mx.gpu:
+        return False
+    if mx.metal.is_available():
+        return pass_name == "forward" and case.head_dim in (64, 72, 80, 96, 128, 192, 256)
+    return case.dtype != "float32" and case.head_dim <= 128
+
+
+def estimated_bytes(implementation: str, case: bm.BenchCase, pass_name: str) -> float:
+    """Upper estimate of the N^2-sized memory a row needs (0 for the fused paths)."""
+    if implementation == "unfused" or (implementation == BASELINE and not mx_fast_is_fused(case, pass_name)):
+        pairs = case.batch * case.q_heads * case.q_len * case.kv_len
+        return _SCORE_ARRAYS[pass_name] * pairs * mx.zeros(1, bm.DTYPES[case.dtype]).itemsize
+    return 0.0
+
+
+def build_cases(args) -> List[bm.BenchCase]:
+    cases = []
+    for dtype in args.dtypes:
+        for head_dim in args.head_dims:
+            for kv_heads in args.kv_heads or [args.heads]:
+                for mask in args.masks:
+                    for length in args.seq_lens:
+                        batch = max(1, args.tokens // length) if args.tokens else args.batch
+                        cases.append(bm.BenchCase(batch=batch, q_heads=args.heads, kv_heads=kv_heads,
+                                                  q_len=length, kv_len=length, head_dim=head_dim,
+                                                  dtype=dtype, causal=mask == "causal"))
+    return cases
+
+
+class FlashBackend:
+    """The mlx-flash backend this run measures, resolved once ("auto" by the default device)."""
+
+    def __init__(self, requested: str):
+        self.requested = requested
+        self.name = auto_backend_name(mx.default_device()) if requested == "auto" else requested
+        self.error: Optional[str] = None
+        try:
+            reason = get_backend(self.name).unavailable_reason(mx.default_device())
+            if reason is not None:
+                self.error = f"backend {self.name!r} unavailable: {reason}"
+        except ValueError as error:
+            self.error = str(error)
+
+
+def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_flash: Optional[TorchFlash],
+             budget: Optional[float]) -> List[Dict[str, Any]]:
+    """All implementations and passes of one case, with the ratios to mx.fast filled in."""
+    rows = []
+    inputs = bm.random_inputs(case, seed=seed)
+    settings = bm.Settings(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
+                           target_seconds=args.target_seconds)
+    attention: Dict[str, Callable] = {"mlx-flash": bm.flash_attention_with(flash.name),
+                                      "mx.fast": bm.fast_attention, "unfused": bm.unfused_attention}
+    torch_passes = None
+    for implementation in args.impls:
+        for pass_name in args.passes:
+            row: Dict[str, Any] = {"implementation": implementation, "pass": pass_name, **bm.as_dict(case)}
+            if implementation == "mlx-flash":
+                row["backend"] = flash.name
+            estimate = estimated_bytes(implementation, case, pass_name)
+            skip = None
+            if implementation == "mlx-flash" and flash.error:
+                skip = flash.error
+            elif implementation == "torch-fa2":
+                skip = torch_flash.unsupported_reason(case)
+            if skip is None and budget is not None and estimate > budget:
+                skip = f"estimated {bm.format_bytes(estimate)} > budget {bm.format_bytes(budget)}"
+            if skip is not None:
+                row["status"] = f"skipped: {skip}"
+                rows.append(row)
+                continue
+            before = fallback_counts()
+            try:
+                if implementation == "torch-fa2":
+                    torch_passes = torch_passes or torch_flash.passes(case, seed)
+                    prepare, run = torch_passes[pass_name]
+                    row.update(bm.measure(prepare, run, case, pass_name, settings, finish=torch_flash.finish,
+                                          probe=torch_flash.memory_probe()))
+                else:
+                    prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name)
+                    row.update(bm.measure(prepare, run, case, pass_name, settings))
+                row["status"] = "ok"
+            except Exception as error:  # an OOM or a kernel failure must not end the sweep
+                row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
+            fallbacks = {r: n - before.get(r, 0) for r, n in fallback_counts().items() if n > before.get(r, 0)}
+            if fallbacks:
+                row["fallbacks"] = fallbacks
+            rows.append(row)
+    add_ratios(rows)
+    return rows
+
+
+def add_ratios(rows: List[Dict[str, Any]]) -> None:
+    """time_vs_mx_fast and memory_vs_mx_fast: this row's median time and peak memory divided by
+    mx.fast's for the same case and pass (lower is better)."""
+    baseline = {r["pass"]: r for r in rows if r["implementation"] == BASELINE and r.get("status") == "ok"}
+    for row in rows:
+        base = baseline.get(row["pass"])
+        if row.get("status") != "ok" or base is None:
+            continue
+        row["time_vs_mx_fast"] = row["median_ms"] / base["median_ms"]
+        if base["peak_memory_bytes"] > 0:
+            row["memory_vs_mx_fast"] = row["peak_memory_bytes"] / base["peak_memory_bytes"]
+
+
+def row_cells(row: Dict[str, Any]) -> List[Any]:
+    name = row["implementation"] + (f"[{row['backend']}]" if row.get("backend") else "")
+    if row.get("status") != "ok":
+        return [name, bm.PASS_LABELS[row["pass"]]] + ["-"] * 7 + [row.get("status", "")]
+    note = "; ".join(f"FALLBACK x{n}: {r}" for r, n in row.get("fallbacks", {}).items())
+    ratio = (lambda key: f"{row[key]:.2f}x" if key in row else "-")
+    return [name, bm.PASS_LABELS[row["pass"]], bm.format_ms(row["median_ms"]),
+            f"{bm.format_ms(row['q1_ms'])}-{bm.format_ms(row['q3_ms'])}", f"{row['tflops']:.3g}",
+            f"{row['ginstrs']:.3g}",
+            bm.format_bytes(row["peak_memory_bytes"]), ratio("time_vs_mx_fast"), ratio("memory_vs_mx_fast"), note]
+
+
+TABLE_HEADERS = ["implementation", "pass", "ms", "IQR ms", "TFLOP/s", "GINSTRS/s", "peak mem",
+                 "time/mx.fast", "mem/mx.fast", "note"]
+
+
+def case_table(case: bm.BenchCase, rows: List[Dict[str, Any]]) -> str:
+    return f"== {case.label()}\n" + bm.format_table(TABLE_HEADERS, [row_cells(r) for r in rows])
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+
+
+def write_json(path: Path, payload: Dict[str, Any]) -> None:
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(payload, indent=1))
+    os.replace(temporary, path)  # atomic: a run killed mid-write keeps the previous file
+
+
+def plot(payload: Dict[str, Any], out_dir: Path, name: str) -> List[Path]:
+    """One PNG per (head dim, dtype): TFLOP/s and peak memory vs sequence length, one row of
+    panels per (mask, kv heads), lines per implementation (colour) and pass (line style)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    rows = [r for r in payload["rows"] if r.get("status") == "ok"]
+    env = payload["environment"]
+    styles = {"forward": "-", "backward": ":", "forward_backward": "--"}
+    markers = {"forward": "o", "backward": "v", "forward_backward": "s"}
+    colours = {impl: f"C{i}" for i, impl in enumerate(IMPLEMENTATIONS)}
+    paths = []
+    for head_dim, dtype in sorted({(r["head_dim"], r["dtype"]) for r in rows}):
+        group = [r for r in rows if r["head_dim"] == head_dim and r["dtype"] == dtype]
+        # Non-causal before causal, full heads before GQA.
+        panels = sorted({(r["causal"], r["q_heads"], r["kv_heads"]) for r in group},
+                        key=lambda p: (p[0], -p[2], p[1]))
+        figure, axes = plt.subplots(len(panels), 2, figsize=(12, 4.2 * len(panels)), squeeze=False)
+        for (causal, q_heads, kv_heads), (ax_speed, ax_memory) in zip(panels, axes):
+            panel = [r for r in group if (r["causal"], r["q_heads"], r["kv_heads"]) == (causal, q_heads, kv_heads)]
+            for implementation in IMPLEMENTATIONS:
+                for pass_name in bm.PASSES:
+                    line = sorted((r for r in panel if r["implementation"] == implementation
+                                   and r["pass"] == pass_name), key=lambda r: r["q_len"])
+                    if not line:
+                        continue
+                    label = implementation + (f"[{line[0]['backend']}]" if line[0].get("backend") else "")
+                    label += f" {bm.PASS_LABELS[pass_name]}"
+                    x = [r["q_len"] for r in line]
+                    style = dict(color=colours[implementation], linestyle=styles[pass_name],
+                                 marker=markers[pass_name], label=label)
+                    ax_speed.plot(x, [r["tflops"] for r in line], **style)
+                    ax_memory.plot(x, [r["peak_memory_bytes"] / (1 << 20) for r in line], **style)
+            heads = f"H={q_heads}" if q_heads == kv_heads else f"H={q_heads}/{kv_heads} (GQA)"
+            title = f"D={head_dim} {dtype} {heads} {'causal' if causal else 'non-causal'}"
+            lengths = sorted({r["q_len"] for r in panel})
+            for ax, ylabel in ((ax_speed, "TFLOP/s"), (ax_memory, "peak memory above inputs (MiB)")):
+                ax.set_xscale("log", base=2)
+                ax.set_xticks(lengths, [str(n) for n in lengths])
+                ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+                ax.set_xlabel("sequence length N")
+                ax.set_ylabel(ylabel)
+                ax.set_title(title, fontsize=10)
+                ax.grid(True, which="both", alpha=0.3)
+            ax_memory.set_yscale("log")
+            ax_memory.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda y, _: f"{y:g}"))
+            ax_memory.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            ax_speed.legend(fontsize=7)
+        commit = (env.get("git_commit") or "unknown")[:10]
+        figure.suptitle(f"{env.get('device_name')} ({env.get('device')}), MLX {env.get('mlx_version')}, "
+                        f"mlx-flash {env.get('mlx_flash_version')} @ {commit}, {env.get('date')}", fontsize=10)
+        figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (4.2 * len(panels))))
+        path = out_dir / f"{name}_d{head_dim}_{dtype}.png"
+        figure.savefig(path, dpi=110)
+        plt.close(figure)
+        paths.append(path)
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    sweep = parser.add_argument_group("sweep (the cartesian product is run)")
+    sweep.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048], help="Nq = Nk values")
+    sweep.add_argument("--head-dims", type=int, nargs="+", default=[64])
+    sweep.add_argument("--dtypes", nargs="+", default=["float32"], help="float32/fp32, float16/fp16, bfloat16/bf16")
+    sweep.add_argument("--masks", nargs="+", choices=["none", "causal"], default=["none", "causal"])
+    sweep.add_argument("--heads", type=int, default=8, help="query heads Hq")
+    sweep.add_argument("--kv-heads", type=int, nargs="+", default=None,
+                       help="kv heads Hkv values (GQA when < --heads); default: --heads")
+    sweep.add_argument("--batch", type=int, default=1)
+    sweep.add_argument("--tokens", type=int, default=None,
+                       help="batch = max(1, tokens // N) instead of --batch (same work per token across N)")
+    what = parser.add_argument_group("what to run")
+    what.add_argument("--backend", default="auto", help="mlx-flash backend: auto, mlx, metal, cuda")
+    what.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=["mlx-flash", "mx.fast", "unfused"])
+    what.add_argument("--torch", action="store_true", help="add torch-fa2 (PyTorch FlashAttention-2 on CUDA); "
+                      "skipped with a reason where torch or CUDA is missing")
+    what.add_argument("--passes", nargs="+", choices=bm.PASSES, default=list(bm.PASSES))
+    timing = parser.add_argument_group("timing")
+    timing.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs after the (untimed) peak-memory run, which is the first warm-up")
+    timing.add_argument("--min-repeats", type=int, default=3)
+    timing.add_argument("--max-repeats", type=int, default=10)
+    timing.add_argument("--target-seconds", type=float, default=1.0,
+                        help="stop repeating once this much time is measured (after --min-repeats)")
+    timing.add_argument("--seed", type=int, default=0)
+    timing.add_argument("--time-budget-s", type=float, default=None,
+                        help="start no new case after this many seconds (the rest is listed as skipped)")
+    guard = parser.add_argument_group("out-of-memory guard (unfused N^2 arrays)")
+    guard.add_argument("--max-memory-gb", type=float, default=None, help="memory budget; overrides the fraction")
+    guard.add_argument("--memory-fraction", type=float, default=0.4, help="budget as a fraction of device memory")
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for JSON and PNGs")
+    out.add_argument("--name", default="bench", help="file name prefix")
+    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--replot", type=Path, default=None, help="only redraw the plots of this JSON")
+    args = parser.parse_args(argv)
+    args.dtypes = [bm.dtype_name(d) for d in args.dtypes]
+    if args.torch and "torch-fa2" not in args.impls:
+        args.impls.append("torch-fa2")
+    for name in ("seq_lens", "head_dims"):
+        if any(n < 1 for n in getattr(args, name)):
+            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for kv in args.kv_heads or []:
+        if kv < 1 or args.heads % kv:
+            parser.error(f"--kv-heads {kv} must divide --heads {args.heads}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.replot is not None:
+        payload = json.loads(args.replot.read_text())
+        for path in plot(payload, args.replot.parent, args.replot.stem):
+            print(f"wrote {path}")
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    flash = FlashBackend(args.backend)
+    torch_flash = TorchFlash() if "torch-fa2" in args.impls else None
+    budget, budget_reason = memory_budget(args)
+    env = bm.environment(args.backend, flash.name)
+    if torch_flash is not None:
+        env["torch"] = torch_flash.unavailable or f"torch {torch_flash.version} on {torch_flash.device_name}"
+    env["memory_budget_bytes"], env["memory_budget"] = budget, budget_reason
+    payload = {"environment": env, "arguments": sys.argv[1:] if argv is None else list(argv), "rows": []}
+    json_path = args.out / f"{args.name}.json"
+    print(f"mlx-flash {env['mlx_flash_version']} ({(env['git_commit'] or 'unknown commit')[:10]}"
+          f"{' +changes' if env['git_dirty'] else ''}), MLX {env['mlx_version']}, {env['device_name']} "
+          f"({env['device']}), backend {flash.name!r}{' (auto)' if args.backend == 'auto' else ''}"
+          f"{': ' + flash.error if flash.error else ''}")
+    print(f"memory guard: {budget_reason}; load average {env['load_average']}")
+    if torch_flash is not None:
+        print(f"torch-fa2: {env['torch']}")
+    print("ms = median of timed runs; time/mx.fast and mem/mx.fast: this row divided by mx.fast's (lower is better)\n",
+          flush=True)
+    start = time.perf_counter()
+    cases = build_cases(args)
+    for index, case in enumerate(cases):
+        if args.time_budget_s is not None and time.perf_counter() - start > args.time_budget_s:
+            payload["skipped_cases"] = [c.label() for c in cases[index:]]
+            print(f"time budget of {args.time_budget_s:.0f} s spent: skipped {len(cases) - index} cases: "
+                  + ", ".join(payload["skipped_cases"]))
+            break
+        rows = run_case(case, args.seed + index, args, flash, torch_flash, budget)
+        payload["rows"].extend(rows)
+        payload["environment"]["elapsed_s"] = round(time.perf_counter() - start, 1)
+        write_json(json_path, payload)
+        print(case_table(case, rows) + "\n", flush=True)
+    env["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    write_json(json_path, payload)
+    print(f"wrote {json_path}")
+    if not args.no_plots:
+        for path in plot(payload, args.out, args.name):
+            print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

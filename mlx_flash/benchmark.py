@@ -1,0 +1,428 @@
+"""Timing harness and metrics shared by `python -m mlx_flash` and benchmarks/bench.py.
+
+What is timed (every MLX implementation alike; nothing is mx.compile'd):
+    forward           build the graph of out = attention(q, k, v) and evaluate it.
+    forward_backward  out, (dq, dk, dv) = mx.vjp(attention, [q, k, v], [d_out]), all evaluated:
+                      graph building, the forward and the backward. In MLX a VJP always runs
+                      the forward, so this is what training pays per attention call.
+    backward          the same mx.vjp graph, but `out` (and every forward intermediate the
+                      gradients depend on) is evaluated untimed first; the timed part is the
+                      evaluation of (dq, dk, dv) only. Graph building is not in this number
+                      (it is in the two above).
+Each measured call: inputs already evaluated, mx.synchronize(), start clock, run, mx.eval of
+the results, mx.synchronize(), stop clock. Peak memory comes from a separate, untimed call
+(which is also the first warm-up): mx.reset_peak_memory() after recording the active memory,
+then mx.get_peak_memory() minus that baseline, i.e. the memory the call needs on top of the
+inputs already resident (its outputs and temporaries; for backward, the retained forward too).
+
+Metrics (B batch, Hq query heads, Nq, Nk lengths, D head dim; causal halves every count):
+    TFLOP/s (papers' convention): forward 4·B·Hq·Nq·Nk·D, backward 2.5x, forward+backward 3.5x.
+        Kernel-level: backward_query 1.5x (3 products: S, dP, dQ), backward_key_value 2x
+        (4 products: S, dV, dP, dK); the split recomputes S, so the two sum to 3.5x, not 2.5x.
+    G instructions/s (MFA's work model, one FMA = one instruction), times B·Hq·Nq·Nk:
+        forward 2D+5, backward_query 3D+5, backward_key_value 4D+5, backward 7D+10,
+        forward_backward 9D+15.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import mlx.core as mx
+
+PASSES = ("forward", "backward", "forward_backward")
+KERNELS = ("forward", "backward_query", "backward_key_value", "backward", "forward_backward")
+PASS_LABELS = {"forward": "fwd", "backward": "bwd", "forward_backward": "fwd+bwd",
+               "backward_query": "bwd dQ", "backward_key_value": "bwd dK/dV"}
+
+# Multiples of the forward's 4·B·Hq·Nq·Nk·D floating-point operations.
+_FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5,
+                "backward_query": 1.5, "backward_key_value": 2.0}
+# MFA's instruction counts per (query, key) pair: (a·D + b).
+_INSTRUCTION_COEFFICIENTS = {"forward": (2, 5), "backward_query": (3, 5), "backward_key_value": (4, 5),
+                             "backward": (7, 10), "forward_backward": (9, 15)}
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16",
+                  "half": "float16", "bf16": "bfloat16"}
+
+
+def dtype_name(name: str) -> str:
+    """Canonical dtype name ("float32", "float16", "bfloat16") for a name or alias like "bf16"."""
+    canonical = _DTYPE_ALIASES.get(name, name)
+    if canonical not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES) + sorted(_DTYPE_ALIASES)}, got {name!r}.")
+    return canonical
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One attention problem size.
+
+    Attributes:
+        batch, q_heads, kv_heads, q_len, kv_len, head_dim: the shapes (q [B, Hq, Nq, D],
+            k/v [B, Hkv, Nk, D]); kv_heads < q_heads is GQA.
+        dtype: "float32", "float16" or "bfloat16".
+        causal: bottom-right aligned causal mask.
+    """
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int
+    kv_len: int
+    head_dim: int
+    dtype: str = "float32"
+    causal: bool = False
+
+    def __post_init__(self):
+        for field in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"BenchCase.{field} must be a positive int, got {value!r}.")
+        if self.q_heads % self.kv_heads:
+            raise ValueError(f"BenchCase.q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads}).")
+        object.__setattr__(self, "dtype", dtype_name(self.dtype))
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def label(self) -> str:
+        heads = f"H={self.q_heads}" if self.kv_heads == self.q_heads else f"H={self.q_heads}/{self.kv_heads}"
+        length = f"N={self.q_len}" if self.q_len == self.kv_len else f"Nq={self.q_len} Nk={self.kv_len}"
+        return (f"B={self.batch} {heads} {length} D={self.head_dim} {self.dtype}"
+                f"{' causal' if self.causal else ''}")
+
+
+def attention_flops(case: BenchCase, kernel: str) -> float:
+    """Floating-point operations of one pass (see the module docstring), halved for causal."""
+    if kernel not in _FLOP_FACTOR:
+        raise ValueError(f"kernel must be one of {tuple(_FLOP_FACTOR)}, got {kernel!r}.")
+    forward = 4.0 * case.batch * case.q_heads * case.q_len * case.kv_len * case.head_dim
+    return forward * _FLOP_FACTOR[kernel] * (0.5 if case.causal else 1.0)
+
+
+def attention_instructions(case: BenchCase, kernel: str) -> float:
+    """MFA's work count, (a·D + b)·B·Hq·Nq·Nk, halved for causal."""
+    if kernel not in _INSTRUCTION_COEFFICIENTS:
+        raise ValueError(f"kernel must be one of {tuple(_INSTRUCTION_COEFFICIENTS)}, got {kernel!r}.")
+    a, b = _INSTRUCTION_COEFFICIENTS[kernel]
+    pairs = case.batch * case.q_heads * case.q_len * case.kv_len
+    return (a * case.head_dim + b) * pairs * (0.5 if case.causal else 1.0)
+
+
+def tflops_per_second(case: BenchCase, kernel: str, seconds: float) -> float:
+    return attention_flops(case, kernel) / seconds / 1e12
+
+
+def ginstructions_per_second(case: BenchCase, kernel: str, seconds: float) -> float:
+    return attention_instructions(case, kernel) / seconds / 1e9
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and memory
+
+
+def mlx_finish(result) -> None:
+    """Block until `result` (any tree of arrays) is computed: eval, then synchronize the stream."""
+    if result is not None:
+        mx.eval(result)
+    mx.synchronize()
+
+
+@dataclass
+class Timing:
+    """Wall-clock seconds of the measured repetitions (warm-ups excluded)."""
+
+    samples: List[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def quantile(self, fraction: float) -> float:
+        """Linear-interpolated quantile of the samples (0.25 and 0.75 give the IQR)."""
+        ordered = sorted(self.samples)
+        position = fraction * (len(ordered) - 1)
+        low = math.floor(position)
+        high = min(low + 1, len(ordered) - 1)
+        return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+    def summary_ms(self) -> Dict[str, float]:
+        return {"median_ms": self.median * 1e3, "q1_ms": self.quantile(0.25) * 1e3,
+                "q3_ms": self.quantile(0.75) * 1e3, "min_ms": min(self.samples) * 1e3,
+                "max_ms": max(self.samples) * 1e3, "repeats": len(self.samples)}
+
+
+def time_call(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any]] = None,
+              finish: Callable[[Any], None] = mlx_finish, warmup: int = 1, min_repeats: int = 3,
+              max_repeats: int = 10, target_seconds: float = 1.0) -> Timing:
+    """Median-ready wall-clock samples of `run`.
+
+    Args:
+        run: the timed work. Called as run(state) with prepare's result (or None); its result
+            is passed to `finish` inside the timed region, so lazy work is really done.
+        prepare: optional untimed setup per repetition (e.g. evaluate a forward). It must
+            evaluate what it wants done untimed itself: its result is handed to `run` as is,
+            since it is typically the lazy graph whose evaluation is the timed work.
+        finish: blocks until a result is computed (MLX: mx.eval + mx.synchronize).
+        warmup: untimed runs first (kernel compilation, allocator caches).
+        min_repeats, max_repeats: repetitions are added until `target_seconds` of measured time
+            is reached, at least min_repeats and at most max_repeats.
+        target_seconds: see above; keeps fast cases well sampled and slow cases affordable.
+    """
+    if min_repeats < 1 or max_repeats < min_repeats:
+        raise ValueError(f"need 1 <= min_repeats <= max_repeats, got min_repeats={min_repeats}, "
+                         f"max_repeats={max_repeats}.")
+    samples: List[float] = []
+    for index in range(warmup + max_repeats):
+        state = prepare() if prepare is not None else None
+        finish(None)  # drain anything still queued so it is not billed to `run`
+        start = time.perf_counter()
+        result = run(state)
+        finish(result)
+        elapsed = time.perf_counter() - start
+        del result, state
+        if index < warmup:
+            continue
+        samples.append(elapsed)
+        if len(samples) >= min_repeats and sum(samples) >= target_seconds:
+            break
+    return Timing(samples)
+
+
+class MLXMemory:
+    """Peak-memory probe for MLX: bytes allocated above the active memory at `start`."""
+
+    def start(self) -> None:
+        mx.synchronize()
+        self.baseline = mx.get_active_memory()
+        mx.reset_peak_memory()
+
+    def peak(self) -> int:
+        mx.synchronize()
+        return max(0, mx.get_peak_memory() - self.baseline)
+
+
+def peak_memory(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any]] = None,
+                finish: Callable[[Any], None] = mlx_finish, probe=None) -> int:
+    """Bytes the call needs above the memory already in use (prepare included: for a backward,
+    the retained forward state counts). One untimed call."""
+    probe = probe or MLXMemory()
+    probe.start()
+    state = prepare() if prepare is not None else None
+    result = run(state)
+    finish(result)
+    peak = probe.peak()
+    del result, state
+    return peak
+
+
+# ---------------------------------------------------------------------------------------------
+# Implementations and passes
+
+
+def random_inputs(case: BenchCase, seed: int = 0):
+    """Evaluated random normal (q, k, v, d_out) for a case, fresh per seed (never all zero)."""
+    dtype = DTYPES[case.dtype]
+    keys = mx.random.split(mx.random.key(seed), 4)
+    shapes = [(case.batch, case.q_heads, case.q_len, case.head_dim),
+              (case.batch, case.kv_heads, case.kv_len, case.head_dim),
+              (case.batch, case.kv_heads, case.kv_len, case.head_dim),
+              (case.batch, case.q_heads, case.q_len, case.head_dim)]
+    arrays = [mx.random.normal(shape, key=key).astype(dtype) for shape, key in zip(shapes, keys)]
+    mx.eval(arrays)
+    return arrays
+
+
+def unfused_attention(q, k, v, causal: bool, scale: float):
+    """softmax(q k^T * scale + mask) v with plain MLX ops: the N^2 score matrix is materialized.
+
+    GQA shares each kv head by broadcasting (q viewed as [B, Hkv, G, N, D]), not by tiling k/v.
+    The softmax runs in fp32 (precise=True) like mx.fast's.
+    """
+    B, Hq, Nq, D = q.shape
+    Hkv, Nk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    q5 = q.reshape(B, Hkv, group, Nq, D)
+    scores = (q5 * scale) @ mx.swapaxes(mx.expand_dims(k, 2), -1, -2)
+    if causal:
+        keep = mx.arange(Nk)[None, :] <= mx.arange(Nq)[:, None] + (Nk - Nq)
+        scores = mx.where(keep, scores, mx.array(-math.inf, scores.dtype))
+    probabilities = mx.softmax(scores, axis=-1, precise=True)
+    return (probabilities @ mx.expand_dims(v, 2)).reshape(B, Hq, Nq, v.shape[3])
+
+
+def fast_attention(q, k, v, causal: bool, scale: float):
+    """MLX's own attention, mx.fast.scaled_dot_product_attention."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+
+
+def flash_attention_with(backend: str) -> Callable:
+    """mlx_flash.flash_attention on a given backend, in the (q, k, v, causal, scale) form."""
+    from .api import flash_attention
+
+    def attention(q, k, v, causal: bool, scale: float):
+        return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
+
+    return attention
+
+
+def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str):
+    """(prepare, run) of one pass of an MLX attention function (see the module docstring)."""
+    q, k, v, d_out = inputs
+
+    def attend(q_, k_, v_):
+        return attention(q_, k_, v_, case.causal, case.scale)
+
+    if pass_name == "forward":
+        return None, lambda _: attend(q, k, v)
+    if pass_name == "forward_backward":
+        return None, lambda _: mx.vjp(attend, [q, k, v], [d_out])
+    if pass_name == "backward":
+        def prepare():
+            outputs, gradients = mx.vjp(attend, [q, k, v], [d_out])
+            mx.eval(outputs)  # the forward and everything the gradients read from it
+            return gradients
+        return prepare, lambda gradients: gradients
+    raise ValueError(f"pass_name must be one of {PASSES}, got {pass_name!r}.")
+
+
+@dataclass
+class Settings:
+    """How hard to measure: see `time_call`."""
+
+    warmup: int = 1
+    min_repeats: int = 3
+    max_repeats: int = 10
+    target_seconds: float = 1.0
+
+
+def measure(prepare, run, case: BenchCase, kernel: str, settings: Settings,
+            finish=mlx_finish, probe=None) -> Dict[str, Any]:
+    """Peak memory (one untimed call, which also warms up) then timing; the metrics as a dict."""
+    memory = peak_memory(run, prepare=prepare, finish=finish, probe=probe)
+    timing = time_call(run, prepare=prepare, finish=finish, warmup=settings.warmup,
+                       min_repeats=settings.min_repeats, max_repeats=settings.max_repeats,
+                       target_seconds=settings.target_seconds)
+    row = timing.summary_ms()
+    seconds = timing.median
+    row.update(tflops=tflops_per_second(case, kernel, seconds),
+               ginstrs=ginstructions_per_second(case, kernel, seconds),
+               peak_memory_bytes=int(memory), samples_ms=[s * 1e3 for s in timing.samples])
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment and tables
+
+
+def device_description() -> Dict[str, Any]:
+    """The default device and what MLX says about it (mx.device_info, or mx.metal's)."""
+    device = mx.default_device()
+    info: Dict[str, Any] = {}
+    for source in (getattr(mx, "device_info", None), getattr(getattr(mx, "metal", None), "device_info", None)):
+        if source is None:
+            continue
+        try:
+            info = dict(source())
+            break
+        except Exception:  # older MLX or no Metal: try the next source
+            continue
+    info = {key: (value if isinstance(value, (int, float, str, bool)) else str(value)) for key, value in info.items()}
+    name = info.get("device_name") or platform.processor() or platform.machine()
+    return {"device": str(device), "device_type": "gpu" if device.type == mx.gpu else "cpu",
+            "device_name": name, "device_info": info}
+
+
+def device_memory_bytes() -> Optional[int]:
+    """Memory the default device can use: MLX's memory_size / total_memory, else the host RAM."""
+    info = device_description()["device_info"]
+    for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return int(info[key])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def git_commit() -> Dict[str, Any]:
+    """The repository's commit and whether the package/benchmark sources differ from it.
+
+    Falls back to $MLX_FLASH_COMMIT where the tree has no .git (a copied checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "mlx_flash", "kernels",
+                                "benchmarks"], capture_output=True, text=True, timeout=10).stdout.strip()
+        return {"git_commit": commit, "git_dirty": bool(dirty)}
+    except (OSError, subprocess.SubprocessError):
+        return {"git_commit": os.environ.get("MLX_FLASH_COMMIT"), "git_dirty": None}
+
+
+def environment(backend_requested: str, backend_resolved: Optional[str]) -> Dict[str, Any]:
+    """Everything a recorded result needs to be reproduced and compared."""
+    from . import __version__
+
+    env = device_description()
+    env.update(git_commit())
+    env.update(
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        mlx_version=mx.__version__, mlx_flash_version=__version__,
+        backend=backend_resolved, backend_requested=backend_requested,
+        platform=platform.platform(), python=platform.python_version(), cpu_count=os.cpu_count(),
+        load_average=list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        device_memory_bytes=device_memory_bytes())
+    return env
+
+
+def format_ms(ms: Optional[float]) -> str:
+    """Milliseconds with 3 significant digits, without exponents."""
+    if ms is None:
+        return "-"
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def format_bytes(count: Optional[float]) -> str:
+    if count is None:
+        return "-"
+    for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}" if count / size < 100 else f"{count / size:.0f} {unit}"
+    return f"{int(count)} B"
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain aligned text table (numbers right-aligned)."""
+    cells = [[str(c) for c in headers]] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row):
+        return "  ".join(c.rjust(w) if _numeric(c) else c.ljust(w) for c, w in zip(row, widths)).rstrip()
+
+    return "\n".join([line(cells[0]), line(["-" * w for w in widths])] + [line(r) for r in cells[1:]])
+
+
+def _numeric(text: str) -> bool:
+    head = text.split(" ")[0].rstrip("x%")
+    try:
+        float(head)
+        return True
+    except ValueError:
+        return False
+
+
+def as_dict(case: BenchCase) -> Dict[str, Any]:
+    return dataclasses.asdict(case)
