@@ -365,8 +365,10 @@ def git_commit() -> Dict[str, Any]:
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "mlx_flash", "kernels",
-                                "benchmarks"], capture_output=True, text=True, timeout=10).stdout.strip()
+        # Tracked sources only: other people's untracked work in progress is not imported here.
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
+                                "mlx_flash", "kernels", "benchmarks"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
         return {"git_commit": commit, "git_dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
         return {"git_commit": os.environ.get("MLX_FLASH_COMMIT"), "git_dirty": None}
