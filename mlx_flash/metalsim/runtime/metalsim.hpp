@@ -29,6 +29,49 @@ typedef unsigned long ulong;
 template <class T, int N>
 using vec = T __attribute__((ext_vector_type(N)));
 
+// Conversion helpers clang may call for half/bfloat (normally supplied by
+// compiler-rt, which -nostdlib kernels do not link). Round to nearest even.
+#define MSIM_RTLIB extern "C" __attribute__((weak, visibility("hidden"), used))
+namespace msim_rtlib {
+static inline float u2f(unsigned u) { return __builtin_bit_cast(float, u); }
+static inline unsigned f2u(float f) { return __builtin_bit_cast(unsigned, f); }
+static inline unsigned short f2bf(float f) {
+  unsigned u = f2u(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40);  // quiet NaN
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+static inline unsigned short f2h(float f) {
+  unsigned x = f2u(f), sign = x & 0x80000000u;
+  x ^= sign;
+  unsigned o;
+  if (x >= (127u + 16u) << 23) {
+    o = x > (255u << 23) ? 0x7e00u : 0x7c00u;
+  } else if (x < (113u << 23)) {
+    float magic = u2f(((127u - 15u) + (23u - 10u) + 1u) << 23);
+    o = f2u(u2f(x) + magic) - f2u(magic);
+  } else {
+    unsigned odd = (x >> 13) & 1u;
+    x += ((unsigned)(15 - 127) << 23) + 0xfffu + odd;
+    o = x >> 13;
+  }
+  return (unsigned short)(o | (sign >> 16));
+}
+static inline float h2f(unsigned short h) {
+  unsigned o = (unsigned)(h & 0x7fffu) << 13, e = o & (0x7c00u << 13);
+  o += (127u - 15u) << 23;
+  if (e == (0x7c00u << 13)) o += (128u - 16u) << 23;
+  else if (e == 0) { o += 1u << 23; o = f2u(u2f(o) - u2f(113u << 23)); }
+  return u2f(o | ((unsigned)(h & 0x8000u) << 16));
+}
+}  // namespace msim_rtlib
+MSIM_RTLIB __bf16 __truncsfbf2(float f) { return __builtin_bit_cast(__bf16, msim_rtlib::f2bf(f)); }
+MSIM_RTLIB __bf16 __truncdfbf2(double d) { return __truncsfbf2((float)d); }
+MSIM_RTLIB _Float16 __truncsfhf2(float f) { return __builtin_bit_cast(_Float16, msim_rtlib::f2h(f)); }
+MSIM_RTLIB _Float16 __truncdfhf2(double d) { return __truncsfhf2((float)d); }
+MSIM_RTLIB float __extendhfsf2(_Float16 h) { return msim_rtlib::h2f(__builtin_bit_cast(unsigned short, h)); }
+MSIM_RTLIB float __gnu_h2f_ieee(unsigned short h) { return msim_rtlib::h2f(h); }
+MSIM_RTLIB unsigned short __gnu_f2h_ieee(float f) { return msim_rtlib::f2h(f); }
+
 #define MSIM_VEC(T)                 \
   typedef vec<T, 2> T##2;           \
   typedef vec<T, 3> T##3;           \

@@ -1,0 +1,9 @@
+import numpy as np
+import pytest
+
+pytest.importorskip("ziglang")
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
