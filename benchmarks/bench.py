@@ -42,23 +42,27 @@ _SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
 
 class TorchFlash:
     """torch.nn.functional.scaled_dot_product_attention restricted to the FlashAttention-2
-    kernel on a CUDA device. `unavailable` says why it cannot run here (or is None)."""
+    kernel on a CUDA device. `unavailable` says why it cannot run here (or is None).
+
+    device="cpu" runs torch's CPU flash-attention kernel instead; it exists so the code path
+    can be tested without a GPU (peak memory is then not measured)."""
 
     name = "torch-fa2"
 
-    def __init__(self):
+    def __init__(self, device: str = "cuda"):
         self.unavailable: Optional[str] = None
+        self.device = device
         try:
             import torch
         except ImportError as error:
             self.unavailable = f"torch is not importable ({error})"
             return
-        if not torch.cuda.is_available():
-            self.unavailable = f"torch {torch.__version__} sees no CUDA device"
-            return
         self.torch = torch
         self.version = torch.__version__
-        self.device_name = torch.cuda.get_device_name()
+        if device == "cuda" and not torch.cuda.is_available():
+            self.unavailable = f"torch {torch.__version__} sees no CUDA device"
+            return
+        self.device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
     def unsupported_reason(self, case: bm.BenchCase) -> Optional[str]:
         if self.unavailable:
@@ -72,10 +76,20 @@ class TorchFlash:
         return None
 
     def finish(self, result) -> None:
-        self.torch.cuda.synchronize()
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
 
     def memory_probe(self):
         torch = self.torch
+        if self.device != "cuda":
+            class NoProbe:
+                def start(self):
+                    pass
+
+                def peak(self):
+                    return None
+
+            return NoProbe()
 
         class Probe:
             def start(self):
@@ -95,10 +109,10 @@ class TorchFlash:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[case.dtype]
-        generator = torch.Generator(device="cuda").manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
 
         def normal(*shape):
-            return torch.randn(*shape, generator=generator, device="cuda", dtype=dtype)
+            return torch.randn(*shape, generator=generator, device=self.device, dtype=dtype)
 
         q = normal(case.batch, case.q_heads, case.q_len, case.head_dim)
         k = normal(case.batch, case.kv_heads, case.kv_len, case.head_dim)
@@ -126,7 +140,7 @@ class TorchFlash:
         def prepare_backward():
             leaves = with_grad()
             out = attend(*leaves)
-            torch.cuda.synchronize()
+            self.finish(out)
             return out, leaves
 
         def backward(state):
@@ -203,19 +217,21 @@ class FlashBackend:
 
 def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_flash: Optional[TorchFlash],
              budget: Optional[float]) -> List[Dict[str, Any]]:
-    """All implementations and passes of one case, with the ratios to mx.fast filled in."""
-    rows = []
+    """All implementations and passes of one case, timed interleaved, with the ratios to mx.fast."""
     inputs = bm.random_inputs(case, seed=seed)
     settings = bm.Settings(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                            target_seconds=args.target_seconds)
     attention: Dict[str, Callable] = {"mlx-flash": bm.flash_attention_with(flash.name),
                                       "mx.fast": bm.fast_attention, "unfused": bm.unfused_attention}
+    rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
+    items = {}
     torch_passes = None
     for implementation in args.impls:
         for pass_name in args.passes:
             row: Dict[str, Any] = {"implementation": implementation, "pass": pass_name, **bm.as_dict(case)}
             if implementation == "mlx-flash":
                 row["backend"] = flash.name
+            rows[implementation, pass_name] = row
             estimate = estimated_bytes(implementation, case, pass_name)
             skip = None
             if implementation == "mlx-flash" and flash.error:
@@ -226,27 +242,36 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_fla
                 skip = f"estimated {bm.format_bytes(estimate)} > budget {bm.format_bytes(budget)}"
             if skip is not None:
                 row["status"] = f"skipped: {skip}"
-                rows.append(row)
                 continue
-            before = fallback_counts()
             try:
                 if implementation == "torch-fa2":
                     torch_passes = torch_passes or torch_flash.passes(case, seed)
                     prepare, run = torch_passes[pass_name]
-                    row.update(bm.measure(prepare, run, case, pass_name, settings, finish=torch_flash.finish,
-                                          probe=torch_flash.memory_probe()))
+                    call = bm.Call(run, prepare, torch_flash.finish)
+                    items[implementation, pass_name] = (call, case, pass_name, torch_flash.memory_probe())
                 else:
                     prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name)
-                    row.update(bm.measure(prepare, run, case, pass_name, settings))
-                row["status"] = "ok"
-            except Exception as error:  # an OOM or a kernel failure must not end the sweep
+                    items[implementation, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
+            except Exception as error:  # e.g. torch failing to allocate its inputs
                 row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
-            fallbacks = {r: n - before.get(r, 0) for r, n in fallback_counts().items() if n > before.get(r, 0)}
-            if fallbacks:
-                row["fallbacks"] = fallbacks
-            rows.append(row)
-    add_ratios(rows)
-    return rows
+    before = fallback_counts()
+    measured = bm.measure_many(items, settings)
+    fallbacks = {r: n - before.get(r, 0) for r, n in fallback_counts().items() if n > before.get(r, 0)}
+    for key, result in measured.items():
+        row = rows[key]
+        if "error" in result:  # an OOM or a kernel failure must not end the sweep
+            row["status"] = f"error: {result['error']}"
+            continue
+        row.update(result, status="ok")
+        if fallbacks and key[0] == "mlx-flash":  # only mlx-flash calls can fall back
+            row["fallbacks"] = fallbacks
+    del inputs, items, torch_passes
+    mx.clear_cache()  # MLX's buffer cache would otherwise keep this case's blocks from the next
+    if torch_flash is not None and torch_flash.device == "cuda" and not torch_flash.unavailable:
+        torch_flash.torch.cuda.empty_cache()
+    rows_list = list(rows.values())
+    add_ratios(rows_list)
+    return rows_list
 
 
 def add_ratios(rows: List[Dict[str, Any]]) -> None:
@@ -258,7 +283,7 @@ def add_ratios(rows: List[Dict[str, Any]]) -> None:
         if row.get("status") != "ok" or base is None:
             continue
         row["time_vs_mx_fast"] = row["median_ms"] / base["median_ms"]
-        if base["peak_memory_bytes"] > 0:
+        if row["peak_memory_bytes"] is not None and base["peak_memory_bytes"] > 0:
             row["memory_vs_mx_fast"] = row["peak_memory_bytes"] / base["peak_memory_bytes"]
 
 
@@ -327,7 +352,8 @@ def plot(payload: Dict[str, Any], out_dir: Path, name: str) -> List[Path]:
                     style = dict(color=colours[implementation], linestyle=styles[pass_name],
                                  marker=markers[pass_name], label=label)
                     ax_speed.plot(x, [r["tflops"] for r in line], **style)
-                    ax_memory.plot(x, [r["peak_memory_bytes"] / (1 << 20) for r in line], **style)
+                    if all(r["peak_memory_bytes"] is not None for r in line):
+                        ax_memory.plot(x, [r["peak_memory_bytes"] / (1 << 20) for r in line], **style)
             heads = f"H={q_heads}" if q_heads == kv_heads else f"H={q_heads}/{kv_heads} (GQA)"
             title = f"D={head_dim} {dtype} {heads} {'causal' if causal else 'non-causal'}"
             lengths = sorted({r["q_len"] for r in panel})

@@ -99,12 +99,12 @@ def default_config(device: mx.Device) -> Dict:
 def compare_with_mlx(backend: str, case: bm.BenchCase, settings: bm.Settings) -> Dict:
     """Forward and forward+backward of mlx-flash and mx.fast on the same inputs."""
     inputs = bm.random_inputs(case, seed=case.q_len)
-    results = {}
+    items = {}
     for name, attention in (("mlx-flash", bm.flash_attention_with(backend)), ("mx.fast", bm.fast_attention)):
         for pass_name in ("forward", "forward_backward"):
             prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)
-            results[name, pass_name] = bm.measure(prepare, run, case, pass_name, settings)
-    return results
+            items[name, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
+    return bm.measure_many(items, settings, catch=False)
 
 
 def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -> Optional[Dict]:
@@ -124,7 +124,8 @@ def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -
         calls["backward_key_value"] = lambda _: backend.backward_key_value(q, k, v, mask, out, lse, d_out, None, spec)
     else:
         calls["backward"] = lambda _: backend.backward(q, k, v, mask, out, lse, d_out, None, spec)
-    return {kernel: bm.measure(None, run, case, kernel, settings) for kernel, run in calls.items()}
+    return bm.measure_many({kernel: (bm.Call(run), case, kernel, None) for kernel, run in calls.items()},
+                           settings, catch=False)
 
 
 def parse_args(argv=None):

@@ -10,7 +10,10 @@ What is timed (every MLX implementation alike; nothing is mx.compile'd):
                       evaluation of (dq, dk, dv) only. Graph building is not in this number
                       (it is in the two above).
 Each measured call: inputs already evaluated, mx.synchronize(), start clock, run, mx.eval of
-the results, mx.synchronize(), stop clock. Peak memory comes from a separate, untimed call
+the results, mx.synchronize(), stop clock. Calls that are compared with each other (the
+implementations and passes of one size) are timed interleaved, round-robin, so that load from
+other processes falls on all of them alike; the median and IQR of each call's repetitions are
+reported. Peak memory comes from a separate, untimed call
 (which is also the first warm-up): mx.reset_peak_memory() after recording the active memory,
 then mx.get_peak_memory() minus that baseline, i.e. the memory the call needs on top of the
 inputs already resident (its outputs and temporaries; for backward, the retained forward too).
@@ -164,41 +167,88 @@ class Timing:
                 "max_ms": max(self.samples) * 1e3, "repeats": len(self.samples)}
 
 
-def time_call(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any]] = None,
-              finish: Callable[[Any], None] = mlx_finish, warmup: int = 1, min_repeats: int = 3,
-              max_repeats: int = 10, target_seconds: float = 1.0) -> Timing:
-    """Median-ready wall-clock samples of `run`.
+@dataclass
+class Call:
+    """One thing to time: run(state) is the timed work, prepare() its untimed per-repetition setup.
+
+    Attributes:
+        run: called as run(state) with prepare's result (or None); its result is passed to
+            `finish` inside the timed region, so lazy work is really done.
+        prepare: optional untimed setup (e.g. evaluate a forward). It must evaluate what it
+            wants done untimed itself: its result goes to `run` as is, since it is typically
+            the lazy graph whose evaluation is the timed work.
+        finish: blocks until a result is computed (MLX: mx.eval + mx.synchronize).
+    """
+
+    run: Callable[[Any], Any]
+    prepare: Optional[Callable[[], Any]] = None
+    finish: Callable[[Any], None] = mlx_finish
+
+    def timed_once(self) -> float:
+        state = self.prepare() if self.prepare is not None else None
+        self.finish(None)  # drain anything still queued so it is not billed to `run`
+        start = time.perf_counter()
+        result = self.run(state)
+        self.finish(result)
+        return time.perf_counter() - start
+
+
+def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3, max_repeats: int = 10,
+               target_seconds: float = 1.0, errors: Optional[Dict[Any, str]] = None) -> Dict[Any, Timing]:
+    """Wall-clock samples of several calls, interleaved round-robin.
+
+    Interleaving puts the calls being compared in the same time windows, so load from other
+    processes or clock changes hit them alike instead of biasing whichever ran during it.
 
     Args:
-        run: the timed work. Called as run(state) with prepare's result (or None); its result
-            is passed to `finish` inside the timed region, so lazy work is really done.
-        prepare: optional untimed setup per repetition (e.g. evaluate a forward). It must
-            evaluate what it wants done untimed itself: its result is handed to `run` as is,
-            since it is typically the lazy graph whose evaluation is the timed work.
-        finish: blocks until a result is computed (MLX: mx.eval + mx.synchronize).
-        warmup: untimed runs first (kernel compilation, allocator caches).
-        min_repeats, max_repeats: repetitions are added until `target_seconds` of measured time
-            is reached, at least min_repeats and at most max_repeats.
-        target_seconds: see above; keeps fast cases well sampled and slow cases affordable.
+        calls: what to time, by key.
+        warmup: untimed runs of each call first (kernel compilation, allocator caches).
+        min_repeats, max_repeats: a call gets repetitions until `target_seconds` of measured
+            time is reached, at least min_repeats and at most max_repeats.
+        target_seconds: see above; keeps fast calls well sampled and slow ones affordable.
+        errors: if given, a call that raises is dropped and its message stored here by key
+            (otherwise the exception propagates).
+    Returns:
+        Timing by key, for the calls that did not fail.
     """
     if min_repeats < 1 or max_repeats < min_repeats:
         raise ValueError(f"need 1 <= min_repeats <= max_repeats, got min_repeats={min_repeats}, "
                          f"max_repeats={max_repeats}.")
-    samples: List[float] = []
-    for index in range(warmup + max_repeats):
-        state = prepare() if prepare is not None else None
-        finish(None)  # drain anything still queued so it is not billed to `run`
-        start = time.perf_counter()
-        result = run(state)
-        finish(result)
-        elapsed = time.perf_counter() - start
-        del result, state
-        if index < warmup:
-            continue
-        samples.append(elapsed)
-        if len(samples) >= min_repeats and sum(samples) >= target_seconds:
-            break
-    return Timing(samples)
+    samples: Dict[Any, List[float]] = {key: [] for key in calls}
+    active = list(calls)
+
+    def attempt(key) -> Optional[float]:
+        try:
+            return calls[key].timed_once()
+        except Exception as error:
+            if errors is None:
+                raise
+            errors[key] = f"{type(error).__name__}: {str(error)[:200]}"
+            active.remove(key)
+            del samples[key]
+            return None
+
+    for _ in range(warmup):
+        for key in list(active):
+            attempt(key)
+    while active:
+        for key in list(active):
+            elapsed = attempt(key)
+            if elapsed is None:
+                continue
+            samples[key].append(elapsed)
+            done = len(samples[key]) >= min_repeats and sum(samples[key]) >= target_seconds
+            if done or len(samples[key]) >= max_repeats:
+                active.remove(key)
+    return {key: Timing(values) for key, values in samples.items()}
+
+
+def time_call(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any]] = None,
+              finish: Callable[[Any], None] = mlx_finish, warmup: int = 1, min_repeats: int = 3,
+              max_repeats: int = 10, target_seconds: float = 1.0) -> Timing:
+    """Samples of one call; see `Call` and `time_calls` for the arguments."""
+    return time_calls({0: Call(run, prepare, finish)}, warmup=warmup, min_repeats=min_repeats,
+                      max_repeats=max_repeats, target_seconds=target_seconds)[0]
 
 
 class MLXMemory:
@@ -215,7 +265,7 @@ class MLXMemory:
 
 
 def peak_memory(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any]] = None,
-                finish: Callable[[Any], None] = mlx_finish, probe=None) -> int:
+                finish: Callable[[Any], None] = mlx_finish, probe=None) -> Optional[int]:
     """Bytes the call needs above the memory already in use (prepare included: for a backward,
     the retained forward state counts). One untimed call."""
     probe = probe or MLXMemory()
@@ -223,7 +273,7 @@ def peak_memory(run: Callable[[Any], Any], *, prepare: Optional[Callable[[], Any
     state = prepare() if prepare is not None else None
     result = run(state)
     finish(result)
-    peak = probe.peak()
+    peak = probe.peak()  # None where the probe cannot measure
     del result, state
     return peak
 
@@ -300,7 +350,7 @@ def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str):
 
 @dataclass
 class Settings:
-    """How hard to measure: see `time_call`."""
+    """How hard to measure: see `time_calls`."""
 
     warmup: int = 1
     min_repeats: int = 3
@@ -311,16 +361,48 @@ class Settings:
 def measure(prepare, run, case: BenchCase, kernel: str, settings: Settings,
             finish=mlx_finish, probe=None) -> Dict[str, Any]:
     """Peak memory (one untimed call, which also warms up) then timing; the metrics as a dict."""
-    memory = peak_memory(run, prepare=prepare, finish=finish, probe=probe)
-    timing = time_call(run, prepare=prepare, finish=finish, warmup=settings.warmup,
-                       min_repeats=settings.min_repeats, max_repeats=settings.max_repeats,
-                       target_seconds=settings.target_seconds)
-    row = timing.summary_ms()
-    seconds = timing.median
-    row.update(tflops=tflops_per_second(case, kernel, seconds),
-               ginstrs=ginstructions_per_second(case, kernel, seconds),
-               peak_memory_bytes=int(memory), samples_ms=[s * 1e3 for s in timing.samples])
-    return row
+    return measure_many({0: (Call(run, prepare, finish), case, kernel, probe)}, settings, catch=False)[0]
+
+
+def measure_many(items: Dict[Any, tuple], settings: Settings, catch: bool = True) -> Dict[Any, Dict[str, Any]]:
+    """Measure several calls that are to be compared: each one's peak memory (one untimed call
+    each, which also warms it up), then all their timings interleaved (`time_calls`).
+
+    Args:
+        items: key -> (Call, BenchCase, kernel name for the metrics, memory probe or None).
+        settings: repetitions (see `Settings`).
+        catch: record a failing call as {"error": message} instead of raising (one
+            implementation running out of memory must not lose the others' numbers).
+    Returns:
+        key -> metrics dict (median_ms, q1_ms, q3_ms, min_ms, max_ms, repeats, tflops, ginstrs,
+        peak_memory_bytes, samples_ms) or {"error": message}.
+    """
+    errors: Dict[Any, str] = {}
+    memory: Dict[Any, Optional[int]] = {}
+    for key, (call, _, _, probe) in items.items():
+        try:
+            memory[key] = peak_memory(call.run, prepare=call.prepare, finish=call.finish, probe=probe)
+        except Exception as error:
+            if not catch:
+                raise
+            errors[key] = f"{type(error).__name__}: {str(error)[:200]}"
+    calls = {key: item[0] for key, item in items.items() if key not in errors}
+    timings = time_calls(calls, warmup=settings.warmup, min_repeats=settings.min_repeats,
+                         max_repeats=settings.max_repeats, target_seconds=settings.target_seconds,
+                         errors=errors if catch else None)
+    results: Dict[Any, Dict[str, Any]] = {}
+    for key, (_, case, kernel, _) in items.items():
+        if key in errors:
+            results[key] = {"error": errors[key]}
+            continue
+        timing = timings[key]
+        row = timing.summary_ms()
+        row.update(tflops=tflops_per_second(case, kernel, timing.median),
+                   ginstrs=ginstructions_per_second(case, kernel, timing.median),
+                   peak_memory_bytes=None if memory[key] is None else int(memory[key]),
+                   samples_ms=[sample * 1e3 for sample in timing.samples])
+        results[key] = row
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
@@ -346,11 +428,15 @@ def device_description() -> Dict[str, Any]:
 
 
 def device_memory_bytes() -> Optional[int]:
-    """Memory the default device can use: MLX's memory_size / total_memory, else the host RAM."""
-    info = device_description()["device_info"]
+    """Memory the default device can use: MLX's memory_size / total_memory; on a CPU, the host
+    RAM; None for a GPU that reports neither."""
+    description = device_description()
+    info = description["device_info"]
     for key in ("memory_size", "total_memory", "max_recommended_working_set_size"):
         if isinstance(info.get(key), int) and info[key] > 0:
             return int(info[key])
+    if description["device_type"] == "gpu":
+        return None
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

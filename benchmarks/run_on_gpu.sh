@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Run the benchmark suite on an NVIDIA GPU machine that has no package registry.
+#
+# Usage, from the repository root:
+#     MLX_FLASH_COMMIT=<commit> benchmarks/run_on_gpu.sh [OUT_DIR] [extra bench.py arguments...]
+#
+# OUT_DIR defaults to $OUT (the device tool's folder whose files come back), else
+# benchmarks/results/gpu. Extra arguments go after the defaults, so they override them, e.g.
+#     benchmarks/run_on_gpu.sh "$OUT" --head-dims 128 --seq-lens 4096 8192
+#     BACKEND=mlx benchmarks/run_on_gpu.sh          # time the blocked MLX-ops backend instead
+# Environment: BACKEND (mlx-flash backend, default auto), TIME_BUDGET_S (default 420: no new case
+# starts after it, so the run ends inside a 600 s command limit), MLX_FLASH_COMMIT (recorded in
+# the JSON where the copied tree has no .git), INSTALL_WHEELS=0 (use the installed mlx; for a
+# dry run on a CPU machine).
+#
+# MLX's CUDA build comes from the wheels in .whl/ (git-ignored: carry it to the machine); without
+# them the installed mlx is used. torch's FlashAttention-2 column is added when torch with CUDA
+# imports, and skipped with the reason otherwise.
+#
+# Writes at most 5 files into OUT_DIR, no subfolders: bench_gpu.log, bench_gpu.json and one
+# bench_gpu_d<D>_bfloat16.png per head dim.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+out_dir="${1:-${OUT:-benchmarks/results/gpu}}"
+[ $# -gt 0 ] && shift
+mkdir -p "$out_dir"
+log="$out_dir/bench_gpu.log"
+
+{
+    echo "== benchmarks/run_on_gpu.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm)"
+    nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>&1 || echo "(no nvidia-smi)"
+    if [ "${INSTALL_WHEELS:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 3; }
+        export PYTHONPATH="/tmp/site:$PWD"
+    else
+        echo "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
+        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    fi
+    export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
+    python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device(), mx.device_info())" \
+        || { echo "mlx does not import"; exit 3; }
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 \
+        || echo "torch does not import: the torch-fa2 column will be skipped"
+
+    python3 benchmarks/bench.py \
+        --backend "${BACKEND:-auto}" \
+        --dtypes bf16 --head-dims 64 128 256 --seq-lens 1024 2048 4096 8192 16384 --masks none causal \
+        --heads 16 --tokens 16384 --torch \
+        --warmup 2 --min-repeats 5 --max-repeats 20 --target-seconds 0.3 \
+        --time-budget-s "${TIME_BUDGET_S:-420}" \
+        --out "$out_dir" --name bench_gpu "$@"
+    status=$?
+    echo "bench.py exit status $status"
+    exit "$status"
+} 2>&1 | tee "$log"
+exit "${PIPESTATUS[0]}"
