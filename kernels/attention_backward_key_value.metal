@@ -6,7 +6,7 @@
   // No atomics: every dK/dV element is owned by one threadgroup.
   //
   // Inputs: q, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], lse, delta fp32 [B,Hq,Nq] (delta from the
-  //   dQ kernel), mask, mask_strides, params, fparams (as the forward kernel).
+  //   dQ kernel), mask, mask_layout, params, fparams (as the forward kernel).
   // Outputs: dk, dv [B,Hkv,Nk,D], dk_acc, dv_acc (fp32 spill buffers when not cached and the
   //   input is not fp32; otherwise 1 element, unused).
   //
@@ -60,7 +60,7 @@
   auto v_row = v + kv_row * D;
   device float* dk_acc_row = {{dk_accumulator}} + kv_row * D;
   device float* dv_acc_row = {{dv_accumulator}} + kv_row * D;
-  const long mask_step = mask_strides[2];  // the mask is walked along queries here
+  const long mask_step = mask_layout[2];  // the mask is walked along queries here
 
   vec<cache_t, 2> k_cache[K_CACHED ? DR8 / 8 : 1];
   vec<cache_t, 2> v_cache[V_CACHED ? DR8 / 8 : 1];
@@ -82,7 +82,7 @@
     auto do_head = d_out + head * Nq * D;
     auto lse_head = lse + head * Nq;
     auto delta_head = delta + head * Nq;
-    auto mask_line = mask + (mask_strides[0] * b + mask_strides[1] * h + mask_strides[3] * key_c);
+    auto mask_line = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[3] * key_c);
 
     for (int r0 = queries.x; r0 < queries.y; r0 += T) {
       const int t_limit = min(T, queries.y - r0);
@@ -92,7 +92,7 @@
       zero_frags<T / 8>(s);
       {{kq_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS>(tile, q_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, D, r0, queries.y, d0, D, tid);
         vec<cache_t, 2> k_stream[K_CACHED ? 1 : H / 8];
         if (!K_CACHED) load_row_pairs<H>(k_stream, k_row, d0 + lc.x, D, key_ok);
         gemm_abt<T, H, LD>(s, K_CACHED ? k_cache + d0 / 8 : k_stream, tile, DR8 - d0, t_limit, lc);
@@ -125,7 +125,7 @@
       zero_frags<T / 8>(dp);
       {{dov_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS>(tile, do_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, do_head, D, r0, queries.y, d0, D, tid);
         frag_t dv_stream[DV_CACHED ? 1 : H / 8];
         thread frag_t* dv_block = DV_CACHED ? dv_cache + d0 / 8 : dv_stream;
         if (!DV_CACHED) {
@@ -160,7 +160,7 @@
       // dK += dS^T Q, one D-block at a time.
       {{dsq_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS>(tile, q_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, D, r0, queries.y, d0, D, tid);
         frag_t dk_stream[DK_CACHED ? 1 : H / 8];
         thread frag_t* dk_block = DK_CACHED ? dk_cache + d0 / 8 : dk_stream;
         if (!DK_CACHED) {

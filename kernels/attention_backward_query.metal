@@ -6,7 +6,7 @@
   // Nothing is accumulated across threadgroups: no atomics, bitwise-reproducible gradients.
   //
   // Inputs: q, o, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], lse, d_lse fp32 [B,Hq,Nq],
-  //   mask, mask_strides, params, fparams (as the forward kernel).
+  //   mask, mask_layout, params, fparams (as the forward kernel).
   // Outputs: dq [B,Hq,Nq,D], delta fp32 [B,Hq,Nq], dq_acc (fp32 spill buffer of dQ when dQ is
   //   not cached and the input is not fp32; otherwise 1 element, unused).
   //
@@ -61,8 +61,8 @@
   auto k_head = k + kv_head * Nk * D;
   auto v_head = v + kv_head * Nk * D;
   device float* acc_row = {{dq_accumulator}} + head_row * D;
-  auto mask_row = mask + (mask_strides[0] * b + mask_strides[1] * h + mask_strides[2] * row_c);
-  const long mask_step = mask_strides[3];
+  auto mask_row = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[2] * row_c);
+  const long mask_step = mask_layout[3];
 
   // delta = rowsum(dO * O) - d_lse, fp32 (dO is loaded into its register cache on the way).
   vec<cache_t, 2> do_cache[DO_CACHED ? DR8 / 8 : 1];
@@ -96,7 +96,7 @@
     zero_frags<T / 8>(s);
     {{qk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> q_stream[Q_CACHED ? 1 : H / 8];
       if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok);
       gemm_abt<T, H, LD>(s, Q_CACHED ? q_cache + d0 / 8 : q_stream, tile, DR8 - d0, t_limit, lc);
@@ -126,7 +126,7 @@
     zero_frags<T / 8>(dp);
     {{dov_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS>(tile, v_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, D, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> do_stream[DO_CACHED ? 1 : H / 8];
       if (!DO_CACHED) load_row_pairs<H>(do_stream, do_row, d0 + lc.x, D, row_ok);
       gemm_abt<T, H, LD>(dp, DO_CACHED ? do_cache + d0 / 8 : do_stream, tile, DR8 - d0, t_limit, lc);
@@ -143,7 +143,7 @@
     // dQ += dS K, one D-block at a time (an uncached dQ block round-trips its fp32 buffer).
     {{dsk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
       frag_t dq_stream[DQ_CACHED ? 1 : H / 8];
       thread frag_t* dq_block = DQ_CACHED ? dq_cache + d0 / 8 : dq_stream;
       if (!DQ_CACHED) {

@@ -127,9 +127,9 @@ ATTN_FUNC void scale_frags(thread frag_t* frags, float factor, int width) {
 // so padded rows and columns add nothing to the products. Only the 8-row fragments that hold
 // valid rows are written (the products skip the others). Barriers on both sides: the previous
 // tile's readers are done before it is overwritten, and the new tile is complete before use.
-template <int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename Ptr>
-ATTN_FUNC void stage_tile(threadgroup TileT* tile, Ptr src, long ld, int row0, int rows, int col0,
-                          int cols, ushort tid) {
+template <int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename TilePtr, typename Ptr>
+ATTN_FUNC void stage_tile(TilePtr tile, Ptr src, long ld, int row0, int rows, int col0, int cols,
+                          ushort tid) {
   threadgroup_barrier(mem_flags::mem_threadgroup);
   const int valid_rows = min(ROWS, (rows - row0 + 7) / 8 * 8);
   for (int i = tid; i < valid_rows * COLS; i += NTHREADS) {
@@ -153,9 +153,9 @@ ATTN_FUNC void stage_tile(threadgroup TileT* tile, Ptr src, long ld, int row0, i
 // ---------------------------------------------------------------------------------------------
 
 // C (8 x T, T / 8 fragments) += A (8 x W, W / 8 lane pairs) * B^T, with B = tile (T x W).
-template <int T, int W, int LD, typename AT, typename TileT>
-ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, const threadgroup TileT* tile,
-                        int d_limit, int t_limit, ushort2 lc) {
+template <int T, int W, int LD, typename AT, typename TilePtr>
+ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, TilePtr tile, int d_limit,
+                        int t_limit, ushort2 lc) {
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
     if (d < d_limit) {
@@ -165,7 +165,7 @@ ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, const threadgrou
       for (int t = 0; t < T; t += 8) {
         if (t < t_limit) {
           // b(row = head column dd, col = traversal row tt) = tile[t + tt][d + dd].
-          const threadgroup TileT* b_src = tile + (t + lc.x) * LD + d + lc.y;
+          const auto b_src = tile + (t + lc.x) * LD + d + lc.y;
           frag_t b;
           frag_elems(b) = float2(float(b_src[0]), float(b_src[LD]));
           simdgroup_multiply_accumulate(C[t / 8], a, b, C[t / 8]);
@@ -176,9 +176,9 @@ ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, const threadgrou
 }
 
 // C (8 x W, W / 8 fragments) += A (8 x T, T / 8 fragments) * B, with B = tile (T x W).
-template <int T, int W, int LD, typename TileT>
-ATTN_FUNC void gemm_ab(thread frag_t* C, thread frag_t* A, const threadgroup TileT* tile,
-                       int d_limit, int t_limit, ushort2 lc) {
+template <int T, int W, int LD, typename TilePtr>
+ATTN_FUNC void gemm_ab(thread frag_t* C, thread frag_t* A, TilePtr tile, int d_limit, int t_limit,
+                       ushort2 lc) {
 #pragma clang loop unroll(full)
   for (int t = 0; t < T; t += 8) {
     if (t < t_limit) {
@@ -186,7 +186,7 @@ ATTN_FUNC void gemm_ab(thread frag_t* C, thread frag_t* A, const threadgroup Til
       for (int d = 0; d < W; d += 8) {
         if (d < d_limit) {
           // b(row = traversal row tt, col = head column dd) = tile[t + tt][d + dd].
-          const threadgroup TileT* b_src = tile + (t + lc.y) * LD + d + lc.x;
+          const auto b_src = tile + (t + lc.y) * LD + d + lc.x;
           frag_t b;
           frag_elems(b) = float2(float(b_src[0]), float(b_src[1]));
           simdgroup_multiply_accumulate(C[d / 8], A[t / 8], b, C[d / 8]);

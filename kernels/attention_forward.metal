@@ -3,7 +3,7 @@
   // and lse (fp32, natural log; -inf for rows that see no key).
   //
   // Inputs: q [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], mask (array mask, or a 1-element dummy),
-  //   mask_strides int64 [b, h, query, key] (0 where the mask broadcasts),
+  //   mask_layout int64 [b, h, query, key] (0 where the mask broadcasts),
   //   params int32 [Nq, Nk, Hq, group, window_left, window_right, Hkv, -],
   //   fparams fp32 [scale, softcap, 1 / softcap, ...].
   // Outputs: out [B,Hq,Nq,D], lse [B,Hq,Nq], o_acc (fp32 spill buffer of O when O is not
@@ -58,8 +58,8 @@
   auto k_head = k + kv_head * Nk * D;
   auto v_head = v + kv_head * Nk * D;
   device float* acc_row = {{o_accumulator}} + head_row * D;
-  auto mask_row = mask + (mask_strides[0] * b + mask_strides[1] * h + mask_strides[2] * row_c);
-  const long mask_step = mask_strides[3];
+  auto mask_row = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[2] * row_c);
+  const long mask_step = mask_layout[3];
 
   // Cached operands live in registers for the whole kernel.
   vec<cache_t, 2> q_cache[Q_CACHED ? DR8 / 8 : 1];
@@ -81,7 +81,7 @@
     zero_frags<T / 8>(s);
     {{qk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> q_stream[Q_CACHED ? 1 : H / 8];
       if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok);
       gemm_abt<T, H, LD>(s, Q_CACHED ? q_cache + d0 / 8 : q_stream, tile, DR8 - d0, t_limit, lc);
@@ -120,7 +120,7 @@
     // and stored back to its fp32 spill buffer (each lane touches only its own elements).
     {{pv_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS>(tile, v_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, D, c0, keys.y, d0, D, tid);
       frag_t o_stream[O_CACHED ? 1 : H / 8];
       thread frag_t* o_block = O_CACHED ? o_cache + d0 / 8 : o_stream;
       if (!O_CACHED) {

@@ -48,10 +48,10 @@ TEMPLATES = {
 HEADER = "attention_common.metal"
 
 INPUT_NAMES = {
-    "forward": ("q", "k", "v", "mask", "mask_strides", "params", "fparams"),
-    "backward_query": ("q", "k", "v", "o", "d_out", "lse", "d_lse", "mask", "mask_strides",
+    "forward": ("q", "k", "v", "mask", "mask_layout", "params", "fparams"),
+    "backward_query": ("q", "k", "v", "o", "d_out", "lse", "d_lse", "mask", "mask_layout",
                        "params", "fparams"),
-    "backward_key_value": ("q", "k", "v", "d_out", "lse", "delta", "mask", "mask_strides",
+    "backward_key_value": ("q", "k", "v", "d_out", "lse", "delta", "mask", "mask_layout",
                            "params", "fparams"),
 }
 OUTPUT_NAMES = {
