@@ -902,11 +902,13 @@ void coll_sgm_mma(msim_coll* const* s, unsigned mask) {
   if (Acc) sgm_gather<TC>(D, s, mask, 3);
   else
     for (int i = 0; i < 64; ++i) D[i] = 0.0f;
+  typedef float f8 __attribute__((ext_vector_type(8)));
+  f8 Bv[8], Dv[8];
+  __builtin_memcpy(Bv, B, sizeof Bv);
+  __builtin_memcpy(Dv, D, sizeof Dv);
   for (int i = 0; i < 8; ++i)
-    for (int k = 0; k < 8; ++k) {
-      float a = A[i * 8 + k];
-      for (int j = 0; j < 8; ++j) D[i * 8 + j] += a * B[k * 8 + j];
-    }
+    for (int k = 0; k < 8; ++k) Dv[i] += A[i * 8 + k] * Bv[k];
+  __builtin_memcpy(D, Dv, sizeof Dv);
   for (unsigned m = mask; m; m &= m - 1) {
     int l = __builtin_ctz(m);
     auto& mat = *(simdgroup_matrix<TD, 8, 8>*)s[l]->p[0];

@@ -46,14 +46,15 @@ struct Fiber {
   char* stack_lo;
   int state;
   unsigned idx, lane, sg;
-  msim_coll* coll;
   Worker* w;
-  msim_attrs attrs;
+  msim_attrs* attrs;  // kept out of line: Fiber stays small and hot
 };
 
 struct SimdGroup {
   unsigned live_mask;
   unsigned arrived_mask;
+  msim_coll* slot[32];    // the arrived lanes' collectives
+  msim_coll_fn fn[32];    // copies of slot[l]->fn, compared without touching lane stacks
 };
 
 constexpr int kMaxThreads = 1024;
@@ -79,6 +80,7 @@ struct Launch {
 struct Worker {
   // fibers and their stacks (grown on demand, reused across launches)
   Fiber* fibers;
+  msim_attrs* attrs;
   int cap;
   char* stacks;
   size_t stacks_bytes;
@@ -105,11 +107,20 @@ struct Worker {
   Site sites[kMaxSites];
 };
 
-__thread Worker* tls_worker;
+// initial-exec: a plain %fs-relative load instead of a __tls_get_addr call
+// on every barrier/collective (needs only a pointer of static TLS).
+__thread Worker* tls_worker __attribute__((tls_model("initial-exec")));
 
 // ---------------------------------------------------------------------------
 // Context switch
 // ---------------------------------------------------------------------------
+// Stack tops are staggered ("coloured") so that the hot top-of-stack lines of
+// the fibers do not all map to the same cache sets.
+inline uintptr_t stack_top(Fiber* f, size_t stack_size) {
+  size_t colour = ((size_t)f->idx * 17 % 64) * 64 + ((size_t)f->idx / 64 % 4) * 4096;
+  return ((uintptr_t)(f->stack_lo + stack_size - colour)) & ~(uintptr_t)15;
+}
+
 #if defined(__x86_64__)
 extern "C" void msim_switch(void** save_sp, void* new_sp);
 extern "C" void msim_fiber_entry(void);
@@ -149,7 +160,7 @@ __asm__(
 
 inline void fiber_init(Fiber* f, size_t stack_size) {
   // Initial frame popped by msim_switch: r15 r14 r13 r12 rbx rbp ret.
-  uintptr_t top = ((uintptr_t)(f->stack_lo + stack_size)) & ~(uintptr_t)15;
+  uintptr_t top = stack_top(f, stack_size);
   void** sp = (void**)(top - 56);
   for (int i = 0; i < 7; ++i) sp[i] = nullptr;
   sp[3] = (void*)f;                  // r12 -> first argument of fiber main
@@ -167,7 +178,7 @@ void uc_entry(unsigned lo, unsigned hi) {
 inline void fiber_init(Fiber* f, size_t stack_size) {
   getcontext(&f->uc);
   f->uc.uc_stack.ss_sp = f->stack_lo;
-  f->uc.uc_stack.ss_size = stack_size;
+  f->uc.uc_stack.ss_size = stack_top(f, stack_size) - (uintptr_t)f->stack_lo;
   f->uc.uc_link = nullptr;
   uintptr_t p = (uintptr_t)f;
   makecontext(&f->uc, (void (*)())uc_entry, 2, (unsigned)(p & 0xffffffffu),
@@ -216,28 +227,40 @@ void run_collectives(Worker* w, int g, Fiber* self) {
   unsigned arrived = sg.arrived_mask;
   sg.arrived_mask = 0;
   Fiber* base = w->fibers + g * 32;
-  msim_coll* slots[32];
-  unsigned todo = arrived;
-  while (todo) {
-    int first = __builtin_ctz(todo);
-    msim_coll_fn fn = base[first].coll->fn;
-    unsigned grp = 0;
-    for (unsigned m = todo; m; m &= m - 1) {
-      int l = __builtin_ctz(m);
-      if (base[l].coll->fn == fn) grp |= 1u << l;
-    }
-    for (int l = 0; l < 32; ++l)
-      slots[l] = (grp >> l) & 1 ? base[l].coll : nullptr;
-    fn(slots, grp);
-    todo &= ~grp;
+  msim_coll_fn fn0 = sg.fn[__builtin_ctz(arrived)];
+  unsigned same = 0;
+  for (unsigned m = arrived; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    if (sg.fn[l] == fn0) same |= 1u << l;
   }
-  int rev = w->L->d->reversed;
-  for (int k = 0; k < 32; ++k) {
-    int l = rev ? 31 - k : k;
-    if (!((arrived >> l) & 1)) continue;
-    Fiber* f = base + l;
-    f->coll = nullptr;
-    if (f != self) make_runnable(w, f);
+  if (same == arrived) {
+    fn0(sg.slot, arrived);  // the common case: one collective for all lanes
+  } else {
+    // Divergent lanes reached different collectives: one group per function.
+    unsigned todo = arrived;
+    while (todo) {
+      msim_coll_fn fn = sg.fn[__builtin_ctz(todo)];
+      unsigned grp = 0;
+      for (unsigned m = todo; m; m &= m - 1) {
+        int l = __builtin_ctz(m);
+        if (sg.fn[l] == fn) grp |= 1u << l;
+      }
+      fn(sg.slot, grp);
+      todo &= ~grp;
+    }
+  }
+  if (!w->L->d->reversed) {
+    for (unsigned m = arrived; m; m &= m - 1) {
+      Fiber* f = base + __builtin_ctz(m);
+      if (f != self) make_runnable(w, f);
+    }
+  } else {
+    for (unsigned m = arrived; m;) {
+      int l = 31 - __builtin_clz(m);
+      m &= ~(1u << l);
+      Fiber* f = base + l;
+      if (f != self) make_runnable(w, f);
+    }
   }
 }
 
@@ -283,7 +306,7 @@ inline void schedule_next(Worker* w, Fiber* self) {
 extern "C" __attribute__((visibility("hidden"), used)) void msim_fiber_main(
     Fiber* f) {
   Worker* w = f->w;
-  w->L->d->thunk(w->L->d->args, &f->attrs);
+  w->L->d->thunk(w->L->d->args, f->attrs);
   // Thread finished: it no longer takes part in barriers and collectives.
   f->state = F_DONE;
   w->live--;
@@ -316,6 +339,7 @@ bool ensure_capacity(Worker* w, int n, size_t stack_size) {
   if (w->cap >= n && w->stack_size == stack_size) return true;
   if (w->stacks) munmap(w->stacks, w->stacks_bytes);
   free(w->fibers);
+  free(w->attrs);
   size_t page = (size_t)sysconf(_SC_PAGESIZE);
   size_t per = stack_size + page;  // + guard page below each stack
   size_t bytes = per * (size_t)n;
@@ -324,6 +348,7 @@ bool ensure_capacity(Worker* w, int n, size_t stack_size) {
   if (mem == MAP_FAILED) {
     w->stacks = nullptr;
     w->fibers = nullptr;
+    w->attrs = nullptr;
     w->cap = 0;
     return false;
   }
@@ -331,12 +356,14 @@ bool ensure_capacity(Worker* w, int n, size_t stack_size) {
   w->stacks_bytes = bytes;
   w->stack_size = stack_size;
   w->fibers = (Fiber*)calloc((size_t)n, sizeof(Fiber));
+  w->attrs = (msim_attrs*)calloc((size_t)n, sizeof(msim_attrs));
   w->cap = n;
   for (int i = 0; i < n; ++i) {
     char* lo = w->stacks + per * (size_t)i;
     mprotect(lo, page, PROT_NONE);
     w->fibers[i].stack_lo = lo + page;
     w->fibers[i].w = w;
+    w->fibers[i].attrs = w->attrs + i;
   }
   return true;
 }
@@ -376,8 +403,7 @@ void run_threadgroup(Worker* w, unsigned long long tgi) {
     f->lane = (unsigned)i % 32;
     f->sg = (unsigned)i / 32;
     f->state = F_NEW;
-    f->coll = nullptr;
-    msim_attrs& a = f->attrs;
+    msim_attrs& a = *f->attrs;
     unsigned lx = (unsigned)i % sz[0], ly = ((unsigned)i / sz[0]) % sz[1],
              lz = (unsigned)i / (sz[0] * sz[1]);
     a.thread_position_in_threadgroup = msim_u32x3{lx, ly, lz};
@@ -564,7 +590,8 @@ MSIM_EXPORT void msim_rt_collective(msim_coll* c) {
   Worker* w = tls_worker;
   Fiber* f = w->cur;
   SimdGroup& sg = w->sgs[f->sg];
-  f->coll = c;
+  sg.slot[f->lane] = c;
+  sg.fn[f->lane] = c->fn;
   sg.arrived_mask |= 1u << f->lane;
   if (sg.arrived_mask == sg.live_mask) {
     run_collectives(w, (int)f->sg, f);  // last to arrive does the work
@@ -607,7 +634,7 @@ MSIM_EXPORT void* msim_rt_tg_alloc(int site, size_t size, size_t align) {
 MSIM_EXPORT void msim_rt_oob(const char* buffer, long long index, long long lo,
                              long long hi, int is_tg) {
   Worker* w = tls_worker;
-  const msim_attrs& a = w->cur->attrs;
+  const msim_attrs& a = *w->cur->attrs;
   char msg[768];
   snprintf(msg, sizeof msg,
            "metalsim: out-of-bounds access in kernel '%s': %s '%s' index %lld "

@@ -34,8 +34,8 @@ struct msim_attrs {
 
 // A SIMD-group collective. Each participating lane fills one of these on its
 // own stack and calls msim_rt_collective(); the last lane to arrive runs
-// `fn` once for the whole simdgroup with the lanes' slots (slots[l] is NULL
-// for inactive lanes, `mask` has a bit per active lane). Lanes whose `fn`
+// `fn` once for the whole simdgroup with the lanes' slots (`mask` has a bit
+// per active lane; slots[l] is only meaningful for those lanes). Lanes whose `fn`
 // differs (divergent code reaching different collectives) are run as
 // separate groups.
 struct msim_coll;
