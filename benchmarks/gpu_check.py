@@ -62,7 +62,7 @@ def phase_test(out_dir, extra=()):
     with open(os.path.join(out_dir, "pytest.log"), "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     tail = open(os.path.join(out_dir, "pytest.log")).read().splitlines()[-15:]
-    log("pytest:", *tail, sep="\n  ")
+    log("pytest:\n  " + "\n  ".join(tail))
     return r.returncode == 0
 
 
@@ -218,6 +218,87 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     return res
 
 
+SWEEP = {
+    "forward": [(128, 128, 64), (128, 64, 64), (64, 64, 64), (64, 128, 64), (128, 64, 128), (64, 64, 128), (128, 32, 128)],
+    "backward_query": [(64, 64, 128), (128, 64, 128), (64, 128, 128), (64, 32, 128), (128, 32, 128)],
+    "backward_key_value": [(64, 64, 128), (128, 64, 128), (64, 128, 128), (64, 32, 128), (128, 32, 128), (64, 64, 64)],
+}
+
+
+def phase_sweep(out_dir):
+    """Time each kernel alone under several (P, T, H) block shapes at B*N = 16384, H = 16, bf16."""
+    import mlx.core as mx
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    backend = cuda.BACKEND
+    results = []
+    for D in (64, 128):
+        B, H, N = 4, 16, 4096
+        mx.random.seed(D)
+        q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+        for causal in (False,):  # causal runs the same block shapes
+            spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
+            cuda.BLOCK_OVERRIDES.clear()
+            out, lse = backend.forward(q, k, v, m4, spec)
+            delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
+            mx.eval(out, lse, delta, lse2)
+            flops = 4 * B * H * N * N * D / (2 if causal else 1)
+            for kernel, configs in SWEEP.items():
+                for cfg in configs:
+                    if cfg[2] > D and cfg[2] != 128:
+                        continue
+                    cuda.BLOCK_OVERRIDES.clear()
+                    cuda.BLOCK_OVERRIDES[kernel] = cfg
+                    try:
+                        if kernel == "forward":
+                            fn = lambda: mx.eval(backend.forward(q, k, v, m4, spec))
+                            mult = 1.0
+                        elif kernel == "backward_query":
+                            fn = lambda: mx.eval(cuda._backward_query(q, k, v, m4, do, lse2, delta, spec))
+                            mult = 1.0
+                        else:
+                            fn = lambda: mx.eval(cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec))
+                            mult = 1.5
+                        t = _median_time(fn, reps=10, sync=mx.synchronize)
+                        r = dict(D=D, causal=causal, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], ms=t * 1e3,
+                                 tflops=flops * mult / t / 1e12)
+                    except Exception as e:
+                        r = dict(D=D, causal=causal, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], error=str(e)[:200])
+                    results.append(r)
+                    log("sweep", json.dumps(r))
+    cuda.BLOCK_OVERRIDES.clear()
+    with open(os.path.join(out_dir, "sweep.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return True
+
+
+def profile_case():
+    """One call of each kernel at D=128 (for ncu)."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    B, H, N, D = 4, 16, 4096, 128
+    q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+    for _ in range(2):
+        o, g = mx.vjp(lambda a, b, c: flash_attention(a, b, c, backend="cuda"), [q, k, v], [do])
+        mx.eval(o, g)
+
+
+def phase_profile(out_dir):
+    path = os.path.join(out_dir, "ncu.txt")
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "regex:mlxflash_(forward|backward)", "--launch-skip", "3",
+           "--launch-count", "3", "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats",
+           "--section", "WarpStateStats", "--section", "MemoryWorkloadAnalysis",
+           sys.executable, os.path.abspath(__file__), "--profile-case"]
+    with open(path, "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=300)
+    keys = ("custom_kernel", "Duration", "Compute (SM) Throughput", "Memory Throughput", "Achieved Occupancy",
+            "Registers Per Thread", "Stall", "Issue Slots Busy", "Bank Conflicts", "L1/TEX Hit", "Theoretical Occupancy")
+    for line in open(path).read().splitlines():
+        if any(k in line for k in keys):
+            log("ncu", line.strip()[:160])
+    return r.returncode == 0
+
+
 BENCH_SHAPES = [
     # (B, H, N, D): B * N = 16384, H = 16 for D <= 128; B = 1, H = 16, N = 4096 for large D.
     (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128),
@@ -278,9 +359,13 @@ def main():
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes and repetitions")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments (space separated)")
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sanitize_case:
         sanitize_case()
+        return 0
+    if args.profile_case:
+        profile_case()
         return 0
     os.makedirs(args.out, exist_ok=True)
     import mlx.core as mx
@@ -295,6 +380,10 @@ def main():
                 results[phase] = phase_test(args.out, args.pytest_args.split())
             elif phase == "sanitize":
                 results[phase] = phase_sanitize(args.out)
+            elif phase == "sweep":
+                results[phase] = phase_sweep(args.out)
+            elif phase == "profile":
+                results[phase] = phase_profile(args.out)
             elif phase == "bench":
                 results[phase] = phase_bench(args.out, args.quick)
             else:

@@ -108,9 +108,17 @@ class KernelConfig:
                 f"{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
 
 
+# Tuning hook for benchmarks/gpu_check.py only: {kernel: (P, T, H)} replaces the table's row for
+# every head dim. Empty in normal use.
+BLOCK_OVERRIDES: dict = {}
+
+
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
+    if kernel in BLOCK_OVERRIDES:
+        p, t, h = BLOCK_OVERRIDES[kernel]
+        plan = planner.BlockPlan(kernel, p, t, min(h, -(-spec.head_dim // 8) * 8), plan.cached, spec.head_dim)
     if plan.parallel_block % (16 * WARPS):
         raise ValueError(f"[cuda] blocks_cuda.txt: P={plan.parallel_block} for {kernel} must be a multiple of {16 * WARPS}.")
     padded = _round_up(spec.head_dim, 16)
