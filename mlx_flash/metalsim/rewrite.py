@@ -126,8 +126,19 @@ class _Rewriter:
         return match_bracket(self.toks, self.sig, k)
 
     def outs(self, a: int, b: int) -> str:
-        """Output text of significant tokens [a, b) joined with spaces."""
-        return " ".join(self.t(k).out for k in range(a, b) if self.t(k).out)
+        """Output text of significant tokens [a, b), spaced as in the source
+        (comments and newlines become single spaces)."""
+        if a >= b:
+            return ""
+        parts = []
+        for i in range(self.sig[a], self.sig[b - 1] + 1):
+            t = self.toks[i]
+            if t.kind in ("ws", "comment"):
+                if parts and parts[-1] != " ":
+                    parts.append(" ")
+            elif t.out:
+                parts.append(t.out)
+        return "".join(parts).strip()
 
     def blank(self, a: int, b: int) -> None:
         for k in range(a, b):
@@ -250,6 +261,9 @@ class _Rewriter:
             elif t.kind == "punct" and t.text == "[" and self.is_p(k + 1, "["):
                 a = self.t(k + 2)
                 name = a.text if a is not None else ""
+                if name in _UNSUPPORTED:
+                    raise UnsupportedError(
+                        f"[[{name}]]: {_UNSUPPORTED[name]} are not supported in metalsim", t.line)
                 if a is None or a.kind != "ident" or not (name in _STD_ATTRS or self.is_p(k + 3, "::")):
                     raise UnsupportedError(
                         f"attribute [[{name}...]] is not supported in metalsim (Metal attributes "
@@ -333,16 +347,53 @@ class _Rewriter:
                     self.t(m).out = ")"
                 k = e
                 continue
-            # declaration with direct or brace initialisation: float4 v(1, 2, 3, 4);
-            if self.is_id(e) and (self.is_p(e + 1, "(") or self.is_p(e + 1, "{")):
-                m = self.match(e + 1)
-                if m > 0 and m > e + 2 and (self.is_p(m + 1, ";") or self.is_p(m + 1, ",")):
-                    if self.t(e + 1).text == "(" and self._looks_like_params(e + 2, m):
-                        k = e
-                        continue
-                    self.t(e + 1).out = f" = msim::vctor<{type_text}>("
-                    self.t(m).out = ")"
+            # declarations with direct or brace initialisation:
+            # float4 a = x, v(1, 2, 3, 4), w{a.xy, b};
+            if self.is_id(e):
+                self._vector_declarators(e, type_text)
             k = e
+
+    def _vector_declarators(self, j: int, type_text: str) -> None:
+        while self.is_id(j):
+            if self.is_p(j + 1, "(") or self.is_p(j + 1, "{"):
+                m = self.match(j + 1)
+                if m < 0 or not (self.is_p(m + 1, ";") or self.is_p(m + 1, ",")):
+                    return
+                if m > j + 2 and not (self.t(j + 1).text == "(" and self._looks_like_params(j + 2, m)):
+                    self.t(j + 1).out = f" = msim::vctor<{type_text}>("
+                    self.t(m).out = ")"
+                j = m + 1
+            elif self.is_p(j + 1, "="):
+                j = self._skip_initializer(j + 2)
+            elif self.is_p(j + 1, "["):
+                m = self.match(j + 1)
+                if m < 0:
+                    return
+                j = m + 1
+                if self.is_p(j, "="):
+                    j = self._skip_initializer(j + 1)
+            else:
+                j += 1
+            if not self.is_p(j, ","):
+                return
+            j += 1
+
+    def _skip_initializer(self, j: int) -> int:
+        """Position of the `,` or `;` ending the initializer starting at j."""
+        depth = 0
+        while j < len(self.sig):
+            t = self.t(j)
+            if t.kind == "punct":
+                if t.text in ("(", "[", "{"):
+                    depth += 1
+                elif t.text in (")", "]", "}"):
+                    depth -= 1
+                    if depth < 0:
+                        return j
+                elif depth == 0 and t.text in (",", ";"):
+                    return j
+            j += 1
+        return j
 
     def _looks_like_params(self, a: int, b: int) -> bool:
         """Whether tokens [a, b) look like a parameter list (a prototype)."""
