@@ -36,7 +36,7 @@ RUNTIME_DIR = Path(__file__).resolve().parent / "runtime"
 _FLAGS = [
     "-std=c++17", "-O2", "-fPIC", "-shared", "-nostdlib", "-nostdinc++",
     "-fno-exceptions", "-fno-rtti", "-fno-strict-aliasing", "-fno-math-errno",
-    "-fvisibility=hidden", "-fno-stack-protector", "-w",
+    "-fvisibility=hidden", "-fno-stack-protector", "-fstack-clash-protection", "-w",
     "-Xclang", "-fbfloat16-excess-precision=none",
     "-Xclang", "-ffloat16-excess-precision=none",
 ]

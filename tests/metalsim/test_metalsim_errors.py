@@ -167,3 +167,34 @@ def test_argument_checks():
     with pytest.raises(ValueError, match="math_mode"):
         metalsim.metal_kernel(name="x", input_names=[], output_names=["o"], source="",
                               compile_options={"math_mode": "turbo"})
+
+
+FAULT_SOURCE = """
+    uint i = thread_position_in_grid.x;
+    if (MODE == 0) {
+        out[i] = float(100 / int(inp[i]));             // integer division by zero
+    } else if (MODE == 1) {
+        device float* bad = (device float*)(uintptr_t(16));
+        out[i] = bad[i];                               // wild pointer
+    } else {
+        float big[80000];                              // > the fiber stack
+        for (int k = 0; k < 80000; ++k) big[k] = inp[(i + k) % 4];
+        out[i] = big[int(inp[i]) * 79999];
+    }
+"""
+
+
+@pytest.mark.parametrize("mode,what", [(0, "division by zero"), (1, "invalid memory access"),
+                                       (2, "stack overflow")])
+def test_faults_become_exceptions(mode, what):
+    k = metalsim.metal_kernel(name="faulty", input_names=["inp"], output_names=["out"],
+                              source=FAULT_SOURCE)
+    kw = dict(inputs=[mx.zeros((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+              output_shapes=[(4,)], output_dtypes=[mx.float32])
+    with pytest.raises(metalsim.MetalSimError, match=what) as e:
+        k(template=[("MODE", mode)], **kw)
+    assert "faulty" in str(e.value)
+    # the runtime is still usable afterwards
+    out = k(template=[("MODE", 0)], inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1),
+            output_shapes=[(4,)], output_dtypes=[mx.float32])[0]
+    np.testing.assert_array_equal(np.array(out), 100)

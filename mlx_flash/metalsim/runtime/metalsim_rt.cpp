@@ -20,6 +20,7 @@
 #include "msim_abi.h"
 
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,6 +101,9 @@ struct Worker {
   ucontext_t main_uc;
 #endif
   int aborted_tg;  // current threadgroup abandoned after a fatal error
+  // alternate signal stack (faults on a fiber stack, e.g. stack overflow)
+  char* altstack;
+  stack_t old_altstack;
   // threadgroup memory
   char* arena;
   size_t arena_used;
@@ -468,13 +472,73 @@ void run_threadgroup(Worker* w, unsigned long long tgi) {
   w->cur = nullptr;
 }
 
+// ---------------------------------------------------------------------------
+// Faults inside kernels (invalid memory access, fiber stack overflow, integer
+// division by zero) become launch errors instead of killing the process: the
+// handler abandons the threadgroup and the launch reports the fault. Faults
+// outside fibers are passed on to the previous handler.
+// ---------------------------------------------------------------------------
+constexpr int kNumFaultSignals = 3;
+const int kFaultSignals[kNumFaultSignals] = {SIGSEGV, SIGBUS, SIGFPE};
+struct sigaction g_old_actions[kNumFaultSignals];
+
+void fault_handler(int sig, siginfo_t* si, void*) {
+  Worker* w = tls_worker;
+  if (!w || !w->cur) {
+    for (int k = 0; k < kNumFaultSignals; ++k)
+      if (kFaultSignals[k] == sig) sigaction(sig, &g_old_actions[k], nullptr);
+    return;  // the faulting instruction runs again under the previous handler
+  }
+  Fiber* f = w->cur;
+  const msim_attrs& a = *f->attrs;
+  size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  char* addr = (char*)si->si_addr;
+  const char* what = "invalid memory access";
+  if (sig == SIGFPE) what = "arithmetic fault (integer division by zero?)";
+  else if (addr >= f->stack_lo - page && addr < f->stack_lo + 256)
+    what = "fiber stack overflow (raise MLX_FLASH_METALSIM_STACK_KB)";
+  char msg[640];
+  snprintf(msg, sizeof msg,
+           "metalsim: %s in kernel '%s' at address %p (thread_position_in_grid=(%u, %u, %u), "
+           "threadgroup_position_in_grid=(%u, %u, %u)); check='bounds' reports out-of-bounds "
+           "buffer accesses by name",
+           what, w->L->d->kernel_name, (void*)addr, a.thread_position_in_grid.x,
+           a.thread_position_in_grid.y, a.thread_position_in_grid.z,
+           a.threadgroup_position_in_grid.x, a.threadgroup_position_in_grid.y,
+           a.threadgroup_position_in_grid.z);
+  set_error(w->L, msg);
+  abandon(w);
+}
+
+void install_fault_handlers() {
+  struct sigaction sa;
+  memset(&sa, 0, sizeof sa);
+  sa.sa_sigaction = fault_handler;
+  sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_NODEFER;
+  sigemptyset(&sa.sa_mask);
+  for (int k = 0; k < kNumFaultSignals; ++k) sigaction(kFaultSignals[k], &sa, &g_old_actions[k]);
+}
+
+void restore_fault_handlers() {
+  for (int k = 0; k < kNumFaultSignals; ++k) sigaction(kFaultSignals[k], &g_old_actions[k], nullptr);
+}
+
 void run_worker(Worker* w, Launch* L) {
   w->L = L;
   tls_worker = w;
+  constexpr size_t kAltStack = 64 * 1024;
+  if (!w->altstack) w->altstack = (char*)malloc(kAltStack);
+  stack_t ss;
+  ss.ss_sp = w->altstack;
+  ss.ss_size = kAltStack;
+  ss.ss_flags = 0;
+  bool alt = w->altstack && sigaltstack(&ss, &w->old_altstack) == 0;
   const msim_launch_desc* d = L->d;
   int need = (int)(d->tg[0] * d->tg[1] * d->tg[2]);
   if (!ensure_capacity(w, need, d->stack_size)) {
     set_error(L, "metalsim: could not allocate fiber stacks");
+    if (alt) sigaltstack(&w->old_altstack, nullptr);
+    tls_worker = nullptr;
     return;
   }
   if (!w->arena) w->arena = (char*)malloc(65536 + 64);
@@ -484,6 +548,7 @@ void run_worker(Worker* w, Launch* L) {
     if (t >= L->total_tg) break;
     run_threadgroup(w, t);
   }
+  if (alt) sigaltstack(&w->old_altstack, nullptr);
   tls_worker = nullptr;
 }
 
@@ -543,6 +608,7 @@ MSIM_EXPORT int msim_rt_launch(const msim_launch_desc* d, char* err, size_t errl
   if ((unsigned long long)nw > L.total_tg) nw = (int)L.total_tg;
 
   pthread_mutex_lock(&g_launch_mu);
+  install_fault_handlers();
   int helpers = nw - 1;
   if (helpers > 0) {
     pthread_mutex_lock(&g_mu);
@@ -569,6 +635,7 @@ MSIM_EXPORT int msim_rt_launch(const msim_launch_desc* d, char* err, size_t errl
     g_launch = nullptr;
     pthread_mutex_unlock(&g_mu);
   }
+  restore_fault_handlers();
   pthread_mutex_unlock(&g_launch_mu);
   pthread_mutex_destroy(&L.err_mu);
   return L.has_err ? 1 : 0;
