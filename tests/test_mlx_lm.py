@@ -1,0 +1,301 @@
+"""mlx_flash.integrations.mlx_lm: patched mlx-lm models against the same models unpatched.
+
+Every comparison runs the real, unpatched mlx-lm model as the reference (mlx-lm's attention:
+mx.fast.scaled_dot_product_attention), so a patch that routes badly or computes wrongly fails.
+"""
+import importlib
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+
+pytest.importorskip("mlx_lm")
+
+import mlx_flash  # noqa: E402
+from mlx_flash.integrations import mlx_lm as flash_mlx_lm  # noqa: E402
+from mlx_lm.models import base, cache as mlx_lm_cache, llama  # noqa: E402
+
+TOLERANCE = 1e-4  # relative Frobenius error, fp32 logits, losses and gradients
+SEQUENCE = 24     # > DECODE_QUERY_LENGTH, so full sequences take the flash path
+
+
+@pytest.fixture(autouse=True)
+def clean_state():
+    """No test leaks a patch, counts or a checkpointed block class into the next."""
+    assert not flash_mlx_lm.is_patched()
+    block_call = llama.TransformerBlock.__call__
+    mlx_flash.reset_fallback_counts()
+    flash_mlx_lm.reset_call_counts()
+    yield
+    flash_mlx_lm.unpatch()
+    llama.TransformerBlock.__call__ = block_call
+
+
+def relative_error(x, reference) -> float:
+    x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+    return float(np.linalg.norm(x - reference) / max(np.linalg.norm(reference), 1e-30))
+
+
+def tiny_llama(n_heads=4, n_kv_heads=4, layers=2, **extra):
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=layers, intermediate_size=64,
+                           num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5,
+                           vocab_size=97, **extra)
+    mx.random.seed(0)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+MODELS = {
+    "mha": dict(n_heads=4, n_kv_heads=4),
+    "gqa": dict(n_heads=4, n_kv_heads=2),
+    "mqa": dict(n_heads=4, n_kv_heads=1),
+    # One sliding-window layer: mlx-lm passes its mask as a bool array (window 8 < 24 tokens).
+    "sliding_window": dict(n_heads=4, n_kv_heads=2, layer_types=["sliding_attention", "full_attention"],
+                           sliding_window=8),
+}
+
+
+def tokens(batch=2, length=SEQUENCE + 1, seed=1):
+    return mx.random.randint(0, 97, (batch, length), key=mx.random.key(seed))
+
+
+def lm_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return nn.losses.cross_entropy(logits, batch[:, 1:]).mean()
+
+
+def bindings_of(function):
+    """(module, name) of every loaded mlx_lm module global that is `function`."""
+    return [(module, name) for module_name, module in list(sys.modules.items())
+            if module_name.startswith("mlx_lm") and module is not None
+            for name, value in list(vars(module).items()) if value is function]
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+def test_patched_model_matches_unpatched(kind):
+    model = tiny_llama(**MODELS[kind])
+    batch = tokens()
+    logits = model(batch[:, :-1])
+    loss, grads = nn.value_and_grad(model, lm_loss)(model, batch)
+    mx.eval(logits, loss, grads)
+    assert flash_mlx_lm.call_counts() == {"flash": 0, "original": 0}
+
+    with flash_mlx_lm.patched():
+        patched_logits = model(batch[:, :-1])
+        patched_loss, patched_grads = nn.value_and_grad(model, lm_loss)(model, batch)
+        mx.eval(patched_logits, patched_loss, patched_grads)
+    # 2 layers x (logits call + loss call), all on the flash path.
+    assert flash_mlx_lm.call_counts() == {"flash": 4, "original": 0}
+    assert mlx_flash.fallback_counts() == {}
+    assert relative_error(patched_logits, logits) < TOLERANCE
+    assert abs(patched_loss.item() - loss.item()) < TOLERANCE * abs(loss.item())
+    grads, patched_grads = dict(tree_flatten(grads)), dict(tree_flatten(patched_grads))
+    for name in grads:
+        assert relative_error(patched_grads[name], grads[name]) < TOLERANCE, name
+
+
+def test_patch_rebinds_every_module_and_unpatch_restores_identity():
+    import mlx_lm.models.qwen2  # noqa: F401  (a second model module, imported before patching)
+    original = base.scaled_dot_product_attention
+    before = bindings_of(original)
+    assert (llama, "scaled_dot_product_attention") in before and len(before) >= 3
+
+    flash_mlx_lm.patch()
+    replacement = base.scaled_dot_product_attention
+    assert replacement is not original and replacement.__wrapped__ is original
+    assert flash_mlx_lm.original_function() is original
+    for module, name in before:
+        assert getattr(module, name) is replacement, module.__name__
+    assert bindings_of(original) == []  # nothing in mlx_lm still holds the original
+    flash_mlx_lm.patch()  # idempotent
+    assert base.scaled_dot_product_attention is replacement
+
+    # A module (re)imported while patched binds the flash function from base itself...
+    importlib.reload(mlx_lm.models.qwen2)
+    assert mlx_lm.models.qwen2.scaled_dot_product_attention is replacement
+
+    flash_mlx_lm.unpatch()
+    # ...and unpatch restores the very same function object everywhere, reloaded module included.
+    assert base.scaled_dot_product_attention is original
+    for module, name in before:
+        assert getattr(module, name) is original, module.__name__
+    assert mlx_lm.models.qwen2.scaled_dot_product_attention is original
+    assert not flash_mlx_lm.is_patched()
+    flash_mlx_lm.unpatch()  # a second unpatch does nothing
+
+
+def test_modules_imported_after_patch_in_a_fresh_interpreter():
+    """In a fresh interpreter: llama imported before patch(), gemma imported after it (not
+    loaded before), both attend with flash attention; unpatch() restores both."""
+    script = textwrap.dedent("""
+        import sys
+        import mlx.core as mx
+        from mlx_flash.integrations import mlx_lm as flash_mlx_lm
+        import mlx_lm.models.llama as llama
+        assert "mlx_lm.models.gemma" not in sys.modules
+        original = llama.scaled_dot_product_attention
+        flash_mlx_lm.patch()
+        import mlx_lm.models.gemma as gemma
+        replacement = llama.scaled_dot_product_attention
+        assert replacement is not original
+        assert gemma.scaled_dot_product_attention is replacement
+        args = gemma.ModelArgs(model_type="gemma", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+                               num_attention_heads=4, head_dim=8, rms_norm_eps=1e-5, vocab_size=50,
+                               num_key_value_heads=2)
+        model = gemma.Model(args)
+        x = mx.random.randint(0, 50, (1, 16))
+        patched = model(x)
+        mx.eval(patched)
+        assert flash_mlx_lm.call_counts() == {"flash": 2, "original": 0}, flash_mlx_lm.call_counts()
+        flash_mlx_lm.unpatch()
+        assert gemma.scaled_dot_product_attention is original
+        assert llama.scaled_dot_product_attention is original
+        error = (mx.abs(model(x) - patched).max() / mx.abs(patched).max()).item()
+        assert error < 1e-4, error
+        print("ok")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_decode_steps_fall_back_to_mlx_lm_and_match():
+    model = tiny_llama(**MODELS["gqa"])
+    prompt, follow = tokens(batch=1, length=SEQUENCE, seed=2), tokens(batch=1, length=3, seed=3)
+
+    def generate_logits():
+        cache = model.make_cache()
+        outs = [model(prompt, cache=cache)]
+        outs += [model(follow[:, t:t + 1], cache=cache) for t in range(follow.shape[1])]
+        return mx.concatenate([o[:, -1] for o in outs])
+
+    reference = generate_logits()
+    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning, match="decode step"):
+        patched = generate_logits()
+    assert relative_error(patched, reference) < TOLERANCE
+    # Prefill (24 queries) on flash, each of the 3 one-token steps on mlx-lm's own, per layer.
+    assert flash_mlx_lm.call_counts() == {"flash": 2, "original": 6}
+    (reason, count), = mlx_flash.fallback_counts().items()
+    assert "decode step" in reason and count == 6
+
+
+def test_quantized_kv_cache_falls_back():
+    model = tiny_llama(**MODELS["gqa"], head_dim=32)  # quantization groups of 32 along head_dim
+    prompt = tokens(batch=1, length=SEQUENCE, seed=4)
+
+    def prefill():
+        cache = [mlx_lm_cache.QuantizedKVCache(group_size=32, bits=8) for _ in model.layers]
+        return model(prompt, cache=cache)
+
+    reference = prefill()
+    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning, match="quantized KV cache"):
+        patched = prefill()
+    assert relative_error(patched, reference) < 1e-6  # the same function served both
+    assert flash_mlx_lm.call_counts() == {"flash": 0, "original": 2}
+    assert any("quantized KV cache" in r and n == 2 for r, n in mlx_flash.fallback_counts().items())
+
+
+def test_sinks_and_unsupported_inputs_fall_back():
+    shape = (1, 4, SEQUENCE, 8)
+    q, k, v = (mx.random.normal(shape, key=mx.random.key(i)) for i in range(3))
+    sinks = mx.array([0.5, -1.0, 0.0, 2.0])
+    reference = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal", sinks=sinks)
+    mixed_reference = base.scaled_dot_product_attention(q, k.astype(mx.float16), v.astype(mx.float16),
+                                                        None, scale=0.35, mask="causal")
+    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning):
+        patched = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal", sinks=sinks)
+        # q fp32 with fp16 k/v: MLX promotes, flash_attention requires one dtype.
+        mixed = base.scaled_dot_product_attention(q, k.astype(mx.float16), v.astype(mx.float16),
+                                                  None, scale=0.35, mask="causal")
+        flashed = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal")
+    assert relative_error(patched, reference) < 1e-6
+    assert relative_error(mixed, mixed_reference) < 1e-6
+    assert relative_error(flashed, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask="causal")) < TOLERANCE
+    assert flash_mlx_lm.call_counts() == {"flash": 1, "original": 2}
+    reasons = mlx_flash.fallback_counts()
+    assert sum(reasons.values()) == 2
+    assert any("sinks" in r for r in reasons) and any("does not accept" in r and "dtype" in r for r in reasons)
+
+
+def test_fallback_warns_once_per_reason():
+    q = mx.random.normal((1, 2, 1, 8))
+    with flash_mlx_lm.patched():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                base.scaled_dot_product_attention(q, q, q, None, scale=1.0, mask=None)
+    assert [str(w.message).count("decode step") for w in caught] == [1]
+    assert flash_mlx_lm.call_counts()["original"] == 3
+
+
+def lora_model():
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    model = tiny_llama(**MODELS["gqa"])
+    model.freeze()
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0})
+    # LoRA's B starts at zero, which would make every A gradient zero: start from a random B.
+    for name, leaf in tree_flatten(model.trainable_parameters()):
+        if name.endswith("lora_b"):
+            model.update(dict_path(name, 0.1 * mx.random.normal(leaf.shape, key=mx.random.key(len(name)))))
+    return model
+
+
+def dict_path(dotted, value):
+    from mlx.utils import tree_unflatten
+    return tree_unflatten([(dotted, value)])
+
+
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "grad_checkpoint"])
+def test_compiled_lora_training_step_matches_unpatched(checkpoint):
+    from mlx_lm.tuner.trainer import default_loss, grad_checkpoint
+    model = lora_model()
+    if checkpoint:
+        grad_checkpoint(model.layers[0])  # as mlx-lm's trainer does (restored by the fixture)
+    batch = tokens(batch=2, length=33, seed=5)
+    lengths = mx.array([[0, 33], [0, 21]])  # second sequence: only its first 21 tokens count
+
+    def compiled_step():
+        # A new function object each time: mx.compile caches traces per function.
+        loss_and_grad = nn.value_and_grad(model, default_loss)
+
+        def step(batch, lengths):
+            (loss, _), grads = loss_and_grad(model, batch, lengths)
+            return loss, grads
+
+        return mx.compile(step, inputs=[model.state], outputs=[model.state])
+
+    loss, grads = compiled_step()(batch, lengths)
+    mx.eval(loss, grads)
+    with flash_mlx_lm.patched():
+        patched_loss, patched_grads = compiled_step()(batch, lengths)
+        mx.eval(patched_loss, patched_grads)
+    # Forward of 2 layers, plus their recomputation in the backward when checkpointed.
+    assert flash_mlx_lm.call_counts() == {"flash": 4 if checkpoint else 2, "original": 0}
+    assert abs(patched_loss.item() - loss.item()) < TOLERANCE * loss.item()
+    grads, patched_grads = dict(tree_flatten(grads)), dict(tree_flatten(patched_grads))
+    assert len(grads) == 28 and all(n.endswith(("lora_a", "lora_b")) for n in grads)
+    for name in grads:
+        assert relative_error(patched_grads[name], grads[name]) < TOLERANCE, name
+
+
+def test_patched_context_manager_nests_and_checks_backend():
+    original = base.scaled_dot_product_attention
+    flash_mlx_lm.patch(backend="mlx")
+    with flash_mlx_lm.patched(backend="mlx"):
+        assert flash_mlx_lm.is_patched()
+    assert flash_mlx_lm.is_patched()  # the outer patch() is still in effect
+    with pytest.raises(ValueError, match="already patched with backend 'mlx'"):
+        flash_mlx_lm.patch(backend="auto")
+    flash_mlx_lm.unpatch()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        flash_mlx_lm.patch(backend="gpu")
+    with pytest.raises(RuntimeError):
+        with flash_mlx_lm.patched():
+            raise RuntimeError("inside")
+    assert not flash_mlx_lm.is_patched() and base.scaled_dot_product_attention is original
