@@ -92,7 +92,7 @@ def default_config(device: mx.Device) -> Dict:
         return {"sizes": [2048, 4096, 8192, 16384], "quick_sizes": [1024, 2048], "dtype": "bfloat16",
                 "head_dim": 128, "heads": 16, "warmup": 2, "target_seconds": 0.5}
     # 2-core CPU: MLX matmuls run at a few GFLOP/s, so N=1024 fwd+bwd already takes seconds.
-    return {"sizes": [256, 512, 1024], "quick_sizes": [128, 256], "dtype": "float32",
+    return {"sizes": [256, 512, 1024], "quick_sizes": [64, 128], "dtype": "float32",
             "head_dim": 64, "heads": 8, "warmup": 0, "target_seconds": 0.5}
 
 

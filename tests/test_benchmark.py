@@ -1,0 +1,275 @@
+"""The benchmark harness, benchmarks/bench.py and `python -m mlx_flash` (fast: a few seconds)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from mlx_flash import benchmark as bm
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENVIRONMENT_KEYS = {"device", "device_name", "mlx_version", "mlx_flash_version", "git_commit", "date",
+                    "backend", "platform", "load_average"}
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench_cli", ROOT / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Metric formulas against hand-computed values
+
+
+def test_flops_forward_backward_and_causal_halving():
+    case = bm.BenchCase(batch=2, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=64)
+    forward = 4 * 2 * 4 * 1024 * 1024 * 64  # 2 matmuls of 2·N·N·D flops per head
+    assert forward == 2_147_483_648
+    assert bm.attention_flops(case, "forward") == forward
+    assert bm.attention_flops(case, "backward") == 2.5 * forward
+    assert bm.attention_flops(case, "forward_backward") == 3.5 * forward
+    assert bm.attention_flops(case, "backward_query") == 1.5 * forward
+    assert bm.attention_flops(case, "backward_key_value") == 2.0 * forward
+    causal = bm.BenchCase(batch=2, q_heads=4, kv_heads=4, q_len=1024, kv_len=1024, head_dim=64, causal=True)
+    for kernel in bm.KERNELS:
+        assert bm.attention_flops(causal, kernel) == bm.attention_flops(case, kernel) / 2
+
+
+def test_flops_count_query_heads_and_both_lengths():
+    # GQA: work follows the query heads; Nq != Nk: Nq·Nk pairs.
+    case = bm.BenchCase(batch=1, q_heads=6, kv_heads=2, q_len=3, kv_len=5, head_dim=8)
+    assert bm.attention_flops(case, "forward") == 4 * 6 * 3 * 5 * 8 == 2880
+
+
+def test_instruction_counts_follow_mfa():
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=100, kv_len=300, head_dim=64)
+    pairs = 2 * 100 * 300
+    assert bm.attention_instructions(case, "forward") == 133 * pairs            # 2D + 5
+    assert bm.attention_instructions(case, "backward_query") == 197 * pairs     # 3D + 5
+    assert bm.attention_instructions(case, "backward_key_value") == 261 * pairs  # 4D + 5
+    assert bm.attention_instructions(case, "backward") == (197 + 261) * pairs
+    assert bm.attention_instructions(case, "forward_backward") == 591 * pairs   # 9D + 15
+    causal = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=100, kv_len=300, head_dim=64, causal=True)
+    assert bm.attention_instructions(causal, "forward_backward") == 591 * pairs / 2
+
+
+def test_rates_divide_work_by_time():
+    case = bm.BenchCase(batch=1, q_heads=8, kv_heads=8, q_len=4096, kv_len=4096, head_dim=64)
+    # 4·8·4096²·64 = 34.36 GFLOP in 10 ms = 3.436 TFLOP/s; (2·64+5)·8·4096² = 17.85 G instructions in 10 ms = 1785.1 G/s.
+    assert bm.tflops_per_second(case, "forward", 0.01) == pytest.approx(3.4359738368)
+    assert bm.ginstructions_per_second(case, "forward", 0.01) == pytest.approx(1785.0957824)
+
+
+def test_bad_kernel_and_case_arguments_are_named():
+    case = bm.BenchCase(1, 1, 1, 8, 8, 8)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        bm.attention_flops(case, "backwards")
+    with pytest.raises(ValueError, match="q_heads \\(3\\) must be a multiple of kv_heads \\(2\\)"):
+        bm.BenchCase(1, 3, 2, 8, 8, 8)
+    with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):
+        bm.BenchCase(1, 1, 1, 8, 8, 0)
+    assert bm.BenchCase(1, 1, 1, 8, 8, 8, dtype="bf16").dtype == "bfloat16"
+    with pytest.raises(ValueError, match="'fp8'"):
+        bm.dtype_name("fp8")
+
+
+def test_timing_statistics():
+    timing = bm.Timing([0.004, 0.001, 0.003, 0.002])
+    assert timing.median == pytest.approx(0.0025)
+    assert timing.quantile(0.25) == pytest.approx(0.00175)
+    assert timing.quantile(0.75) == pytest.approx(0.00325)
+    summary = timing.summary_ms()
+    assert summary["min_ms"] == pytest.approx(1.0) and summary["max_ms"] == pytest.approx(4.0)
+    assert summary["repeats"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# The timer really waits for the work
+
+
+def test_timer_finishes_every_result_inside_the_clock():
+    finished = []
+    results = iter(range(100))
+
+    def run(state):
+        assert state == "prepared"
+        return next(results)
+
+    timing = bm.time_call(run, prepare=lambda: "prepared", finish=finished.append, warmup=2,
+                          min_repeats=3, max_repeats=3, target_seconds=0.0)
+    assert len(timing.samples) == 3
+    # Each repetition first drains the queue (None), then finishes run's own result.
+    assert finished == [None, 0, None, 1, None, 2, None, 3, None, 4]
+
+
+def test_timer_measures_lazy_mlx_work_not_graph_building():
+    a = mx.random.normal((192, 192))
+    mx.eval(a)
+
+    def chain(_):
+        x = a
+        for _ in range(12):
+            x = mx.tanh(x @ a) * 0.5
+        return x
+
+    start = time.perf_counter()
+    for _ in range(5):
+        chain(None)  # builds the graph, computes nothing
+    build = (time.perf_counter() - start) / 5
+    timed = bm.time_call(chain, warmup=1, min_repeats=3, max_repeats=3).median
+    direct = min(_eval_time(chain) for _ in range(3))
+    assert timed > 5 * build, (timed, build)
+    assert timed > 0.3 * direct, (timed, direct)
+
+
+def _eval_time(fn):
+    start = time.perf_counter()
+    mx.eval(fn(None))
+    return time.perf_counter() - start
+
+
+def test_backward_pass_times_the_gradient_evaluation():
+    # The backward's graph is built and its forward evaluated untimed; what remains (dq, dk,
+    # dv) must still be real work, comparable to the forward, not an already-evaluated no-op.
+    case = bm.BenchCase(batch=1, q_heads=4, kv_heads=4, q_len=256, kv_len=256, head_dim=32)
+    inputs = bm.random_inputs(case)
+    settings = bm.Settings(warmup=1, min_repeats=3, max_repeats=3, target_seconds=0)
+    items = {p: (bm.Call(*reversed(bm.mlx_pass(bm.unfused_attention, case, inputs, p))), case, p, None)
+             for p in bm.PASSES}
+    rows = bm.measure_many(items, settings, catch=False)
+    assert rows["backward"]["median_ms"] > 0.5 * rows["forward"]["median_ms"], rows
+    assert rows["forward_backward"]["median_ms"] > rows["forward"]["median_ms"], rows
+
+
+def test_interleaved_timing_and_failure_capture():
+    order = []
+
+    def recorder(key):
+        def run(_):
+            order.append(key)
+        return run
+
+    def broken(_):
+        raise MemoryError("no room")
+
+    errors = {}
+    calls = {"a": bm.Call(recorder("a"), finish=lambda r: None), "b": bm.Call(recorder("b"), finish=lambda r: None),
+             "c": bm.Call(broken, finish=lambda r: None)}
+    timings = bm.time_calls(calls, warmup=1, min_repeats=2, max_repeats=2, target_seconds=0, errors=errors)
+    assert order == ["a", "b", "a", "b", "a", "b"]
+    assert set(timings) == {"a", "b"} and errors == {"c": "MemoryError: no room"}
+
+
+def test_peak_memory_counts_the_call_not_what_was_resident():
+    resident = mx.ones((2048, 2048))  # 16 MiB already allocated must not count
+    mx.eval(resident)
+    peak = bm.peak_memory(lambda _: mx.ones((1024, 1024)) + 1.0)  # one or two 4 MiB arrays
+    assert 4 << 20 <= peak <= 9 << 20, peak
+    del resident
+
+
+def test_unfused_attention_matches_the_reference():
+    import numpy as np
+
+    from mlx_flash import reference
+    from mlx_flash.spec import check_inputs
+
+    case = bm.BenchCase(batch=1, q_heads=4, kv_heads=2, q_len=24, kv_len=40, head_dim=16, causal=True)
+    q, k, v, _ = bm.random_inputs(case, seed=3)
+    spec, _ = check_inputs(q, k, v, mask="causal")
+    expected, _ = reference.attention_forward(np.array(q), np.array(k), np.array(v), spec)
+    out = bm.unfused_attention(q, k, v, True, case.scale)
+    assert np.allclose(np.array(out), expected, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/bench.py end to end
+
+
+def test_bench_cli_writes_table_json_and_png(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "bench.py"), "--seq-lens", "32", "64", "--heads", "2",
+               "--kv-heads", "1", "--masks", "none", "causal", "--warmup", "0", "--min-repeats", "1",
+               "--max-repeats", "1", "--target-seconds", "0", "--torch", "--out", str(tmp_path), "--name", "t"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "implementation" in done.stdout and "TFLOP/s" in done.stdout and "mlx-flash[mlx]" in done.stdout
+    payload = json.loads((tmp_path / "t.json").read_text())
+    assert ENVIRONMENT_KEYS <= set(payload["environment"])
+    assert payload["environment"]["mlx_version"] == mx.__version__
+    rows = payload["rows"]
+    assert len(rows) == 4 * 4 * 3  # cases x implementations x passes
+    measured = [r for r in rows if r["implementation"] != "torch-fa2"]
+    assert all(r["status"] == "ok" for r in measured), [r["status"] for r in measured if r["status"] != "ok"]
+    assert all(r["median_ms"] > 0 and r["tflops"] > 0 and r["peak_memory_bytes"] > 0 for r in measured)
+    assert all(r["time_vs_mx_fast"] == 1.0 for r in measured if r["implementation"] == "mx.fast")
+    # No torch with CUDA here: the column is skipped with its reason, not an error.
+    torch_rows = [r for r in rows if r["implementation"] == "torch-fa2"]
+    assert torch_rows and all(r["status"].startswith("skipped: torch") for r in torch_rows)
+    png = tmp_path / "t_d64_float32.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
+    bench = load_bench()
+    # 20 KB: the unfused N^2 arrays (4 B x 2 heads x 64^2 x 2-5 arrays) exceed it; mlx-flash does not.
+    bench.main(["--seq-lens", "64", "128", "--heads", "2", "--masks", "none", "--warmup", "0",
+                "--min-repeats", "1", "--max-repeats", "1", "--max-memory-gb", str(20e3 / 2**30),
+                "--time-budget-s", "0.01", "--out", str(tmp_path), "--name", "g", "--no-plots"])
+    out = capsys.readouterr().out
+    payload = json.loads((tmp_path / "g.json").read_text())
+    by_impl = {}
+    for row in payload["rows"]:
+        by_impl.setdefault(row["implementation"], []).append(row["status"])
+    assert by_impl["mlx-flash"] == ["ok"] * 3
+    assert all(s.startswith("skipped: estimated") for s in by_impl["unfused"] + by_impl["mx.fast"])
+    assert "skipped: estimated" in out
+    # The budget ran out after the first case: the second is listed, not run.
+    assert payload["skipped_cases"] == ["B=1 H=2 N=128 D=64 float32"]
+
+
+def test_torch_column_code_path_on_cpu():
+    torch = pytest.importorskip("torch")
+    bench = load_bench()
+    flash = bench.TorchFlash(device="cpu")
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=64, kv_len=64, head_dim=32, dtype="bf16", causal=True)
+    assert flash.unsupported_reason(case) is None
+    passes = flash.passes(case, seed=0)
+    items = {p: (bm.Call(passes[p][1], passes[p][0], flash.finish), case, p, flash.memory_probe()) for p in bm.PASSES}
+    rows = bm.measure_many(items, bm.Settings(warmup=0, min_repeats=1, max_repeats=1), catch=False)
+    assert all(rows[p]["median_ms"] > 0 for p in bm.PASSES)
+    if not torch.cuda.is_available():
+        assert bench.TorchFlash().unavailable.endswith("sees no CUDA device")
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m mlx_flash
+
+
+def test_main_job_quick_run_checks_and_prints_the_table():
+    done = subprocess.run([sys.executable, "-m", "mlx_flash", "--quick"], capture_output=True, text=True,
+                          timeout=120, env=ENV, cwd=ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "backend: 'mlx' (auto)" in out and "correctness: PASS" in out
+    assert "mlx-flash ms" in out and "mx.fast ms" in out and "GINSTRS/s" in out
+    assert out.count("PASS") >= 4 and "FAIL" not in out
+
+
+def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
+    from mlx_flash import __main__ as main_job
+
+    # Tolerances no real computation meets: the check must fail and say so.
+    monkeypatch.setattr(main_job, "GRADIENT_TOLERANCE", {"float32": 0.0, "float16": 0.0, "bfloat16": 0.0})
+    assert main_job.main(["--quick", "--sizes", "16"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "CORRECTNESS FAILED" in out
