@@ -20,7 +20,8 @@ import numpy as np
 
 from . import compiler
 from .rewrite import UnsupportedError, rewrite
-from .signature import METAL_ATTRIBUTES, InputSpec, KernelSpec, generate, metal_source
+from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
+                        metal_source)
 
 __all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError"]
 
@@ -247,7 +248,10 @@ class MetalKernel:
                                  "`mlx.core.Dtype`, `int` or `bool`.")
         in_specs = []
         for n, a, (sh, st, nd) in zip(self.input_names, arrs, self._shape_info):
-            in_specs.append(InputSpec(n, _dtype_info(a.dtype)[0], a.ndim, a.size, sh, st, nd))
+            # Only "0-d or not" and "fewer than 8 elements or not" shape the generated
+            # code, so the variant cache key keeps just that (new lengths reuse a variant).
+            in_specs.append(InputSpec(n, _dtype_info(a.dtype)[0], min(a.ndim, 1),
+                                      min(a.size, MAX_CONSTANT_ARRAY_SIZE), sh, st, nd))
         out_ct = tuple((n, _dtype_info(d)[0]) for n, d in zip(self.output_names, output_dtypes))
         spec = KernelSpec(self.name, tuple(in_specs), out_ct, tuple(tmpl), self._attributes,
                           self.atomic_outputs, check)
@@ -294,7 +298,7 @@ class MetalKernel:
             if inp.strides:
                 add(np.asarray(estrides, dtype=np.int64))
             if inp.ndim_ref:
-                add(np.asarray(inp.ndim, dtype=np.int32))
+                add(np.asarray(a.ndim, dtype=np.int32))
         outs: list[np.ndarray] = []
         for shape, dt in zip(output_shapes, output_dtypes):
             o = np.empty(tuple(int(s) for s in shape), dtype=_dtype_info(dt)[1])
