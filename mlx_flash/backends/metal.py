@@ -42,11 +42,18 @@ def detect_family() -> str:
         return override
     if mx.metal.is_available():
         info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
-        architecture = str(info.get("architecture", ""))
-        match = re.search(r"applegpu_g(\d+)", architecture)
-        if match:
-            return "m3" if int(match.group(1)) >= 15 else "m1"
+        family = family_from_architecture(str(info.get("architecture", "")))
+        if family is not None:
+            return family
     return "m3"
+
+
+def family_from_architecture(architecture: str) -> Optional[str]:
+    """"m1" or "m3" from MLX's architecture string ("applegpu_g<generation><class>"), or None."""
+    match = re.search(r"applegpu_g(\d+)", architecture)
+    if not match:
+        return None
+    return "m3" if int(match.group(1)) >= 15 else "m1"
 
 
 def _kernel_factory():
