@@ -240,7 +240,8 @@ ATTN_FUNC float final_score(float raw, int query, int key, bool in_bounds, MaskP
   }
   bool visible = in_bounds && band_visible<CAUSAL, WINDOW>(query, key, ctx);
   if (MASK_KIND == 1 && visible) {
-    visible = bool(mask_line[mask_index * mask_step]);
+    // Through float: one conversion every mask dtype has (bool, half, bfloat16_t, float).
+    visible = float(mask_line[mask_index * mask_step]) != 0.0f;
   }
   if (MASK_KIND == 2 && visible) {
     s += float(mask_line[mask_index * mask_step]);

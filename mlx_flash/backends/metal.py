@@ -195,8 +195,10 @@ class MetalBackend:
             kwargs = dict(name=variant.name, input_names=list(INPUT_NAMES[variant.kernel]),
                           output_names=list(OUTPUT_NAMES[variant.kernel]), source=body, header=header,
                           ensure_row_contiguous=True)
-            if real_metal:
-                # IEEE inf semantics (exp2(-inf) == 0) are relied on for masked scores.
+            if real_metal and _accepts_compile_options():
+                # IEEE inf semantics (exp2(-inf) == 0) are relied on for masked scores. MLX
+                # before 0.32 has no compile_options and always compiles custom kernels with
+                # fast math disabled, which gives the same semantics.
                 kwargs["compile_options"] = {"math_mode": "safe"}
             compiled = factory(**kwargs)
             self._kernels[key] = compiled
@@ -217,6 +219,11 @@ class MetalBackend:
         return self.kernel(variant)(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=(groups * threads, heads, spec.batch), threadgroup=(threads, 1, 1))
+
+
+def _accepts_compile_options() -> bool:
+    doc = mx.fast.metal_kernel.__doc__ or ""
+    return "compile_options" in doc.split("\n", 1)[0]
 
 
 def _params(spec: AttentionSpec) -> mx.array:
