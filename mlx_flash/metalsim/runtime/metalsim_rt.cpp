@@ -54,6 +54,7 @@ struct Fiber {
 struct SimdGroup {
   unsigned live_mask;
   unsigned arrived_mask;
+  unsigned ready_mask;    // lanes woken by a collective, not yet resumed
   msim_coll* slot[32];    // the arrived lanes' collectives
   msim_coll_fn fn[32];    // copies of slot[l]->fn, compared without touching lane stacks
 };
@@ -253,19 +254,13 @@ void run_collectives(Worker* w, int g, Fiber* self) {
       todo &= ~grp;
     }
   }
-  if (!w->L->d->reversed) {
-    for (unsigned m = arrived; m; m &= m - 1) {
-      Fiber* f = base + __builtin_ctz(m);
-      if (f != self) make_runnable(w, f);
-    }
-  } else {
-    for (unsigned m = arrived; m;) {
-      int l = 31 - __builtin_clz(m);
-      m &= ~(1u << l);
-      Fiber* f = base + l;
-      if (f != self) make_runnable(w, f);
-    }
-  }
+  // Woken lanes go to the simdgroup's ready set: the scheduler resumes them
+  // before other simdgroups, so a simdgroup runs from collective to
+  // collective with its 32 stacks hot in the cache.
+  for (unsigned m = arrived; m; m &= m - 1) base[__builtin_ctz(m)].state = F_RUNNABLE;
+  unsigned wake = self ? arrived & ~(1u << self->lane) : arrived;
+  if (self) self->state = F_RUNNING;
+  sg.ready_mask |= wake;
 }
 
 void release_barrier(Worker* w) {
@@ -277,12 +272,30 @@ void release_barrier(Worker* w) {
   }
 }
 
+// The next fiber to run: a ready lane of simdgroup `g` (lowest lane first,
+// highest when reversed), else the run queue, else any simdgroup's ready lane.
+inline Fiber* pick_next(Worker* w, int g) {
+  int rev = w->L->d->reversed;
+  if (g >= 0 && w->sgs[g].ready_mask) {
+    unsigned m = w->sgs[g].ready_mask;
+    int l = rev ? 31 - __builtin_clz(m) : __builtin_ctz(m);
+    w->sgs[g].ready_mask = m & ~(1u << l);
+    return w->fibers + g * 32 + l;
+  }
+  int i = rq_pop(w);
+  if (i >= 0) return w->fibers + i;
+  for (int k = 0; k < w->nsg; ++k) {
+    int h = rev ? w->nsg - 1 - k : k;
+    if (w->sgs[h].ready_mask) return pick_next(w, h);
+  }
+  return nullptr;
+}
+
 // Leaves the current fiber (already marked blocked or done) and continues
 // with the next runnable fiber, or returns to the threadgroup loop.
 inline void schedule_next(Worker* w, Fiber* self) {
-  int i = rq_pop(w);
-  if (i >= 0) {
-    Fiber* to = w->fibers + i;
+  Fiber* to = pick_next(w, (int)self->sg);
+  if (to) {
     if (to == self) {  // woken while we were switching away: keep running
       to->state = F_RUNNING;
       return;
@@ -400,6 +413,7 @@ void run_threadgroup(Worker* w, unsigned long long tgi) {
     int cnt = n - g * 32 < 32 ? n - g * 32 : 32;
     w->sgs[g].live_mask = cnt == 32 ? 0xffffffffu : ((1u << cnt) - 1);
     w->sgs[g].arrived_mask = 0;
+    w->sgs[g].ready_mask = 0;
   }
   for (int i = 0; i < n; ++i) {
     Fiber* f = w->fibers + i;
@@ -435,8 +449,8 @@ void run_threadgroup(Worker* w, unsigned long long tgi) {
   for (int k = 0; k < n; ++k) rq_push(w, d->reversed ? n - 1 - k : k);
 
   for (;;) {
-    int i = rq_pop(w);
-    if (i < 0) {
+    Fiber* f = pick_next(w, -1);
+    if (!f) {
       if (w->live == 0 || w->aborted_tg) break;
       // Nothing runnable: lanes waiting at a collective whose simdgroup
       // mates are elsewhere (barrier, other branch) run it among themselves.
@@ -457,7 +471,6 @@ void run_threadgroup(Worker* w, unsigned long long tgi) {
       }
       continue;
     }
-    Fiber* f = w->fibers + i;
     bool fresh = f->state == F_NEW;
     f->state = F_RUNNING;
     w->cur = f;
