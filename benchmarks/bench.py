@@ -5,6 +5,7 @@ PyTorch's FlashAttention-2, all in the same run.
     python benchmarks/bench.py --seq-lens 1024 2048 4096 --masks none causal --dtypes fp32
     python benchmarks/bench.py --dtypes bf16 --head-dims 64 128 256 --seq-lens 1024 16384 --torch
     python benchmarks/bench.py --replot results/bench.json      # plots from a recorded JSON
+    python benchmarks/bench.py --markdown results/bench.json    # its rows as Markdown tables
 
 Every row: median milliseconds (and IQR, min/max in the JSON), TFLOP/s, G instructions/s,
 peak memory, and the time and memory of the row as a multiple of mx.fast's (lower is better).
@@ -303,6 +304,39 @@ TABLE_HEADERS = ["implementation", "pass", "ms", "IQR ms", "TFLOP/s", "GINSTRS/s
                  "time/mx.fast", "mem/mx.fast", "note"]
 
 
+def markdown(payload: Dict[str, Any]) -> str:
+    """A recorded run as Markdown: the environment line, then one table per case. Ratios are
+    to mx.fast, by median and by fastest run (the latter is less sensitive to a loaded machine)."""
+    env = payload["environment"]
+    lines = [f"{env.get('device_name')} ({env.get('device')}), MLX {env.get('mlx_version')}, mlx-flash "
+             f"{env.get('mlx_flash_version')} @ {(env.get('git_commit') or 'unknown')[:10]}, backend "
+             f"{env.get('backend')!r}, {env.get('date')}, {env.get('platform')}, {env.get('cpu_count')} CPUs, "
+             f"load average {env.get('load_average')} at start, {env.get('load_average_end')} at end"]
+    cases: Dict[str, List[Dict[str, Any]]] = {}
+    for row in payload["rows"]:
+        label = bm.BenchCase(**{k: row[k] for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len",
+                                                     "head_dim", "dtype", "causal")}).label()
+        cases.setdefault(label, []).append(row)
+    for label, rows in cases.items():
+        base = {r["pass"]: r for r in rows if r["implementation"] == BASELINE and r.get("status") == "ok"}
+        lines += ["", f"**{label}**", "",
+                  "| implementation | pass | ms median (IQR) | TFLOP/s | GINSTRS/s | peak memory | time / mx.fast "
+                  "(median; fastest) | memory / mx.fast |", "|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            name = r["implementation"] + (f"[{r['backend']}]" if r.get("backend") else "")
+            if r.get("status") != "ok":
+                lines.append(f"| {name} | {bm.PASS_LABELS[r['pass']]} | {r.get('status')} | | | | | |")
+                continue
+            b = base.get(r["pass"])
+            speed = (f"{r['median_ms'] / b['median_ms']:.2f}x; {r['min_ms'] / b['min_ms']:.2f}x" if b else "-")
+            memory = (f"{r['peak_memory_bytes'] / b['peak_memory_bytes']:.2f}x"
+                      if b and r.get("peak_memory_bytes") is not None and b["peak_memory_bytes"] else "-")
+            lines.append(f"| {name} | {bm.PASS_LABELS[r['pass']]} | {bm.format_ms(r['median_ms'])} "
+                         f"({bm.format_ms(r['q1_ms'])}-{bm.format_ms(r['q3_ms'])}) | {r['tflops']:.3g} | "
+                         f"{r['ginstrs']:.3g} | {bm.format_bytes(r.get('peak_memory_bytes'))} | {speed} | {memory} |")
+    return "\n".join(lines)
+
+
 def case_table(case: bm.BenchCase, rows: List[Dict[str, Any]]) -> str:
     return f"== {case.label()}\n" + bm.format_table(TABLE_HEADERS, [row_cells(r) for r in rows])
 
@@ -422,6 +456,7 @@ def parse_args(argv=None):
     out.add_argument("--name", default="bench", help="file name prefix")
     out.add_argument("--no-plots", action="store_true")
     out.add_argument("--replot", type=Path, default=None, help="only redraw the plots of this JSON")
+    out.add_argument("--markdown", type=Path, default=None, help="only print this JSON's rows as Markdown")
     args = parser.parse_args(argv)
     args.dtypes = [bm.dtype_name(d) for d in args.dtypes]
     if args.torch and "torch-fa2" not in args.impls:
@@ -437,6 +472,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.markdown is not None:
+        print(markdown(json.loads(args.markdown.read_text())))
+        return 0
     if args.replot is not None:
         payload = json.loads(args.replot.read_text())
         for path in plot(payload, args.replot.parent, args.replot.stem):

@@ -235,6 +235,11 @@ def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
     assert "skipped: estimated" in out
     # The budget ran out after the first case: the second is listed, not run.
     assert payload["skipped_cases"] == ["B=1 H=2 N=128 D=64 float32"]
+    # The recorded JSON renders as Markdown (what benchmarks/RESULTS.md quotes).
+    bench.main(["--markdown", str(tmp_path / "g.json")])
+    table = capsys.readouterr().out
+    assert "**B=1 H=2 N=64 D=64 float32**" in table and "| mlx-flash[mlx] | fwd |" in table
+    assert "| unfused | fwd | skipped: estimated" in table
 
 
 def test_torch_column_code_path_on_cpu():
