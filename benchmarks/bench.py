@@ -183,7 +183,7 @@ def estimated_bytes(implementation: str, case: bm.BenchCase, pass_name: str) -> 
     """Upper estimate of the N^2-sized memory a row needs (0 for the fused paths)."""
     if implementation == "unfused" or (implementation == BASELINE and not mx_fast_is_fused(case, pass_name)):
         pairs = case.batch * case.q_heads * case.q_len * case.kv_len
-        return _SCORE_ARRAYS[pass_name] * pairs * mx.zeros(1, bm.DTYPES[case.dtype]).itemsize
+        return _SCORE_ARRAYS[pass_name] * pairs * bm.DTYPES[case.dtype].size
     return 0.0
 
 
