@@ -75,7 +75,7 @@ def bench_compile(repeat: int) -> float:
             with tempfile.TemporaryDirectory() as d:
                 os.environ["MLX_FLASH_METALSIM_CACHE"] = d
                 kernel = km.matmul_kernel(metalsim)
-                a = mx.zeros((32, 32))
+                a = mx.zeros((64, 64))
                 t0 = time.perf_counter()
                 km.run_matmul(kernel, a, a, mx.float32)
                 ts.append(time.perf_counter() - t0)

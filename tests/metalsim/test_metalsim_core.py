@@ -195,7 +195,7 @@ def test_simdgroup_matrix_lane_layout():
 
 @pytest.mark.parametrize("dtype,tol", [(mx.float32, 1e-4), (mx.float16, 2e-2), (mx.bfloat16, 1e-1)])
 def test_tiled_matmul_simdgroup_matrix(rng, dtype, tol):
-    M, K, N = 64, 96, 32
+    M, K, N = 128, 96, 64
     a = rng.standard_normal((M, K)).astype(np.float32)
     b = rng.standard_normal((K, N)).astype(np.float32)
     am, bm = mx.array(a).astype(dtype), mx.array(b).astype(dtype)
