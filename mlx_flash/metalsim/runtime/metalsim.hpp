@@ -763,7 +763,7 @@ template <class T> MSIM_INL T simd_broadcast_first(T x) {
 }
 
 struct simd_vote {
-  typedef unsigned long long vote_t;
+  typedef uint64_t vote_t;
   vote_t v;
   vote_t active;
   explicit constexpr operator vote_t() const { return v; }
@@ -789,13 +789,13 @@ MSIM_INL bool simd_is_first() {
   return (unsigned)__builtin_ctzll(v.v) == msim_rt_lane();
 }
 MSIM_INL bool quad_all(bool x) {
-  unsigned long long b = (unsigned long long)simd_ballot(x);
+  unsigned long long b = simd_ballot(x).v;
   unsigned long long a = simd_active_threads_mask().v;
   unsigned sh = msim_rt_lane() & ~3u;
   return ((b >> sh) & 15) == ((a >> sh) & 15);
 }
 MSIM_INL bool quad_any(bool x) {
-  unsigned long long b = (unsigned long long)simd_ballot(x);
+  unsigned long long b = simd_ballot(x).v;
   return ((b >> (msim_rt_lane() & ~3u)) & 15) != 0;
 }
 
