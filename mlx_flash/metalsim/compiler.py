@@ -127,20 +127,24 @@ def _compile(src: str, kind: str, extra: list[str] | None = None) -> Path:
     so = d / f"{kind}-{key}.so"
     if so.exists():
         return so
-    cpp = d / f"{kind}-{key}.cpp"
-    cpp.write_text(src)
+    # Other processes may build the same library at the same time: every file
+    # is written under a private name and renamed into place.
+    fd, cpp_tmp = tempfile.mkstemp(prefix=f"{kind}-{key}.", suffix=".cpp", dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(src)
     fd, tmp = tempfile.mkstemp(prefix=f"{kind}-{key}.", suffix=".so.tmp", dir=d)
     os.close(fd)
     try:
-        env = dict(os.environ)
-        r = subprocess.run(list(cmd) + flags + ["-o", tmp, str(cpp)], capture_output=True,
-                           text=True, env=env)
+        r = subprocess.run(list(cmd) + flags + ["-o", tmp, cpp_tmp], capture_output=True,
+                           text=True)
         if r.returncode != 0:
             raise CompileError(r.stderr or r.stdout or f"compiler exited with {r.returncode}")
         os.replace(tmp, so)
+        os.replace(cpp_tmp, d / f"{kind}-{key}.cpp")  # kept next to the library for debugging
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for p in (tmp, cpp_tmp):
+            if os.path.exists(p):
+                os.unlink(p)
     return so
 
 

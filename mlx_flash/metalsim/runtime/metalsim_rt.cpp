@@ -598,6 +598,26 @@ void* pool_main(void* arg) {
   return nullptr;
 }
 
+// After fork() the child has none of the pool threads: forget them (and any
+// lock state copied mid-launch) so the child's first launch starts new ones.
+void after_fork_in_child() {
+  g_nthreads = 0;
+  g_active = g_pending = 0;
+  g_launch = nullptr;
+  pthread_mutex_init(&g_launch_mu, nullptr);
+  pthread_mutex_init(&g_mu, nullptr);
+  pthread_cond_init(&g_cv, nullptr);
+  pthread_cond_init(&g_done_cv, nullptr);
+}
+pthread_once_t g_atfork_once = PTHREAD_ONCE_INIT;
+#if defined(__GLIBC__)
+// pthread_atfork itself lives in libc_nonshared.a, which -nostdlib leaves out.
+extern "C" int __register_atfork(void (*)(void), void (*)(void), void (*)(void), void*);
+void register_atfork() { __register_atfork(nullptr, nullptr, after_fork_in_child, nullptr); }
+#else
+void register_atfork() { pthread_atfork(nullptr, nullptr, after_fork_in_child); }
+#endif
+
 }  // namespace
 
 // ---------------------------------------------------------------------------
@@ -620,6 +640,7 @@ MSIM_EXPORT int msim_rt_launch(const msim_launch_desc* d, char* err, size_t errl
   if (nw > kMaxWorkers) nw = kMaxWorkers;
   if ((unsigned long long)nw > L.total_tg) nw = (int)L.total_tg;
 
+  pthread_once(&g_atfork_once, register_atfork);
   pthread_mutex_lock(&g_launch_mu);
   install_fault_handlers();
   int helpers = nw - 1;
