@@ -7,6 +7,7 @@ import importlib
 import subprocess
 import sys
 import textwrap
+import types
 import warnings
 
 import mlx.core as mx
@@ -117,9 +118,19 @@ def test_patch_rebinds_every_module_and_unpatch_restores_identity():
     flash_mlx_lm.patch()  # idempotent
     assert base.scaled_dot_product_attention is replacement
 
-    # A module (re)imported while patched binds the flash function from base itself...
+    # A module (re)imported while patched binds the flash function from base itself, in mlx_lm
+    # or outside it (a user's model file)...
     importlib.reload(mlx_lm.models.qwen2)
     assert mlx_lm.models.qwen2.scaled_dot_product_attention is replacement
+    user_module = types.ModuleType("user_model_for_test")
+    sys.modules[user_module.__name__] = user_module
+    try:
+        exec("from mlx_lm.models.base import scaled_dot_product_attention as attend", vars(user_module))
+        assert user_module.attend is replacement
+        flash_mlx_lm.unpatch()
+        assert user_module.attend is original
+    finally:
+        del sys.modules[user_module.__name__]
 
     flash_mlx_lm.unpatch()
     # ...and unpatch restores the very same function object everywhere, reloaded module included.
@@ -171,16 +182,17 @@ def test_decode_steps_fall_back_to_mlx_lm_and_match():
 
     def generate_logits():
         cache = model.make_cache()
-        outs = [model(prompt, cache=cache)]
+        # Chunked prefill: the second chunk's 12 queries see 24 keys ("causal", bottom-right).
+        outs = [model(prompt[:, :12], cache=cache), model(prompt[:, 12:], cache=cache)]
         outs += [model(follow[:, t:t + 1], cache=cache) for t in range(follow.shape[1])]
-        return mx.concatenate([o[:, -1] for o in outs])
+        return mx.concatenate([o.reshape(-1, o.shape[-1]) for o in outs])
 
     reference = generate_logits()
     with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning, match="decode step"):
         patched = generate_logits()
     assert relative_error(patched, reference) < TOLERANCE
-    # Prefill (24 queries) on flash, each of the 3 one-token steps on mlx-lm's own, per layer.
-    assert flash_mlx_lm.call_counts() == {"flash": 2, "original": 6}
+    # Two prefill chunks on flash, each of the 3 one-token steps on mlx-lm's own, per layer.
+    assert flash_mlx_lm.call_counts() == {"flash": 4, "original": 6}
     (reason, count), = mlx_flash.fallback_counts().items()
     assert "decode step" in reason and count == 6
 
