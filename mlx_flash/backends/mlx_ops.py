@@ -18,6 +18,11 @@ next step reads makes every temporary die inside its own step (and `mx.depends` 
 help: its outputs keep the whole upstream graph alive). Measured after the change: see
 tests/test_memory.py.
 
+Precision: q, k, v (and dO) are upcast to fp32 once per call, so every product accumulates
+and is stored in fp32 like the kernels' accumulators; with fp16 inputs, rounding dP to fp16
+before dP - D cancels to a 10% error in dQ when a row sees one key (found by the property
+tests). The copies are O(N * D), the same order as the inputs.
+
 GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
 broadcasting shares each kv head with its query heads without tiling k or v.
 """
@@ -55,6 +60,7 @@ class _Problem:
         B, Hkv, G = q.shape[0], spec.kv_heads, spec.group
         self.spec = spec
         self.key_block = key_block
+        q, k, v = (x.astype(mx.float32) for x in (q, k, v))
         self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
         self.k = mx.expand_dims(k, 2)
         self.v = mx.expand_dims(v, 2)
@@ -79,7 +85,7 @@ class _Problem:
         """Final fp32 scores [B, Hkv, G, q1-q0, k1-k0] (softcapped, -inf where masked) and tanh(s/c)."""
         spec = self.spec
         s = mx.matmul(self.q[..., q0:q1, :], mx.swapaxes(self.k[..., k0:k1, :], -1, -2))
-        s = s.astype(mx.float32) * spec.scale
+        s = s * spec.scale
         t = None
         if spec.softcap is not None:
             t = mx.tanh(s * (1.0 / spec.softcap))
@@ -158,8 +164,7 @@ def _forward_chunk(q, k, v, mask, spec, key_block):
     problem = _Problem(q, k, v, mask, spec, key_block)
     B, Hkv, G, Nq, Dv = q.shape[0], spec.kv_heads, spec.group, spec.q_len, spec.value_dim
     # A ones column on V makes P @ [V | 1] also produce the row sums: one matmul, one chain.
-    v_ones = mx.concatenate([problem.v.astype(mx.float32) if spec.dtype == mx.float32 else problem.v,
-                             mx.ones((*problem.v.shape[:-1], 1), problem.v.dtype)], axis=-1)
+    v_ones = mx.concatenate([problem.v, mx.ones((*problem.v.shape[:-1], 1), mx.float32)], axis=-1)
     # Packed state per query row: [acc (Dv) | row_sum | row_max].
     state = mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
                             mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
@@ -172,7 +177,7 @@ def _forward_chunk(q, k, v, mask, spec, key_block):
         safe_max = mx.where(new_max == -math.inf, 0.0, new_max)
         p = mx.exp(s - safe_max[..., None])
         correction = mx.exp(row_max - safe_max)[..., None]
-        pv = mx.matmul(p.astype(spec.dtype), v_ones[..., k0:k1, :]).astype(mx.float32)
+        pv = mx.matmul(p, v_ones[..., k0:k1, :])
         updated = mx.concatenate([rows[..., :-1] * correction + pv, new_max[..., None]], axis=-1)
         state = _splice(state, q0, q1, updated)
     acc, row_sum, row_max = state[..., :Dv], state[..., Dv], state[..., Dv + 1]
@@ -208,7 +213,7 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
                                 spec.kv_len, spec.head_dim, spec.value_dim)
     safe_lse = safe_lse.reshape(B, Hkv, G, Nq)
     row_term = row_term.reshape(B, Hkv, G, Nq)
-    d_out = d_out.reshape(B, Hkv, G, Nq, Dv)
+    d_out = d_out.astype(mx.float32).reshape(B, Hkv, G, Nq, Dv)
     # Packed state: dQ rows (all of them, [.., G, Nq, D]) and the dK | dV rows of the key blocks
     # done so far ([.., Nk_done, D + Dv]); each step reads the previous state and writes a new one.
     dq = mx.zeros((B, Hkv, G, Nq, D), mx.float32)
@@ -220,14 +225,13 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
         s, t = problem.scores(q0, q1, k0, k1)
         p = mx.exp(s - safe_lse[..., q0:q1, None])
         do_blk = d_out[..., q0:q1, :]
-        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2)).astype(mx.float32)
+        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2))
         ds = p * (dp - row_term[..., q0:q1, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        p_in, ds_in = p.astype(spec.dtype), ds.astype(spec.dtype)
-        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds_in, problem.k[..., k0:k1, :]).astype(mx.float32)
-        dk_blk = mx.matmul(mx.swapaxes(ds_in, -1, -2), problem.q[..., q0:q1, :]).astype(mx.float32).sum(2)
-        dv_blk = mx.matmul(mx.swapaxes(p_in, -1, -2), do_blk).astype(mx.float32).sum(2)
+        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds, problem.k[..., k0:k1, :])
+        dk_blk = mx.matmul(mx.swapaxes(ds, -1, -2), problem.q[..., q0:q1, :]).sum(2)
+        dv_blk = mx.matmul(mx.swapaxes(p, -1, -2), do_blk).sum(2)
         dq = _splice(dq, q0, q1, dq_rows)
         dkv.append(mx.concatenate([dk_blk, dv_blk], axis=-1))
         # Tie the new dK|dV rows to dQ so the step is one packed result (see the module docstring).
