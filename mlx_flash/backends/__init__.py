@@ -45,9 +45,11 @@ def stream_device(stream) -> mx.Device:
         return mx.default_device()
     if isinstance(stream, mx.Device):
         return stream
+    if isinstance(stream, mx.DeviceType):  # mx.cpu / mx.gpu, as MLX's own functions accept
+        return mx.Device(stream)
     if isinstance(stream, mx.Stream):
         return stream.device
-    raise TypeError(f"[flash_attention] stream must be None, an mx.Stream or an mx.Device, got {type(stream).__name__}.")
+    raise TypeError(f"[flash_attention] stream must be None, an mx.Stream, mx.Device or mx.cpu/mx.gpu, got {type(stream).__name__}.")
 
 
 def auto_backend_name(device: mx.Device) -> str:
