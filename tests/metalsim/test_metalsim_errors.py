@@ -198,3 +198,17 @@ def test_faults_become_exceptions(mode, what):
     out = k(template=[("MODE", 0)], inputs=[mx.ones((4,))], grid=(4, 1, 1), threadgroup=(4, 1, 1),
             output_shapes=[(4,)], output_dtypes=[mx.float32])[0]
     np.testing.assert_array_equal(np.array(out), 100)
+
+
+def test_compiler_override_and_cache_dir(monkeypatch, tmp_path):
+    import shlex
+    import sys
+
+    monkeypatch.setenv("MLX_FLASH_METALSIM_CXX", f"{shlex.quote(sys.executable)} -m ziglang c++")
+    monkeypatch.setenv("MLX_FLASH_METALSIM_CACHE", str(tmp_path))
+    k = metalsim.metal_kernel(name="override", input_names=["inp"], output_names=["out"],
+                              source="uint i = thread_position_in_grid.x; out[i] = inp[i] + 0.5;")
+    out = k(inputs=[mx.ones((8,))], grid=(8, 1, 1), threadgroup=(8, 1, 1), output_shapes=[(8,)],
+            output_dtypes=[mx.float32])[0]
+    np.testing.assert_array_equal(np.array(out), 1.5)
+    assert list(tmp_path.glob("k-*.so")) and list(tmp_path.glob("k-*.cpp"))
