@@ -68,22 +68,25 @@ def bench_matmul(repeat: int) -> float:
 def bench_compile(repeat: int) -> float:
     km = _load_kernels()
     ts = []
-    old = os.environ.get("MLX_FLASH_METALSIM_CACHE")
+    names = ("MLX_FLASH_METALSIM_CACHE", "ZIG_GLOBAL_CACHE_DIR", "ZIG_LOCAL_CACHE_DIR")
+    saved = {n: os.environ.get(n) for n in names}
     compiler.load_runtime()  # the runtime library is built once per machine
     try:
         for _ in range(repeat):
             with tempfile.TemporaryDirectory() as d:
-                os.environ["MLX_FLASH_METALSIM_CACHE"] = d
+                for n in names:  # empty metalsim and zig caches
+                    os.environ[n] = d
                 kernel = km.matmul_kernel(metalsim)
                 a = mx.zeros((64, 64))
                 t0 = time.perf_counter()
                 km.run_matmul(kernel, a, a, mx.float32)
                 ts.append(time.perf_counter() - t0)
     finally:
-        if old is None:
-            os.environ.pop("MLX_FLASH_METALSIM_CACHE", None)
-        else:
-            os.environ["MLX_FLASH_METALSIM_CACHE"] = old
+        for n, v in saved.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
     return statistics.median(ts)
 
 
