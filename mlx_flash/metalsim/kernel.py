@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from typing import Any, Sequence

@@ -684,7 +684,6 @@ void coll_bcast_first(msim_coll* const* s, unsigned mask) {
   T v = in_of<T>(s, __builtin_ctz(mask));
   for (unsigned m = mask; m; m &= m - 1) out_of<T>(s, __builtin_ctz(m)) = v;
 }
-void coll_ballot(msim_coll* const* s, unsigned mask);
 inline void coll_ballot(msim_coll* const* s, unsigned mask) {
   unsigned long long bits = 0;
   for (unsigned m = mask; m; m &= m - 1) {
