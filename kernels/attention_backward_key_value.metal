@@ -102,7 +102,7 @@
       float2 softcap_grad[SOFTCAP ? T / 8 : 1];
 #pragma clang loop unroll(full)
       for (int t = 0; t < T; t += 8) {
-        float2 values = frag_elems(s[t / 8]);
+        float2 values = s[t / 8];
         float2 grads = float2(1.0f);
 #pragma clang loop unroll(full)
         for (int e = 0; e < 2; ++e) {
@@ -116,7 +116,7 @@
           values[e] = exp2(score - lse2);
           grads[e] = grad;
         }
-        frag_elems(s[t / 8]) = values;
+        s[t / 8] = values;
         if (SOFTCAP) softcap_grad[SOFTCAP ? t / 8 : 0] = grads;
       }
 
@@ -152,9 +152,9 @@
           const int query = r0 + t + lc.x + e;
           deltas[e] = query < queries.y ? delta_head[query] : 0.0f;
         }
-        float2 ds = frag_elems(s[t / 8]) * (frag_elems(dp[t / 8]) - deltas);
+        float2 ds = s[t / 8] * (dp[t / 8] - deltas);
         if (SOFTCAP) ds *= softcap_grad[SOFTCAP ? t / 8 : 0];
-        frag_elems(dp[t / 8]) = ds;
+        dp[t / 8] = ds;
       }
 
       // dK += dS^T Q, one D-block at a time.

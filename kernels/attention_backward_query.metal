@@ -106,7 +106,7 @@
     float2 softcap_grad[SOFTCAP ? T / 8 : 1];
 #pragma clang loop unroll(full)
     for (int t = 0; t < T; t += 8) {
-      float2 values = frag_elems(s[t / 8]);
+      float2 values = s[t / 8];
       float2 grads = float2(1.0f);
 #pragma clang loop unroll(full)
       for (int e = 0; e < 2; ++e) {
@@ -117,7 +117,7 @@
         values[e] = exp2(score - lse2);
         grads[e] = grad;
       }
-      frag_elems(s[t / 8]) = values;
+      s[t / 8] = values;
       if (SOFTCAP) softcap_grad[SOFTCAP ? t / 8 : 0] = grads;
     }
 
@@ -135,9 +135,9 @@
     // dS = P * (dP - delta) [* softcap'(s)], written over dP.
 #pragma clang loop unroll(full)
     for (int t = 0; t < T; t += 8) {
-      float2 ds = frag_elems(s[t / 8]) * (frag_elems(dp[t / 8]) - delta_row);
+      float2 ds = s[t / 8] * (dp[t / 8] - delta_row);
       if (SOFTCAP) ds *= softcap_grad[SOFTCAP ? t / 8 : 0];
-      frag_elems(dp[t / 8]) = ds;
+      dp[t / 8] = ds;
     }
 
     // dQ += dS K, one D-block at a time (an uncached dQ block round-trips its fp32 buffer).

@@ -42,11 +42,21 @@ using namespace metal;
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
 
-typedef simdgroup_matrix<float, 8, 8> frag_t;
+// This lane's two elements of an 8x8 fp32 fragment (see fragment_coord for which). Fragments
+// live in registers as plain vectors; simdgroup_matrix values exist only inside mma(), as in
+// MLX's steel MMA and MFA's simdgroup_matrix_storage.
+typedef float2 frag_t;
 
-// The two elements this lane holds in an 8x8 fragment (see fragment_coord for which).
-ATTN_FUNC thread float2& frag_elems(thread frag_t& m) {
-  return reinterpret_cast<thread float2&>(m.thread_elements());
+// c += a * b on 8x8 fragments held across the simdgroup.
+ATTN_FUNC void mma(thread frag_t& c, frag_t a, frag_t b) {
+  simdgroup_matrix<float, 8, 8> a_mat;
+  simdgroup_matrix<float, 8, 8> b_mat;
+  simdgroup_matrix<float, 8, 8> c_mat;
+  reinterpret_cast<thread float2&>(a_mat.thread_elements()) = a;
+  reinterpret_cast<thread float2&>(b_mat.thread_elements()) = b;
+  reinterpret_cast<thread float2&>(c_mat.thread_elements()) = c;
+  simdgroup_multiply_accumulate(c_mat, a_mat, b_mat, c_mat);
+  c = reinterpret_cast<thread float2&>(c_mat.thread_elements());
 }
 
 // (column, row) inside an 8x8 fragment of this lane's first element; the second is column + 1.
@@ -103,7 +113,7 @@ template <int W, typename Ptr>
 ATTN_FUNC void load_row_frags(thread frag_t* dst, Ptr row_ptr, int col0, int cols, bool row_ok) {
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
-    frag_elems(dst[d / 8]) = load_pair(row_ptr, col0 + d, cols, row_ok);
+    dst[d / 8] = load_pair(row_ptr, col0 + d, cols, row_ok);
   }
 }
 
@@ -113,7 +123,7 @@ ATTN_FUNC void store_row_frags(Ptr row_ptr, thread frag_t* src, float factor, in
                                bool row_ok) {
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
-    store_pair<OutT>(row_ptr, col0 + d, cols, row_ok, frag_elems(src[d / 8]) * factor);
+    store_pair<OutT>(row_ptr, col0 + d, cols, row_ok, src[d / 8] * factor);
   }
 }
 
@@ -121,7 +131,7 @@ template <int N>
 ATTN_FUNC void zero_frags(thread frag_t* frags) {
 #pragma clang loop unroll(full)
   for (int i = 0; i < N; ++i) {
-    frag_elems(frags[i]) = float2(0.0f);
+    frags[i] = float2(0.0f);
   }
 }
 
@@ -130,7 +140,7 @@ template <int W>
 ATTN_FUNC void scale_frags(thread frag_t* frags, float factor, int width) {
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
-    if (d < width) frag_elems(frags[d / 8]) *= factor;
+    if (d < width) frags[d / 8] *= factor;
   }
 }
 
@@ -175,16 +185,13 @@ ATTN_FUNC void gemm_abt(thread frag_t* C, thread vec<AT, 2>* A, TilePtr tile, in
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
     if (d < d_limit) {
-      frag_t a;
-      frag_elems(a) = float2(A[d / 8]);
+      const frag_t a = float2(A[d / 8]);
 #pragma clang loop unroll(full)
       for (int t = 0; t < T; t += 8) {
         if (t < t_limit) {
           // b(row = head column dd, col = traversal row tt) = tile[t + tt][d + dd].
           const auto b_src = tile + (t + lc.x) * LD + d + lc.y;
-          frag_t b;
-          frag_elems(b) = float2(float(b_src[0]), float(b_src[LD]));
-          simdgroup_multiply_accumulate(C[t / 8], a, b, C[t / 8]);
+          mma(C[t / 8], a, float2(float(b_src[0]), float(b_src[LD])));
         }
       }
     }
@@ -203,9 +210,7 @@ ATTN_FUNC void gemm_ab(thread frag_t* C, thread frag_t* A, TilePtr tile, int d_l
         if (d < d_limit) {
           // b(row = traversal row tt, col = head column dd) = tile[t + tt][d + dd].
           const auto b_src = tile + (t + lc.y) * LD + d + lc.x;
-          frag_t b;
-          frag_elems(b) = float2(float(b_src[0]), float(b_src[1]));
-          simdgroup_multiply_accumulate(C[d / 8], A[t / 8], b, C[d / 8]);
+          mma(C[d / 8], A[t / 8], float2(float(b_src[0]), float(b_src[1])));
         }
       }
     }

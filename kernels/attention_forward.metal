@@ -91,7 +91,7 @@
     float block_max = -INFINITY;
 #pragma clang loop unroll(full)
     for (int t = 0; t < T; t += 8) {
-      float2 scores = frag_elems(s[t / 8]);
+      float2 scores = s[t / 8];
 #pragma clang loop unroll(full)
       for (int e = 0; e < 2; ++e) {
         const int key = c0 + t + lc.x + e;
@@ -100,7 +100,7 @@
             scores[e], row, key, row_ok && key < keys.y, mask_row, key, mask_step, ctx, unused_grad);
         block_max = max(block_max, scores[e]);
       }
-      frag_elems(s[t / 8]) = scores;
+      s[t / 8] = scores;
     }
     const float m_new = max(m, row_max(block_max));
     // A row that has seen no visible key keeps max -inf: subtract 0 (exp2(-inf) = 0, no NaN).
@@ -109,8 +109,8 @@
     float block_sum = 0.0f;
 #pragma clang loop unroll(full)
     for (int t = 0; t < T; t += 8) {
-      const float2 p = exp2(frag_elems(s[t / 8]) - m_base);
-      frag_elems(s[t / 8]) = p;
+      const float2 p = exp2(s[t / 8] - m_base);
+      s[t / 8] = p;
       block_sum += p.x + p.y;
     }
     l = l * correction + row_sum(block_sum);
