@@ -6,8 +6,10 @@
 // read with ldmatrix. Shared-memory rows are padded by 8 elements (16 bytes) so the 8 row
 // addresses of one ldmatrix land in 8 different bank groups.
 #pragma once
+#ifndef MLXFLASH_CPU_EMULATION
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#endif
 
 namespace mlxflash {
 
@@ -21,6 +23,9 @@ enum Param {
   P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_COUNT
 };
 
+// The instructions below have CPU stand-ins in kernels/cuda_emulation.cuh (kernel logic tests
+// without a GPU: mlx_flash/backends/cuda_emulator.py).
+#ifndef MLXFLASH_CPU_EMULATION
 __device__ __forceinline__ u32 smem_u32(const void* p) {
   return static_cast<u32>(__cvta_generic_to_shared(p));
 }
@@ -42,6 +47,15 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_u32(p)));
 }
+// Two 8x8 matrices (row addresses from lanes 0-15).
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(smem_u32(p)));
+}
 
 // c += a (16x16, row) * b (16x8, col), fp32 accumulate.
 __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16) {
@@ -54,6 +68,8 @@ __device__ __forceinline__ void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u3
                : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+#endif  // MLXFLASH_CPU_EMULATION
 
 __device__ __forceinline__ u32 pack2(float x, float y, __nv_bfloat16) {
   __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
@@ -77,11 +93,13 @@ __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(bool x) { return x ? 1.0f : 0.0f; }
 
+#ifndef MLXFLASH_CPU_EMULATION
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+#endif
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
