@@ -45,6 +45,18 @@ def _scores(q, k, spec, mask):
     return s, t
 
 
+def _softmax(s):
+    """Row softmax P and lse of scores with -inf where masked; rows with no key: P = 0, lse = -inf."""
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        m = s.max(axis=-1, keepdims=True)
+        m_safe = np.where(np.isfinite(m), m, 0.0)
+        p = np.exp(s - m_safe)
+        l = p.sum(axis=-1, keepdims=True)
+        seen = l > 0
+        lse = np.where(seen, np.log(np.where(seen, l, 1.0)) + m_safe, -np.inf)[..., 0]
+        return np.where(seen, p / np.where(seen, l, 1.0), 0.0), lse
+
+
 def _to64(x):
     return None if x is None else np.asarray(x).astype(np.float64) if np.asarray(x).dtype != np.bool_ else np.asarray(x)
 
@@ -53,13 +65,7 @@ def attention_forward(q, k, v, spec: AttentionSpec, mask=None):
     """Returns (out [B,Hq,Nq,Dv], lse [B,Hq,Nq]) in float64. Inputs: numpy arrays of any float dtype."""
     q, k, v, mask = _to64(q), _to64(k), _to64(v), _to64(mask)
     s, _ = _scores(q, k, spec, mask)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        m = s.max(axis=-1, keepdims=True)
-        m_safe = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m_safe)
-        l = p.sum(axis=-1, keepdims=True)
-        lse = np.where(l > 0, np.log(np.where(l > 0, l, 1.0)) + m_safe, -np.inf)[..., 0]
-        p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    p, lse = _softmax(s)
     group = spec.group
     vv = np.repeat(v, group, axis=1) if group > 1 else v
     out = np.einsum("bhij,bhjd->bhid", p, vv)
@@ -73,12 +79,7 @@ def attention_backward(q, k, v, d_out, spec: AttentionSpec, mask=None, d_lse=Non
     """
     q, k, v, d_out, mask = _to64(q), _to64(k), _to64(v), _to64(d_out), _to64(mask)
     s, t = _scores(q, k, spec, mask)
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        m = s.max(axis=-1, keepdims=True)
-        m_safe = np.where(np.isfinite(m), m, 0.0)
-        p = np.exp(s - m_safe)
-        l = p.sum(axis=-1, keepdims=True)
-        p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
+    p, _ = _softmax(s)
     group = spec.group
     kk = np.repeat(k, group, axis=1) if group > 1 else k
     vv = np.repeat(v, group, axis=1) if group > 1 else v
