@@ -1085,9 +1085,20 @@ using namespace metal;
 namespace msim {
 alignas(64) inline char scratch_[256];
 
+// Offsets are integers; excluding class types keeps `p - q` on the
+// pointer difference below.
+template <class I> using offset_t = enable_if_t<!__is_class(I)>;
+
+template <class T> struct dptr;
+
+// Checked pointer to const T: holds the bounds and does the checks. dptr<T>
+// (T not const) derives from it so that, as with raw pointers, a
+// `const device T*` parameter of a function template (dptr<const T>)
+// deduces T from a dptr<float> argument (deduction accepts a derived class),
+// and dptr<T> converts to dptr<const T>.
 template <class T>
-struct dptr {
-  T* p;
+struct dptr<const T> {
+  const T* p;
   char* base;       // allocation start
   long long lo_b;   // valid byte range [lo_b, hi_b) relative to base
   long long hi_b;
@@ -1097,31 +1108,31 @@ struct dptr {
   dptr() : p(nullptr), base(nullptr), lo_b(0), hi_b(0), name("?"), is_tg(0) {}
   dptr(decltype(nullptr)) : dptr() {}
   // From a raw pointer (e.g. &tile[i][j]): no bounds known, never reported.
-  dptr(T* raw)
+  dptr(const T* raw)
       : p(raw), base(nullptr), lo_b(-(1LL << 62)), hi_b(1LL << 62), name("?"), is_tg(0) {}
-  dptr(T* p_, const void* base_, long long lo, long long hi, const char* n, int tg = 0)
+  dptr(const T* p_, const void* base_, long long lo, long long hi, const char* n, int tg = 0)
       : p(p_), base((char*)base_), lo_b(lo), hi_b(hi), name(n), is_tg(tg) {}
-  template <class U, class = enable_if_t<!is_same<U, T>::value && is_same<const U, T>::value>>
-  dptr(const dptr<U>& o) : p(o.p), base(o.base), lo_b(o.lo_b), hi_b(o.hi_b), name(o.name), is_tg(o.is_tg) {}
 
-  T* check(T* q) const {
-    long long off = (long long)((char*)q - base);
+  const T* check(const T* q) const {
+    long long off = (long long)((const char*)q - base);
     if (__builtin_expect(off < lo_b || off + (long long)sizeof(T) > hi_b, 0)) {
       long long sz = (long long)sizeof(T);
       long long idx = off >= 0 ? off / sz : -((-off + sz - 1) / sz);
       msim_rt_oob(name, idx, lo_b / sz, hi_b / sz, is_tg);
-      return (T*)scratch_;
+      return (const T*)scratch_;
     }
     return q;
   }
-  T* get() const { return p; }
-  operator T*() const { return p; }
-  T& operator*() const { return *check(p); }
-  T* operator->() const { return check(p); }
+  const T* get() const { return p; }
+  // The only conversion to a raw pointer, dptr<T> included: a second one (to
+  // T*) would make `if (p)`, `p < q` and `p == nullptr` ambiguous.
+  operator const T*() const { return p; }
+  const T& operator*() const { return *check(p); }
+  const T* operator->() const { return check(p); }
   template <class I>
-  T& operator[](I i) const { return *check(p + (long long)i); }
-  template <class I> dptr operator+(I i) const { dptr r = *this; r.p = p + (long long)i; return r; }
-  template <class I> dptr operator-(I i) const { dptr r = *this; r.p = p - (long long)i; return r; }
+  const T& operator[](I i) const { return *check(p + (long long)i); }
+  template <class I, class = offset_t<I>> dptr operator+(I i) const { dptr r = *this; r.p += (long long)i; return r; }
+  template <class I, class = offset_t<I>> dptr operator-(I i) const { dptr r = *this; r.p -= (long long)i; return r; }
   long long operator-(const dptr& o) const { return p - o.p; }
   template <class I> dptr& operator+=(I i) { p += (long long)i; return *this; }
   template <class I> dptr& operator-=(I i) { p -= (long long)i; return *this; }
@@ -1130,7 +1141,33 @@ struct dptr {
   dptr operator++(int) { dptr r = *this; ++p; return r; }
   dptr operator--(int) { dptr r = *this; --p; return r; }
 };
-template <class I, class T> dptr<T> operator+(I i, const dptr<T>& d) { return d + i; }
+
+// Checked pointer to mutable T: the same pointer, with mutable access.
+template <class T>
+struct dptr : dptr<const T> {
+  typedef dptr<const T> cdptr;
+  dptr() = default;
+  dptr(decltype(nullptr)) {}
+  dptr(T* raw) : cdptr(raw) {}
+  dptr(T* p_, const void* base_, long long lo, long long hi, const char* n, int tg = 0)
+      : cdptr(p_, base_, lo, hi, n, tg) {}
+
+  T* get() const { return const_cast<T*>(this->p); }
+  T& operator*() const { return const_cast<T&>(cdptr::operator*()); }
+  T* operator->() const { return const_cast<T*>(cdptr::operator->()); }
+  template <class I>
+  T& operator[](I i) const { return const_cast<T&>(cdptr::operator[](i)); }
+  template <class I, class = offset_t<I>> dptr operator+(I i) const { dptr r = *this; r.p += (long long)i; return r; }
+  template <class I, class = offset_t<I>> dptr operator-(I i) const { dptr r = *this; r.p -= (long long)i; return r; }
+  long long operator-(const cdptr& o) const { return this->p - o.p; }
+  template <class I> dptr& operator+=(I i) { this->p += (long long)i; return *this; }
+  template <class I> dptr& operator-=(I i) { this->p -= (long long)i; return *this; }
+  dptr& operator++() { ++this->p; return *this; }
+  dptr& operator--() { --this->p; return *this; }
+  dptr operator++(int) { dptr r = *this; ++this->p; return r; }
+  dptr operator--(int) { dptr r = *this; --this->p; return r; }
+};
+template <class I, class T, class = offset_t<I>> dptr<T> operator+(I i, const dptr<T>& d) { return d + i; }
 
 // Pointer casts that keep the bounds (reinterpret_cast<device float4*>(p)).
 template <class U, class T>
@@ -1139,24 +1176,13 @@ template <class U, class T>
 MSIM_INL U* ptr_cast(T* p) { return (U*)p; }
 
 // Threadgroup array views for bounds-check mode: tg_view<float[4][8]>
-// checks every subscript against its dimension.
+// checks every subscript against its dimension. A 1-D view is a checked
+// pointer over its N elements, so it passes to `threadgroup T*` and
+// `const threadgroup T*` parameters, function templates' included.
 template <class A> struct tg_view;
 template <class T, unsigned long N>
-struct tg_view<T[N]> {
-  T* p;
-  const char* name;
-  T& operator[](long long i) const {
-    if (i < 0 || i >= N) {
-      msim_rt_oob(name, i, 0, N, 1);
-      return *(T*)scratch_;
-    }
-    return p[i];
-  }
-  operator dptr<T>() const { return dptr<T>(p, p, 0, (long long)(N * sizeof(T)), name, 1); }
-  operator dptr<const T>() const { return dptr<const T>(p, p, 0, (long long)(N * sizeof(T)), name, 1); }
-  operator T*() const { return p; }
-  template <class I> dptr<T> operator+(I i) const { return dptr<T>(*this) + i; }
-  T& operator*() const { return (*this)[0]; }
+struct tg_view<T[N]> : dptr<T> {
+  tg_view(T* p_, const char* n) : dptr<T>(p_, p_, 0, (long long)(N * sizeof(T)), n, 1) {}
 };
 template <class T, unsigned long N, unsigned long M>
 struct tg_view<T[N][M]> {
