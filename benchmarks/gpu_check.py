@@ -35,12 +35,12 @@ def log(*args):
 def phase_smoke(out_dir):
     from attention_cases import Case, check_case
     cases = [
-        Case(head_dim=64, q_len=128, kv_len=128, dtype="bfloat16"),
         Case(head_dim=64, q_len=100, kv_len=77, dtype="float16", mask="causal", group=2),
         Case(head_dim=128, q_len=200, kv_len=300, dtype="bfloat16", mask="additive", softcap=5.0, lse_gradient=True),
-        Case(head_dim=37, q_len=50, kv_len=61, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
         Case(head_dim=256, q_len=130, kv_len=130, dtype="bfloat16", mask="window", window=(10, 5)),
         Case(head_dim=512, q_len=70, kv_len=90, dtype="bfloat16", mask="causal"),
+        Case(head_dim=160, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
+        Case(head_dim=320, q_len=61, kv_len=67, dtype="float16", group=3, softcap=30.0),
     ]
     ok = True
     for case in cases:
@@ -72,7 +72,7 @@ def sanitize_case():
     import mlx.core as mx
     from mlx_flash import flash_attention
     mx.random.seed(0)
-    for D, mask, N in ((64, "causal", 100), (72, None, 65), (130, "bool", 40)):
+    for D, mask, N in ((64, "causal", 100), (72, None, 65), (130, "bool", 40), (320, "causal", 40)):
         q = mx.random.normal((1, 2, N, D)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
@@ -123,7 +123,8 @@ def _median_time(fn, warmup=3, reps=10, sync=None):
     return times[len(times) // 2]
 
 
-def bench_one(B, H, N, D, causal, with_torch=True, reps=10):
+def bench_one(B, H, N, D, causal, with_torch=True, reps=10, references=True):
+    """One benchmark row; references=False times only backend "cuda" (no MLX / torch runs)."""
     import mlx.core as mx
     from mlx_flash import flash_attention
     from mlx_flash.backends import get_backend
@@ -154,6 +155,8 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10):
 
     for name, fn, mult in (("ours_fwd", ours_fwd, 1.0), ("mlx_fwd", mlx_fwd, 1.0),
                            ("ours_fb", ours_fb, 3.5), ("mlx_fb", mlx_fb, 3.5)):
+        if not references and name.startswith("mlx"):
+            continue
         try:
             t = _median_time(fn, reps=reps, sync=sync)
             row[name + "_ms"] = t * 1e3
@@ -162,6 +165,8 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10):
             row[name + "_error"] = str(e)[:300]
     # Peak memory of fwd+bwd (after the warm runs above).
     for name, fn in (("ours_fb", ours_fb), ("mlx_fb", mlx_fb)):
+        if not references and name.startswith("mlx"):
+            continue
         try:
             mx.synchronize()
             mx.reset_peak_memory()
@@ -183,7 +188,7 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10):
         row["ours_dkdv_ms"] = t * 1e3
     except Exception as e:
         row["ours_bwd_error"] = str(e)[:300]
-    if with_torch and D <= 256:
+    if with_torch and references and D <= 256:
         row.update(bench_torch(B, H, N, D, causal, flops, reps))
     return row
 
@@ -218,58 +223,76 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     return res
 
 
+# Block shapes (P, T, H, warps) to time per kernel and head dim; the first of each list is the
+# table's row at the time of writing. B*N = 16384 for D <= 128, B = 1, N = 4096 above; H = 16.
 SWEEP = {
-    "forward": [(128, 128, 64), (128, 64, 64), (64, 64, 64), (64, 128, 64), (128, 64, 128), (64, 64, 128), (128, 32, 128)],
-    "backward_query": [(64, 64, 128), (128, 64, 128), (64, 128, 128), (64, 32, 128), (128, 32, 128)],
-    "backward_key_value": [(64, 64, 128), (128, 64, 128), (64, 128, 128), (64, 32, 128), (128, 32, 128), (64, 64, 64)],
+    64: {"forward": [(128, 128, 64, 4), (128, 64, 64, 8), (64, 64, 64, 4)],
+         "backward_query": [(128, 64, 64, 4), (128, 64, 64, 8), (64, 32, 64, 4)],
+         "backward_key_value": [(128, 64, 64, 4), (128, 64, 64, 8), (64, 64, 64, 4)]},
+    128: {"forward": [(128, 64, 128, 4), (128, 64, 128, 8), (128, 32, 128, 8), (64, 32, 128, 4)],
+          "backward_query": [(128, 32, 128, 4), (128, 64, 128, 8), (64, 32, 128, 4)],
+          "backward_key_value": [(64, 64, 128, 4), (128, 32, 128, 8), (128, 64, 64, 8)]},
+    160: {"forward": [(128, 64, 192, 8), (64, 64, 160, 4)],
+          "backward_query": [(128, 32, 192, 8), (128, 64, 192, 8)],
+          "backward_key_value": [(64, 64, 128, 8), (64, 32, 128, 8)]},
+    256: {"forward": [(128, 32, 256, 8), (64, 32, 256, 4)],
+          "backward_query": [(128, 32, 256, 8), (64, 64, 128, 8)],
+          "backward_key_value": [(64, 64, 128, 8), (64, 32, 128, 8)]},
+    512: {"forward": [(64, 32, 256, 8)],
+          "backward_query": [(64, 16, 256, 8), (32, 32, 128, 8)],
+          "backward_key_value": [(32, 32, 128, 8)]},
 }
 
 
-def phase_sweep(out_dir):
-    """Time each kernel alone under several (P, T, H) block shapes at B*N = 16384, H = 16, bf16."""
+def phase_sweep(out_dir, head_dims=None):
+    """Time each kernel alone under several block shapes (SWEEP), bf16, non-causal."""
     import mlx.core as mx
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
     backend = cuda.BACKEND
     results = []
-    for D in (64, 128):
-        B, H, N = 4, 16, 4096
+    for D, kernels in SWEEP.items():
+        if head_dims and D not in head_dims:
+            continue
+        B, H, N = (4, 16, 4096) if D <= 128 else (1, 16, 4096)
         mx.random.seed(D)
         q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
-        for causal in (False,):  # causal runs the same block shapes
-            spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
-            cuda.BLOCK_OVERRIDES.clear()
-            out, lse = backend.forward(q, k, v, m4, spec)
-            delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
-            mx.eval(out, lse, delta, lse2)
-            flops = 4 * B * H * N * N * D / (2 if causal else 1)
-            for kernel, configs in SWEEP.items():
-                for cfg in configs:
-                    if cfg[2] > D and cfg[2] != 128:
-                        continue
-                    cuda.BLOCK_OVERRIDES.clear()
-                    cuda.BLOCK_OVERRIDES[kernel] = cfg
-                    try:
-                        if kernel == "forward":
-                            fn = lambda: mx.eval(backend.forward(q, k, v, m4, spec))
-                            mult = 1.0
-                        elif kernel == "backward_query":
-                            fn = lambda: mx.eval(cuda._backward_query(q, k, v, m4, do, lse2, delta, spec))
-                            mult = 1.0
-                        else:
-                            fn = lambda: mx.eval(cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec))
-                            mult = 1.5
-                        t = _median_time(fn, reps=10, sync=mx.synchronize)
-                        r = dict(D=D, causal=causal, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], ms=t * 1e3,
-                                 tflops=flops * mult / t / 1e12)
-                    except Exception as e:
-                        r = dict(D=D, causal=causal, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], error=str(e)[:200])
-                    results.append(r)
-                    log("sweep", json.dumps(r))
+        spec, m4 = check_inputs(q, k, v)
+        cuda.BLOCK_OVERRIDES.clear()
+        out, lse = backend.forward(q, k, v, m4, spec)
+        delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
+        mx.eval(out, lse, delta, lse2)
+        flops = 4 * B * H * N * N * D
+        for kernel, configs in kernels.items():
+            for cfg in configs:
+                cuda.BLOCK_OVERRIDES.clear()
+                cuda.BLOCK_OVERRIDES[kernel] = cfg
+                r = dict(D=D, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], warps=cfg[3])
+                try:
+                    if kernel == "forward":
+                        fn, mult = (lambda: mx.eval(backend.forward(q, k, v, m4, spec))), 1.0
+                    elif kernel == "backward_query":
+                        fn, mult = (lambda: mx.eval(cuda._backward_query(q, k, v, m4, do, lse2, delta, spec))), 1.0
+                    else:
+                        fn, mult = (lambda: mx.eval(cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec))), 1.5
+                    t0 = time.time()
+                    fn()  # compile
+                    r["compile_s"] = time.time() - t0
+                    t = _median_time(fn, reps=10, sync=mx.synchronize)
+                    r.update(ms=t * 1e3, tflops=flops * mult / t / 1e12)
+                except Exception as e:
+                    r["error"] = str(e)[:300]
+                results.append(r)
+                log("sweep", json.dumps({k_: round(v_, 3) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
+        del q, k, v, do, out, lse, delta, lse2
     cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "sweep.json"), "w") as f:
         json.dump(results, f, indent=1)
-    return True
+    log("\n| D | kernel | P | T | H | warps | ms | TFLOP/s |")
+    for r in results:
+        log(f"| {r['D']} | {r['kernel']} | {r['P']} | {r['T']} | {r['H']} | {r['warps']} | "
+            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} |" + (" ERR" if "error" in r else ""))
+    return not any("error" in r for r in results)
 
 
 def profile_case():
@@ -306,14 +329,14 @@ BENCH_SHAPES = [
 ]
 
 
-def phase_bench(out_dir, quick=False):
+def phase_bench(out_dir, quick=False, references=True):
     shapes = BENCH_SHAPES[:2] + BENCH_SHAPES[5:6] if quick else BENCH_SHAPES
     rows = []
     for B, H, N, D in shapes:
         for causal in (False, True):
             t0 = time.time()
             try:
-                row = bench_one(B, H, N, D, causal, reps=5 if quick else 10)
+                row = bench_one(B, H, N, D, causal, reps=5 if quick else 10, references=references)
             except Exception as e:
                 row = dict(B=B, H=H, N=N, D=D, causal=causal, error=str(e)[:300])
             rows.append(row)
@@ -357,6 +380,7 @@ def main():
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_check_out"))
     parser.add_argument("--phases", default="smoke,test,sanitize,bench")
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes and repetitions")
+    parser.add_argument("--ours-only", action="store_true", help="bench: time only backend cuda (no MLX / torch)")
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments (space separated)")
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", action="store_true", help=argparse.SUPPRESS)
@@ -385,7 +409,7 @@ def main():
             elif phase == "profile":
                 results[phase] = phase_profile(args.out)
             elif phase == "bench":
-                results[phase] = phase_bench(args.out, args.quick)
+                results[phase] = phase_bench(args.out, args.quick, references=not args.ours_only)
             else:
                 raise ValueError(f"unknown phase {phase!r}")
         except Exception:

@@ -1,30 +1,42 @@
-// Attention backward, dK and dV: one CTA of 4 warps owns BM = 64 * WM keys of one (batch, kv head)
-// and one slice of HB columns of dK and dV. It loops over the kv head's GROUP query heads and,
-// for each, over the query blocks of BN rows that can see its keys (Q, dO, lse2 and delta tiles
-// double buffered), working in the transposed orientation so keys are the mma rows:
+// Attention backward, dK and dV. One CTA of WARPS = RG x CG warps owns BM = 16 * WM * RG keys of
+// one (batch, kv head) and CG * HB columns of dK and dV (CTA slice `cslice` of NSLICE). It loops
+// over the kv head's GROUP query heads and, for each, over the query blocks of BN rows that can
+// see its keys (Q, dO, lse2 and delta tiles double buffered), in the transposed orientation so
+// keys are the mma rows:
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp2(S2^T - lse2), dS^T = P^T * (dP^T - delta)
-//   dV[:, slice] += P^T dO[:, slice],  dK[:, slice] += dS^T Q[:, slice]
-// P^T and dS^T go from the accumulator registers straight into the A operand. GQA heads are summed
-// inside the CTA in a fixed order: no atomics, bitwise reproducible.
+//   dV[:, cols] += P^T dO[:, cols],  dK[:, cols] += dS^T Q[:, cols]
+// Warp (rg, cg) owns key rows rg and output columns cg. With CG = 1 it computes the scores of
+// its rows for all BN queries and feeds P^T / dS^T from the accumulator registers straight into
+// the A operand. With CG > 1 the CG warps of a row group split the BN queries of the score tile
+// (each computes BN / CG of them, full-D contraction), write P^T and dS^T to shared memory and
+// read the whole tile back as A fragments: every score is computed once per CTA however many
+// column groups share it (large D: the dK / dV accumulators need several warps per row).
+// GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 namespace mlxflash {
 namespace bwdkv {
 typedef {{T}} T;
 typedef {{MASK_T}} MaskT;
 constexpr int HEAD_DIM = {{HEAD_DIM}};
 constexpr int DP = {{DP}};              // D padded to 16: the S / dP contraction
-constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * HB >= DP)
-constexpr int HB = {{HB}};
-constexpr int NSLICE = {{NSLICE}};
-constexpr int WM = {{WM}};
+constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * CG * HB >= DP)
+constexpr int HB = {{HB}};              // output columns per warp
+constexpr int NSLICE = {{NSLICE}};      // CTAs per key block (column slices of CG * HB)
+constexpr int WM = {{WM}};              // 16-row m-tiles per warp
+constexpr int RG = {{RG}};              // warps along the rows
+constexpr int CG = {{CG}};              // warps along the output columns
 constexpr int BN = {{BN}};              // queries per step
 constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
-constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
+constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
+constexpr int BNW = BN / CG;            // score columns (queries) per warp
 constexpr int ROW = DS + 8;
-constexpr int K_ELEMS = BM * ROW, Q_ELEMS = BN * ROW;
-constexpr int SMEM_BYTES = (2 * K_ELEMS + 4 * Q_ELEMS) * 2 + 4 * BN * 4;
+constexpr int PROW = BN + 8;            // P^T / dS^T smem rows (CG > 1)
+constexpr int K_ELEMS = BM * ROW, Q_ELEMS = BN * ROW, P_ELEMS = CG > 1 ? BM * PROW : 0;
+constexpr int SMEM_BYTES = (2 * K_ELEMS + 4 * Q_ELEMS + 2 * P_ELEMS) * 2 + 4 * BN * 4;
+static_assert(BNW % 8 == 0 && BNW * CG == BN, "BN / CG must be a multiple of 8");
+static_assert(BN % 16 == 0, "BN must be a multiple of 16");
 }  // namespace bwdkv
 
 __device__ void attention_backward_key_value(
@@ -38,7 +50,9 @@ __device__ void attention_backward_key_value(
   T* Vs = Ks + K_ELEMS;
   T* Qs = Vs + K_ELEMS;
   T* dOs = Qs + 2 * Q_ELEMS;
-  float* Ls = reinterpret_cast<float*>(dOs + 2 * Q_ELEMS);
+  T* Ps = dOs + 2 * Q_ELEMS;
+  T* dSs = Ps + P_ELEMS;
+  float* Ls = reinterpret_cast<float*>(dSs + P_ELEMS);
   float* Dls = Ls + 2 * BN;
 
   const i64 bid = linear_block();
@@ -49,14 +63,17 @@ __device__ void attention_backward_key_value(
   const float scale = fp[0], cap = fp[1];
   const float scale_log2 = scale * 1.4426950408889634f;
 
-  const int slice = (int)(bid % NSLICE);
+  const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
   const int kb = (int)(rest % nkb);
   const i64 bkv = rest / nkb;
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
-  const int k0 = kb * BM, col0 = slice * HB;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % RG, cg = warp / RG;
   const int g = lane / 4, tq = lane % 4;
+  const int k0 = kb * BM, col0 = (cslice * CG + cg) * HB;
+  const int wrow = rg * 16 * WM;  // this warp's first key row in the block
+  const int qcol = cg * BNW;      // this warp's first score column (query) in the step
 
   const T* kg = k + (bkv * Nk + k0) * (i64)HEAD_DIM;
   const T* vg = v + (bkv * Nk + k0) * (i64)HEAD_DIM;
@@ -115,12 +132,12 @@ __device__ void attention_backward_key_value(
     const float* Dst = Dls + stage * BN;
     const int gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
 
-    // S^T = K Q^T and dP^T = V dO^T (rows = keys, columns = queries).
-    float s[WM][BN / 8][4], dp[WM][BN / 8][4];
+    // S^T = K Q^T and dP^T = V dO^T for this warp's rows and queries [qcol, qcol + BNW).
+    float s[WM][BNW / 8][4], dp[WM][BNW / 8][4];
 #pragma unroll
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
+      for (int n = 0; n < BNW / 8; ++n)
 #pragma unroll
         for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
 #pragma unroll
@@ -128,15 +145,15 @@ __device__ void attention_backward_key_value(
       u32 ak[WM][4], av[WM][4];
 #pragma unroll
       for (int mt = 0; mt < WM; ++mt) {
-        const int off = (warp * 16 * WM + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
+        const int off = (wrow + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
         ldmatrix_x4(ak[mt], Ks + off);
         ldmatrix_x4(av[mt], Vs + off);
       }
 #pragma unroll
-      for (int nn = 0; nn < BN / 16; ++nn) {
+      for (int nn = 0; nn < BNW / 16; ++nn) {
         u32 bq[4], bd[4];
         const int mi = lane / 8;
-        const int off = (nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
+        const int off = (qcol + nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
         ldmatrix_x4(bq, Qst + off);
         ldmatrix_x4(bd, dOst + off);
 #pragma unroll
@@ -145,6 +162,17 @@ __device__ void attention_backward_key_value(
           mma(s[mt][2 * nn + 1], ak[mt], bq[2], bq[3], T());
           mma(dp[mt][2 * nn], av[mt], bd[0], bd[1], T());
           mma(dp[mt][2 * nn + 1], av[mt], bd[2], bd[3], T());
+        }
+      }
+      if (BNW % 16 == 8) {  // a last 8-query tile
+        u32 bq[2], bd[2];
+        const int off = (qcol + BNW - 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8;
+        ldmatrix_x2(bq, Qst + off);
+        ldmatrix_x2(bd, dOst + off);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(s[mt][BNW / 8 - 1], ak[mt], bq[0], bq[1], T());
+          mma(dp[mt][BNW / 8 - 1], av[mt], bd[0], bd[1], T());
         }
       }
     }
@@ -159,12 +187,12 @@ __device__ void attention_backward_key_value(
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int j = k0 + warp * 16 * WM + mt * 16 + g + 8 * hf;  // key
+        const int j = k0 + wrow + mt * 16 + g + 8 * hf;  // key
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+        for (int n = 0; n < BNW / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int cl = n * 8 + 2 * tq + e, i = qs + cl;  // query
+            const int cl = qcol + n * 8 + 2 * tq + e, i = qs + cl;  // query
             float t = 0.f;
             bool visible = true;
             if (!full_block || MASK_KIND != 0)
@@ -179,20 +207,44 @@ __device__ void attention_backward_key_value(
           }
       }
 
-    // dV[:, slice] += P^T dO[:, slice];  dK[:, slice] += dS^T Q[:, slice]
+    if constexpr (CG > 1) {
+      // Share the score tile: each warp writes its P^T / dS^T columns, then reads whole rows.
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+          for (int n = 0; n < BNW / 8; ++n) {
+            const int c = qcol + n * 8 + 2 * tq;
+            store2(Ps + r * PROW + c, s[mt][n][2 * hf], s[mt][n][2 * hf + 1]);
+            store2(dSs + r * PROW + c, dp[mt][n][2 * hf], dp[mt][n][2 * hf + 1]);
+          }
+        }
+      __syncthreads();
+    }
+
+    // dV[:, cols] += P^T dO[:, cols];  dK[:, cols] += dS^T Q[:, cols]
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       u32 ap[WM][4], as[WM][4];
 #pragma unroll
       for (int mt = 0; mt < WM; ++mt) {
-        ap[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-        ap[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-        ap[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-        ap[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
-        as[mt][0] = pack2(dp[mt][2 * kk][0], dp[mt][2 * kk][1], T());
-        as[mt][1] = pack2(dp[mt][2 * kk][2], dp[mt][2 * kk][3], T());
-        as[mt][2] = pack2(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1], T());
-        as[mt][3] = pack2(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3], T());
+        if constexpr (CG > 1) {
+          const int off = (wrow + mt * 16 + lane % 16) * PROW + kk * 16 + (lane / 16) * 8;
+          ldmatrix_x4(ap[mt], Ps + off);
+          ldmatrix_x4(as[mt], dSs + off);
+        } else {
+          // P^T / dS^T from the accumulators: the C layout of two n8 tiles is the A layout of one k16.
+          ap[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+          ap[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+          ap[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+          ap[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+          as[mt][0] = pack2(dp[mt][2 * kk][0], dp[mt][2 * kk][1], T());
+          as[mt][1] = pack2(dp[mt][2 * kk][2], dp[mt][2 * kk][3], T());
+          as[mt][2] = pack2(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1], T());
+          as[mt][3] = pack2(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3], T());
+        }
       }
 #pragma unroll
       for (int nn = 0; nn < HB / 16; ++nn) {
@@ -217,7 +269,7 @@ __device__ void attention_backward_key_value(
   for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int j = k0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const int j = k0 + wrow + mt * 16 + g + 8 * hf;
       if (j >= Nk) continue;
       T* krow = dk + (bkv * Nk + j) * (i64)HEAD_DIM;
       T* vrow = dv + (bkv * Nk + j) * (i64)HEAD_DIM;

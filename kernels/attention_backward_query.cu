@@ -1,28 +1,38 @@
-// Attention backward, dQ: one CTA of 4 warps owns BM = 64 * WM query rows of one (batch, head)
-// and one slice of HB dQ columns, and streams the key blocks those rows can see:
+// Attention backward, dQ. One CTA of WARPS = RG x CG warps owns BM = 16 * WM * RG query rows of
+// one (batch, head) and CG * HB dQ columns (CTA slice `cslice` of NSLICE), and streams the key
+// blocks those rows can see:
 //   S = Q K^T, dP = dO V^T (both full-D contractions, mma.sync), P = exp2(S2 - lse2),
-//   dS = P * (dP - delta) [* (1 - tanh^2) with softcap],  dQ[:, slice] += dS K[:, slice].
-// dS goes from the accumulator registers straight into the A operand. No atomics: each dQ
-// element has one owner, so the result is bitwise reproducible.
+//   dS = P * (dP - delta) [* (1 - tanh^2) with softcap],  dQ[:, cols] += dS K[:, cols].
+// Warp (rg, cg) owns rows rg and dQ columns cg. With CG = 1, dS goes from the accumulator
+// registers straight into the A operand; with CG > 1 the CG warps of a row group split the BN
+// keys of the score tile, write dS to shared memory and read whole rows back (each score is
+// computed once per CTA). No atomics: each dQ element has one owner, so the result is bitwise
+// reproducible.
 namespace mlxflash {
 namespace bwdq {
 typedef {{T}} T;
 typedef {{MASK_T}} MaskT;
 constexpr int HEAD_DIM = {{HEAD_DIM}};
 constexpr int DP = {{DP}};              // D padded to 16: the S / dP contraction
-constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * HB >= DP)
-constexpr int HB = {{HB}};
-constexpr int NSLICE = {{NSLICE}};
-constexpr int WM = {{WM}};
-constexpr int BN = {{BN}};
+constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * CG * HB >= DP)
+constexpr int HB = {{HB}};              // dQ columns per warp
+constexpr int NSLICE = {{NSLICE}};      // CTAs per query block (column slices of CG * HB)
+constexpr int WM = {{WM}};              // 16-row m-tiles per warp
+constexpr int RG = {{RG}};              // warps along the rows
+constexpr int CG = {{CG}};              // warps along the dQ columns
+constexpr int BN = {{BN}};              // keys per step
 constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
-constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
+constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
+constexpr int BNW = BN / CG;            // score columns (keys) per warp
 constexpr int ROW = DS + 8;
-constexpr int Q_ELEMS = BM * ROW, K_ELEMS = BN * ROW;
-constexpr int SMEM_BYTES = (2 * Q_ELEMS + 4 * K_ELEMS) * 2;
+constexpr int PROW = BN + 8;            // dS smem rows (CG > 1)
+constexpr int Q_ELEMS = BM * ROW, K_ELEMS = BN * ROW, P_ELEMS = CG > 1 ? BM * PROW : 0;
+constexpr int SMEM_BYTES = (2 * Q_ELEMS + 4 * K_ELEMS + P_ELEMS) * 2;
+static_assert(BNW % 8 == 0 && BNW * CG == BN, "BN / CG must be a multiple of 8");
+static_assert(BN % 16 == 0, "BN must be a multiple of 16");
 }  // namespace bwdq
 
 __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bwdq::T* __restrict__ k,
@@ -36,6 +46,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   T* dOs = Qs + Q_ELEMS;
   T* Ks = dOs + Q_ELEMS;
   T* Vs = Ks + 2 * K_ELEMS;
+  T* dSs = Vs + 2 * K_ELEMS;
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -45,15 +56,18 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   const float scale = fp[0], cap = fp[1];
   const float scale_log2 = scale * 1.4426950408889634f;
 
-  const int slice = (int)(bid % NSLICE);
+  const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
   int qb = (int)(rest % nqb);
   const i64 bh = rest / nqb;
   if (CAUSAL) qb = nqb - 1 - qb;
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
-  const int q0 = qb * BM, col0 = slice * HB;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % RG, cg = warp / RG;
   const int g = lane / 4, tq = lane % 4;
+  const int q0 = qb * BM, col0 = (cslice * CG + cg) * HB;
+  const int wrow = rg * 16 * WM;  // this warp's first query row in the block
+  const int kcol = cg * BNW;      // this warp's first score column (key) in the step
 
   const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
   const T* dog = d_out + (bh * Nq + q0) * (i64)HEAD_DIM;
@@ -81,7 +95,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     for (int n = 0; n < HB / 8; ++n) acc[mt][n][0] = acc[mt][n][1] = acc[mt][n][2] = acc[mt][n][3] = 0.f;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const int i = q0 + wrow + mt * 16 + g + 8 * hf;
       const int ic = min(i, Nq - 1);
       row_l2[mt][hf] = i < Nq ? lse2[bh * Nq + i] : INFINITY;
       row_d[mt][hf] = i < Nq ? delta[bh * Nq + i] : 0.f;
@@ -112,12 +126,12 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     const T* Kst = Ks + stage * K_ELEMS;
     const T* Vst = Vs + stage * K_ELEMS;
 
-    // S = Q K^T and dP = dO V^T.
-    float s[WM][BN / 8][4], dp[WM][BN / 8][4];
+    // S = Q K^T and dP = dO V^T for this warp's rows and keys [kcol, kcol + BNW).
+    float s[WM][BNW / 8][4], dp[WM][BNW / 8][4];
 #pragma unroll
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
-      for (int n = 0; n < BN / 8; ++n)
+      for (int n = 0; n < BNW / 8; ++n)
 #pragma unroll
         for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
 #pragma unroll
@@ -125,15 +139,15 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
       u32 aq[WM][4], ad[WM][4];
 #pragma unroll
       for (int mt = 0; mt < WM; ++mt) {
-        const int off = (warp * 16 * WM + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
+        const int off = (wrow + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
         ldmatrix_x4(aq[mt], Qs + off);
         ldmatrix_x4(ad[mt], dOs + off);
       }
 #pragma unroll
-      for (int nn = 0; nn < BN / 16; ++nn) {
+      for (int nn = 0; nn < BNW / 16; ++nn) {
         u32 bk[4], bv[4];
         const int mi = lane / 8;
-        const int off = (nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
+        const int off = (kcol + nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
         ldmatrix_x4(bk, Kst + off);
         ldmatrix_x4(bv, Vst + off);
 #pragma unroll
@@ -142,6 +156,17 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
           mma(s[mt][2 * nn + 1], aq[mt], bk[2], bk[3], T());
           mma(dp[mt][2 * nn], ad[mt], bv[0], bv[1], T());
           mma(dp[mt][2 * nn + 1], ad[mt], bv[2], bv[3], T());
+        }
+      }
+      if (BNW % 16 == 8) {  // a last 8-key tile
+        u32 bk[2], bv[2];
+        const int off = (kcol + BNW - 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8;
+        ldmatrix_x2(bk, Kst + off);
+        ldmatrix_x2(bv, Vst + off);
+#pragma unroll
+        for (int mt = 0; mt < WM; ++mt) {
+          mma(s[mt][BNW / 8 - 1], aq[mt], bk[0], bk[1], T());
+          mma(dp[mt][BNW / 8 - 1], ad[mt], bv[0], bv[1], T());
         }
       }
     }
@@ -155,12 +180,12 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+        const int i = q0 + wrow + mt * 16 + g + 8 * hf;
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+        for (int n = 0; n < BNW / 8; ++n)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int j = key0 + n * 8 + 2 * tq + e;
+            const int j = key0 + kcol + n * 8 + 2 * tq + e;
             float t = 0.f;
             bool visible = true;
             if (!full_block || MASK_KIND != 0)
@@ -174,16 +199,35 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
           }
       }
 
-    // dQ[:, slice] += dS K[:, slice]
+    if constexpr (CG > 1) {
+      // Share the score tile: each warp writes its dS columns, then reads whole rows.
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+          const int r = wrow + mt * 16 + g + 8 * hf;
+#pragma unroll
+          for (int n = 0; n < BNW / 8; ++n)
+            store2(dSs + r * PROW + kcol + n * 8 + 2 * tq, s[mt][n][2 * hf], s[mt][n][2 * hf + 1]);
+        }
+      __syncthreads();
+    }
+
+    // dQ[:, cols] += dS K[:, cols]
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
       u32 a[WM][4];
 #pragma unroll
       for (int mt = 0; mt < WM; ++mt) {
-        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+        if constexpr (CG > 1) {
+          ldmatrix_x4(a[mt], dSs + (wrow + mt * 16 + lane % 16) * PROW + kk * 16 + (lane / 16) * 8);
+        } else {
+          // dS from the accumulators: the C layout of two n8 tiles is the A layout of one k16.
+          a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
+          a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
+          a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
+          a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+        }
       }
 #pragma unroll
       for (int nn = 0; nn < HB / 16; ++nn) {
@@ -204,7 +248,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const int i = q0 + wrow + mt * 16 + g + 8 * hf;
       if (i >= Nq) continue;
       T* row = dq + (bh * Nq + i) * (i64)HEAD_DIM;
 #pragma unroll

@@ -1,11 +1,13 @@
 // Attention forward: O = softmax(scale * Q K^T + mask) V and L = logsumexp (natural log, fp32).
 //
-// One CTA of 4 warps owns BM = 64 * WM query rows of one (batch, head) and one slice of HB output
-// columns; each warp owns 16 * WM rows. It streams key blocks of BN keys (K and V tiles double
-// buffered through cp.async), computes S = Q K^T with mma.sync m16n8k16, applies softcap and
-// masks, runs the online softmax in fp32 (base 2), and feeds P straight from registers into
-// O += P V. Key blocks outside the causal / window band are never loaded. Head dims that do not
-// fit the registers are split into NSLICE column slices, one CTA each (S is recomputed per slice).
+// One CTA of WARPS = RG x CG warps owns BM = 16 * WM * RG query rows of one (batch, head) and
+// CG * HB output columns (CTA slice `cslice` of NSLICE); warp (rg, cg) owns 16 * WM rows and HB
+// columns. It streams key blocks of BN keys (K and V tiles double buffered through cp.async),
+// computes S = Q K^T with mma.sync m16n8k16, applies softcap and masks, runs the online softmax
+// in fp32 (base 2), and feeds P straight from registers into O += P V. Key blocks outside the
+// causal / window band are never loaded. Head dims whose O does not fit one warp's registers are
+// split into column groups: the CG warps of a row group each recompute S for their rows (sharing
+// the K / V tiles in shared memory), and past that into NSLICE CTAs.
 // Rendered by mlx_flash.backends.cuda with the constants below.
 namespace mlxflash {
 namespace fwd {
@@ -13,17 +15,20 @@ typedef {{T}} T;
 typedef {{MASK_T}} MaskT;
 constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D
 constexpr int DP = {{DP}};              // D padded to 16 (QK^T contraction)
-constexpr int HB = {{HB}};              // output columns per CTA (multiple of 16)
-constexpr int NSLICE = {{NSLICE}};      // ceil(D / HB)
+constexpr int HB = {{HB}};              // output columns per warp (multiple of 16)
+constexpr int NSLICE = {{NSLICE}};      // CTAs per query block (column slices of CG * HB)
 constexpr int WM = {{WM}};              // 16-row m-tiles per warp
+constexpr int RG = {{RG}};              // warps along the rows
+constexpr int CG = {{CG}};              // warps along the output columns
 constexpr int BN = {{BN}};              // keys per step
 constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr bool CACHE_Q = {{CACHE_Q}};
-constexpr int WARPS = 4, THREADS = 32 * WARPS, BM = 16 * WM * WARPS;
-constexpr int QROW = DP + 8, KROW = DP + 8, VROW = HB + 8;  // padded smem rows (elements)
+constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
+constexpr int VC = CG * HB;             // V columns staged per CTA
+constexpr int QROW = DP + 8, KROW = DP + 8, VROW = VC + 8;  // padded smem rows (elements)
 constexpr int Q_ELEMS = BM * QROW, K_ELEMS = BN * KROW, V_ELEMS = BN * VROW;
 constexpr int SMEM_BYTES = (Q_ELEMS + 2 * K_ELEMS + 2 * V_ELEMS) * 2;
 }  // namespace fwd
@@ -46,15 +51,19 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   const float scale = fp[0], cap = fp[1];
   const float scale_log2 = scale * 1.4426950408889634f;
 
-  const int slice = (int)(bid % NSLICE);
+  const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
   int qb = (int)(rest % nqb);
   const i64 bh = rest / nqb;
   if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
-  const int q0 = qb * BM, col0 = slice * HB;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % RG, cg = warp / RG;
   const int g = lane / 4, tq = lane % 4;
+  const int q0 = qb * BM;
+  const int vcol0 = cslice * VC;     // first V column staged by this CTA
+  const int col0 = vcol0 + cg * HB;  // first output column of this warp
+  const int wrow = rg * 16 * WM;     // this warp's first query row in the block
 
   const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
   const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
@@ -88,7 +97,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = min(q0 + warp * 16 * WM + mt * 16 + g + 8 * hf, Nq - 1);
+        const int i = min(q0 + wrow + mt * 16 + g + 8 * hf, Nq - 1);
         mrow[mt][hf] = mask + mbase + (i64)i * ip[P_MSQ];
       }
   }
@@ -98,7 +107,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
     const int k0 = kb_begin * BN;
     load_tile<BN, DP, KROW, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
-    load_tile<BN, HB, VROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, col0, HEAD_DIM, vec, tid);
+    load_tile<BN, VC, VROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, vcol0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
   u32 qf[CACHE_Q ? WM : 1][CACHE_Q ? DP / 16 : 1][4];
@@ -108,7 +117,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     if (kb + 1 < kb_end) {
       const int k1 = (kb + 1) * BN;
       load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
-      load_tile<BN, HB, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, col0, HEAD_DIM, vec, tid);
+      load_tile<BN, VC, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, vcol0, HEAD_DIM, vec, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -121,7 +130,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
       for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
         for (int kk = 0; kk < DP / 16; ++kk)
-          ldmatrix_x4(qf[mt][kk], Qs + (warp * 16 * WM + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
+          ldmatrix_x4(qf[mt][kk], Qs + (wrow + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
     }
 
     // S = Q K^T
@@ -139,7 +148,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
 #pragma unroll
           for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kk][r];
         } else {
-          ldmatrix_x4(a[mt], Qs + (warp * 16 * WM + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
+          ldmatrix_x4(a[mt], Qs + (wrow + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
         }
       }
 #pragma unroll
@@ -164,7 +173,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     for (int mt = 0; mt < WM; ++mt) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
-        const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+        const int i = q0 + wrow + mt * 16 + g + 8 * hf;
         float mx = row_max[mt][hf];
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
@@ -217,7 +226,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
       for (int nn = 0; nn < HB / 16; ++nn) {
         u32 bfr[4];
         const int mi = lane / 8;
-        ldmatrix_x4_trans(bfr, Vst + (kk * 16 + (mi % 2) * 8 + lane % 8) * VROW + nn * 16 + (mi / 2) * 8);
+        ldmatrix_x4_trans(bfr, Vst + (kk * 16 + (mi % 2) * 8 + lane % 8) * VROW + cg * HB + nn * 16 + (mi / 2) * 8);
 #pragma unroll
         for (int mt = 0; mt < WM; ++mt) {
           mma(o[mt][2 * nn], a[mt], bfr[0], bfr[1], T());
@@ -233,7 +242,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   for (int mt = 0; mt < WM; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      const int i = q0 + warp * 16 * WM + mt * 16 + g + 8 * hf;
+      const int i = q0 + wrow + mt * 16 + g + 8 * hf;
       const float l = quad_sum(row_sum[mt][hf]);
       const float inv = l > 0.f ? 1.f / l : 0.f;
       if (i < Nq) {
@@ -249,7 +258,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
             if (c + 1 < HEAD_DIM) store1(orow + c + 1, y);
           }
         }
-        if (slice == 0 && tq == 0)
+        if (cslice == 0 && cg == 0 && tq == 0)
           lse[bh * Nq + i] = l > 0.f ? row_max[mt][hf] * 0.6931471805599453f + logf(l) : -INFINITY;
       }
     }

@@ -29,8 +29,7 @@ from ..render import render, template_text
 from ..spec import AttentionSpec
 
 FAMILY = "sm90"
-WARPS = 4
-THREADS = 32 * WARPS
+DEFAULT_WARPS = 4  # warps per CTA unless the table row says wN
 MAX_HEAD_DIM = 512
 # Opt-in shared memory per block on sm_90 (227 KB); sm_80 has 163 KB, sm_86/89 99 KB.
 SHARED_MEMORY_LIMIT = 227 * 1024
@@ -55,8 +54,11 @@ class KernelConfig:
         kernel: "forward", "backward_query" or "backward_key_value".
         dtype: CUDA element type of q, k, v ("__half" or "__nv_bfloat16").
         head_dim: D. padded_dim: D rounded up to 16 (the QK^T / dO V^T contraction).
-        slice_width: output columns per CTA (H, a multiple of 16); slices: ceil(D / H).
-        m_tiles: 16-row m-tiles per warp (parallel block = 64 * m_tiles rows).
+        slice_width: output columns per warp (H, a multiple of 16).
+        col_groups: warps of one CTA side by side along the output columns (CG); the CTA covers
+            CG * H columns. slices: CTAs per parallel block (column slices of CG * H).
+        warps: warps per CTA (row groups RG = warps / CG).
+        m_tiles: 16-row m-tiles per warp (parallel block = 16 * m_tiles * RG rows).
         traversal_block: keys (forward, dQ) or queries (dK/dV) streamed per step.
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
@@ -77,61 +79,106 @@ class KernelConfig:
     mask_kind: int
     mask_type: str
     cache_q: bool
+    warps: int = DEFAULT_WARPS
+    col_groups: int = 1
+
+    @property
+    def row_groups(self) -> int:
+        return self.warps // self.col_groups
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
 
     @property
     def parallel_block(self) -> int:
-        return 16 * self.m_tiles * WARPS
+        return 16 * self.m_tiles * self.row_groups
 
     @property
     def staged_dim(self) -> int:
         """Columns of each shared-memory tile in the backward kernels (every slice fits)."""
-        return self.slices * self.slice_width
+        return self.slices * self.col_groups * self.slice_width
 
     @property
     def shared_memory(self) -> int:
         """Bytes of dynamic shared memory (must match SMEM_BYTES in the template)."""
-        bm, bn = self.parallel_block, self.traversal_block
+        bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
         if self.kernel == "forward":
             row = self.padded_dim + 8
-            return (bm * row + 2 * bn * row + 2 * bn * (self.slice_width + 8)) * 2
+            return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
         row = self.staged_dim + 8
+        shared_scores = bm * (bn + 8) if cg > 1 else 0  # P^T and dS^T (dK/dV) or dS (dQ) tiles
         if self.kernel == "backward_query":
-            return (2 * bm * row + 4 * bn * row) * 2
-        return (2 * bm * row + 4 * bn * row) * 2 + 4 * bn * 4
+            return (2 * bm * row + 4 * bn * row + shared_scores) * 2
+        return (2 * bm * row + 4 * bn * row + 2 * shared_scores) * 2 + 4 * bn * 4
 
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("q", self.cache_q)) if on)
         return (f"mlxflash_{self.kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
-                f"_h{self.slice_width}_m{self.m_tiles}_n{self.traversal_block}_k{self.mask_kind}"
-                f"{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
+                f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
+                f"_k{self.mask_kind}{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
 
 
-# Tuning hook for benchmarks/gpu_check.py only: {kernel: (P, T, H)} replaces the table's row for
-# every head dim. Empty in normal use.
+def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int, int]:
+    """(warp column width H, column groups CG, CTA slices) covering head_dim.
+
+    ceil(D / head_block) slices are rounded up to a count the CTA's warps divide evenly (a
+    divisor of `warps`, or a multiple of it past that), then made as narrow as the head dim
+    allows (H = D / slices rounded up to 16): D = 160 with head_block 128 gives 2 x 80, not 2 x 128.
+    """
+    slices = -(-head_dim // head_block)
+    if slices <= warps:
+        slices = min(c for c in range(slices, warps + 1) if warps % c == 0)
+    else:
+        slices = _round_up(slices, warps)
+    width = _round_up(-(-head_dim // slices), 16)
+    col_groups = min(slices, warps)
+    return width, col_groups, slices // col_groups
+
+
+def _warps_of(cached) -> int:
+    """The wN token of a blocks_cuda.txt row's cached column (N warps per CTA), else the default."""
+    counts = [int(t[1:]) for t in cached if t[:1] == "w" and t[1:].isdigit()]
+    return counts[0] if counts else DEFAULT_WARPS
+
+
+# Tuning hook for benchmarks/gpu_check.py only: {kernel: (P, T, H[, warps])} replaces the table's
+# row for every head dim. Empty in normal use.
 BLOCK_OVERRIDES: dict = {}
 
 
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
+    warps = _warps_of(plan.cached)
     if kernel in BLOCK_OVERRIDES:
-        p, t, h = BLOCK_OVERRIDES[kernel]
+        p, t, h, *rest = BLOCK_OVERRIDES[kernel]
         plan = planner.BlockPlan(kernel, p, t, min(h, -(-spec.head_dim // 8) * 8), plan.cached, spec.head_dim)
-    if plan.parallel_block % (16 * WARPS):
-        raise ValueError(f"[cuda] blocks_cuda.txt: P={plan.parallel_block} for {kernel} must be a multiple of {16 * WARPS}.")
+        warps = rest[0] if rest else warps
     padded = _round_up(spec.head_dim, 16)
-    width = min(_round_up(plan.head_block, 16), padded)
+    width, col_groups, cta_slices = column_slices(spec.head_dim, min(_round_up(plan.head_block, 16), padded), warps)
+    row_groups = warps // col_groups
+    if plan.parallel_block % (16 * row_groups):
+        raise ValueError(f"[cuda] blocks_cuda.txt: P={plan.parallel_block} for {kernel} at head_dim={spec.head_dim} "
+                         f"must be a multiple of 16 * {row_groups} (row groups of {warps} warps, {col_groups} "
+                         f"column groups).")
     config = KernelConfig(
         kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=padded,
-        slice_width=width, slices=-(-spec.head_dim // width), m_tiles=plan.parallel_block // (16 * WARPS),
+        slice_width=width, slices=cta_slices, m_tiles=plan.parallel_block // (16 * row_groups),
         traversal_block=plan.traversal_block, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
-        cache_q=kernel == "forward" and plan.is_cached("Q"))
-    # A table row too large for shared memory halves its traversal block (down to 16).
-    while config.shared_memory > SHARED_MEMORY_LIMIT and config.traversal_block > 16:
+        cache_q=kernel == "forward" and plan.is_cached("Q"), warps=warps, col_groups=col_groups)
+    # The backward kernels split the traversal block over the column groups in 8-wide tiles.
+    min_block = 16 if kernel == "forward" or col_groups == 1 else max(16, 8 * col_groups)
+    if config.traversal_block % min_block:
+        raise ValueError(f"[cuda] blocks_cuda.txt: T={config.traversal_block} for {kernel} at head_dim="
+                         f"{spec.head_dim} must be a multiple of {min_block} ({col_groups} column groups).")
+    # A table row too large for shared memory halves its traversal block (down to the minimum).
+    while config.shared_memory > SHARED_MEMORY_LIMIT and config.traversal_block // 2 >= min_block \
+            and (config.traversal_block // 2) % min_block == 0:
         config = replace(config, traversal_block=config.traversal_block // 2)
     if config.shared_memory > SHARED_MEMORY_LIMIT:
         raise ValueError(f"[cuda] {kernel} at head_dim={spec.head_dim} needs {config.shared_memory} bytes of "
@@ -143,7 +190,8 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
     """(header, body, input names, output names) for mx.fast.cuda_kernel."""
     constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
                      DP=config.padded_dim, HB=config.slice_width, NSLICE=config.slices,
-                     WM=config.m_tiles, BN=config.traversal_block, CAUSAL=config.causal,
+                     WM=config.m_tiles, RG=config.row_groups, CG=config.col_groups,
+                     BN=config.traversal_block, CAUSAL=config.causal,
                      WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind)
     if config.kernel == "forward":
         constants["CACHE_Q"] = config.cache_q
@@ -191,13 +239,13 @@ def _prepare_kernel(dtype: str, head_dim: int, has_d_lse: bool):
                                header=header, ensure_row_contiguous=True)
 
 
-def _grid(total_blocks: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
+def _grid(total_blocks: int, threads: int) -> Tuple[Tuple[int, int, int], Tuple[int, int, int]]:
     """(grid in threads, threadgroup) for a 1-D block count of any size (B*H past 65535 too)."""
     gx = max(1, min(total_blocks, MAX_GRID_X_BLOCKS))
     gy = -(-total_blocks // gx)
     if gy > 65535:
         raise ValueError(f"[cuda] {total_blocks} thread blocks exceed the grid limit.")
-    return (gx * THREADS, gy, 1), (THREADS, 1, 1)
+    return (gx * threads, gy, 1), (threads, 1, 1)
 
 
 def _mask_strides(spec: AttentionSpec) -> List[int]:
@@ -236,7 +284,7 @@ def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
     config = kernel_config("forward", spec, None if mask is None else mask.dtype)
     blocks = -(-Nq // config.parallel_block)
     total = B * Hq * blocks * config.slices
-    grid, group = _grid(total)
+    grid, group = _grid(total, config.threads)
     inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total), _float_params(spec)]
     out, lse = _kernel(config)(inputs=inputs, output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)],
                                output_dtypes=[spec.dtype, mx.float32], grid=grid, threadgroup=group)
@@ -249,7 +297,7 @@ def prepare_backward(out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.ar
     has_d_lse = d_lse is not None
     kernel = _prepare_kernel(_CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse)
     blocks = -(-rows // PREPARE_ROWS_PER_BLOCK)
-    grid, group = _grid(blocks)
+    grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
     d_lse = d_lse.astype(mx.float32) if has_d_lse else mx.zeros((1,), mx.float32)
     shape = (spec.batch, spec.q_heads, spec.q_len)
     delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks)],
@@ -262,7 +310,7 @@ def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> m
     config = kernel_config("backward_query", spec, None if mask is None else mask.dtype)
     blocks = -(-spec.q_len // config.parallel_block)
     total = spec.batch * spec.q_heads * blocks * config.slices
-    grid, group = _grid(total)
+    grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
         _int_params(spec, blocks, total), _float_params(spec)]
     return _kernel(config)(inputs=inputs, output_shapes=[q.shape], output_dtypes=[spec.dtype],
@@ -273,7 +321,7 @@ def _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) 
     config = kernel_config("backward_key_value", spec, None if mask is None else mask.dtype)
     blocks = -(-spec.kv_len // config.parallel_block)
     total = spec.batch * spec.kv_heads * blocks * config.slices
-    grid, group = _grid(total)
+    grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
         _int_params(spec, blocks, total), _float_params(spec)]
     dk, dv = _kernel(config)(inputs=inputs, output_shapes=[k.shape, v.shape],
