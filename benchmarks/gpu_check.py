@@ -7,15 +7,19 @@ Phases:
     smoke     a few forward / backward checks against the float64 reference, printed at once
     test      pytest tests/test_cuda.py (log in DIR/pytest.log)
     sanitize  compute-sanitizer memcheck and racecheck over small calls of every kernel
+    sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
+    resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
               bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
-              backward kernels alone; results in DIR/bench.json, a table printed last.
+              backward kernels alone; causal rows also in head-major CTA order; results in
+              DIR/bench.json, a table printed last (--ours-only: backend "cuda" alone).
 Every phase runs even if an earlier one fails; the exit code says whether all passed.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import os
 import subprocess
 import sys
@@ -163,6 +167,16 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10, references=True):
             row[name + "_tflops"] = flops * mult / t / 1e12
         except Exception as e:
             row[name + "_error"] = str(e)[:300]
+    if causal:  # the same calls with CTAs in head-major order (the default under causal is block-major)
+        from mlx_flash.backends import cuda as cuda_backend
+        cuda_backend.BLOCK_MAJOR_OVERRIDE = False
+        try:
+            for name, fn in (("ours_fwd_head_major", ours_fwd), ("ours_fb_head_major", ours_fb)):
+                row[name + "_ms"] = _median_time(fn, reps=reps, sync=sync) * 1e3
+        except Exception as e:
+            row["ours_head_major_error"] = str(e)[:300]
+        finally:
+            cuda_backend.BLOCK_MAJOR_OVERRIDE = None
     # Peak memory of fwd+bwd (after the warm runs above).
     for name, fn in (("ours_fb", ours_fb), ("mlx_fb", mlx_fb)):
         if not references and name.startswith("mlx"):
@@ -295,6 +309,52 @@ def phase_sweep(out_dir, head_dims=None):
     return not any("error" in r for r in results)
 
 
+def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
+    """Registers, stack and spills of every kernel at the table's block shapes (nvcc --resource-usage).
+
+    Needs nvcc only (no GPU): each rendered kernel is wrapped in a __global__ signature like the one
+    mx.fast.cuda_kernel generates and compiled for sm_90a. NVRTC (what MLX runs) allocates the same
+    way up to small differences.
+    """
+    import re
+    import shutil
+    import tempfile
+    import mlx.core as mx
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    if shutil.which("nvcc") is None:
+        log("resources: no nvcc")
+        return False
+    types = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float"}
+    ok = True
+    with tempfile.TemporaryDirectory() as tmp:
+        for D in head_dims:
+            for causal in (False, True):
+                q = mx.zeros((1, 2, 64, D), mx.bfloat16)
+                spec = check_inputs(q, q, q, mask="causal" if causal else None)[0]
+                for kernel in ("forward", "backward_query", "backward_key_value"):
+                    cfg = cuda.kernel_config(kernel, spec, None)
+                    header, body, inputs, outputs = cuda.kernel_source(cfg)
+                    sig = ", ".join([f"const {types.get(n, cfg.dtype)}* {n}" for n in inputs]
+                                    + [f"{types.get(n, cfg.dtype)}* {n}" for n in outputs])
+                    path = os.path.join(tmp, cfg.name + ".cu")
+                    with open(path, "w") as f:
+                        f.write("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" + header
+                                + f"\n__global__ void {cfg.name}({sig}) {{\n{body}\n}}\n")
+                    r = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-O3", "--resource-usage",
+                                        "-c", path, "-o", path + ".o"], capture_output=True, text=True)
+                    text = r.stdout + r.stderr
+                    regs = re.search(r"Used (\d+) registers", text)
+                    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+                    ok = ok and r.returncode == 0
+                    log(f"resources D={D} causal={causal} {kernel}: warps={cfg.warps} CG={cfg.col_groups} "
+                        f"WM={cfg.m_tiles} P={cfg.parallel_block} T={cfg.traversal_block} H={cfg.slice_width} "
+                        f"smem={cfg.shared_memory} regs={regs.group(1) if regs else '?'} "
+                        f"stack/spill-st/spill-ld={spill.groups() if spill else '?'}"
+                        + ("" if r.returncode == 0 else " COMPILE ERROR: " + text[-500:]))
+    return ok
+
+
 def profile_case():
     """One call of each kernel at D=128 (for ncu)."""
     import mlx.core as mx
@@ -329,8 +389,19 @@ BENCH_SHAPES = [
 ]
 
 
+def warm_up_gpu(seconds=3.0):
+    """Matrix products until the clocks have ramped up (an idle H100 sits at 345 MHz)."""
+    import mlx.core as mx
+    a = mx.random.normal((8192, 8192)).astype(mx.bfloat16)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        mx.eval(a @ a)
+    mx.synchronize()
+
+
 def phase_bench(out_dir, quick=False, references=True):
     shapes = BENCH_SHAPES[:2] + BENCH_SHAPES[5:6] if quick else BENCH_SHAPES
+    warm_up_gpu()
     rows = []
     for B, H, N, D in shapes:
         for causal in (False, True):
@@ -369,7 +440,9 @@ def print_table(rows):
             nc = by_key.get((r["B"], r["N"], r["D"], False))
             if nc and "ours_fb_ms" in r and "ours_fb_ms" in nc:
                 log(f"causal/non-causal time N={r['N']} D={r['D']}: fwd {r.get('ours_fwd_ms', 0) / nc.get('ours_fwd_ms', 1):.2f} "
-                    f"f+b {r['ours_fb_ms'] / nc['ours_fb_ms']:.2f}")
+                    f"f+b {r['ours_fb_ms'] / nc['ours_fb_ms']:.2f} (head-major CTA order: fwd "
+                    f"{r.get('ours_fwd_head_major_ms', float('nan')) / nc.get('ours_fwd_ms', 1):.2f} "
+                    f"f+b {r.get('ours_fb_head_major_ms', float('nan')) / nc['ours_fb_ms']:.2f})")
     errors = [(r["D"], r["causal"], k, v) for r in rows for k, v in r.items() if "error" in k]
     for e in errors:
         log("error:", *e)
@@ -381,7 +454,7 @@ def main():
     parser.add_argument("--phases", default="smoke,test,sanitize,bench")
     parser.add_argument("--quick", action="store_true", help="fewer benchmark shapes and repetitions")
     parser.add_argument("--ours-only", action="store_true", help="bench: time only backend cuda (no MLX / torch)")
-    parser.add_argument("--pytest-args", default="", help="extra pytest arguments (space separated)")
+    parser.add_argument("--pytest-args", default="", help="extra pytest arguments (shell syntax)")
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -401,9 +474,11 @@ def main():
             if phase == "smoke":
                 results[phase] = phase_smoke(args.out)
             elif phase == "test":
-                results[phase] = phase_test(args.out, args.pytest_args.split())
+                results[phase] = phase_test(args.out, shlex.split(args.pytest_args))
             elif phase == "sanitize":
                 results[phase] = phase_sanitize(args.out)
+            elif phase == "resources":
+                results[phase] = phase_resources(args.out)
             elif phase == "sweep":
                 results[phase] = phase_sweep(args.out)
             elif phase == "profile":

@@ -65,11 +65,13 @@ __device__ void attention_backward_key_value(
 
   const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
-  const int kb = (int)(rest % nkb);
-  const i64 bkv = rest / nkb;
+  int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
+  i64 bkv;
+  block_of(rest, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rg = warp % RG, cg = warp / RG;
+  // (CG = 1: folded at compile time, the layout of the 4-warp kernels)
+  const int rg = CG == 1 ? warp : warp % RG, cg = CG == 1 ? 0 : warp / RG;
   const int g = lane / 4, tq = lane % 4;
   const int k0 = kb * BM, col0 = (cslice * CG + cg) * HB;
   const int wrow = rg * 16 * WM;  // this warp's first key row in the block

@@ -58,12 +58,14 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
 
   const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
-  int qb = (int)(rest % nqb);
-  const i64 bh = rest / nqb;
-  if (CAUSAL) qb = nqb - 1 - qb;
+  int qb;
+  i64 bh;
+  block_of(rest, nqb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hq, qb, bh);
+  if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rg = warp % RG, cg = warp / RG;
+  // (CG = 1: folded at compile time, the layout of the 4-warp kernels)
+  const int rg = CG == 1 ? warp : warp % RG, cg = CG == 1 ? 0 : warp / RG;
   const int g = lane / 4, tq = lane % 4;
   const int q0 = qb * BM, col0 = (cslice * CG + cg) * HB;
   const int wrow = rg * 16 * WM;  // this warp's first query row in the block

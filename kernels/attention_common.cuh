@@ -17,10 +17,11 @@ typedef unsigned int u32;
 typedef int64_t i64;
 
 // Runtime integer parameters, one int64 array shared by every kernel (layout fixed here and in
-// mlx_flash/backends/cuda.py: keep the two in step).
+// mlx_flash/backends/cuda.py: keep the two in step). P_BLOCK_MAJOR: 1 = CTAs ordered block-major
+// (all heads' first blocks, then their second, ...), 0 = head-major (see block_of).
 enum Param {
   P_BATCH = 0, P_QHEADS, P_KVHEADS, P_QLEN, P_KVLEN, P_GROUP, P_DIAG, P_WLEFT, P_WRIGHT,
-  P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_COUNT
+  P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_BLOCK_MAJOR, P_COUNT
 };
 
 // The instructions below have CPU stand-ins in kernels/cuda_emulation.cuh (kernel logic tests
@@ -153,6 +154,21 @@ __device__ __forceinline__ bool band_visible(int i, int j, int diag, int wleft, 
 // The block's linear index over a 2-D grid (x capped so any block count fits the grid limits).
 __device__ __forceinline__ i64 linear_block() {
   return (i64)blockIdx.y * gridDim.x + blockIdx.x;
+}
+
+// Splits `rest` (the CTA's index without its column slice) into (block, head) for `nblocks`
+// blocks per head. Head-major keeps a head's blocks adjacent (K/V stay hot in L2); block-major
+// puts block b of every head before block b + 1 of any: the GPU starts CTAs in index order, so
+// under causal masks, where block work differs by up to nblocks times, the longest go first and
+// the short ones fill the tail (longest-processing-time-first scheduling).
+__device__ __forceinline__ void block_of(i64 rest, int nblocks, bool block_major, i64 heads, int& block, i64& head) {
+  if (block_major) {
+    block = (int)(rest / heads);
+    head = rest % heads;
+  } else {
+    block = (int)(rest % nblocks);
+    head = rest / nblocks;
+  }
 }
 
 }  // namespace mlxflash

@@ -1,7 +1,9 @@
-"""The "cuda" backend against the float64 reference, on an NVIDIA GPU.
+"""The "cuda" backend against the float64 reference, on an NVIDIA GPU and on the CPU emulator.
 
-Skipped (whole module, with the reason) where MLX has no CUDA device. Covers the shared
-property suite (hypothesis over shapes, dtypes, masks, softcap, GQA, lse cotangents) at a
+The emulator tests (test_emulated_*) run the same kernels through mlx_flash.backends.cuda_emulator
+on any machine with a host C++ compiler: every warp layout (4 / 8 warps, 1 / 2 / 4 column groups),
+both cp.async completion orders (deferred to the wait, eager) and both CTA orders. The GPU tests
+are skipped (with the reason) where MLX has no CUDA device. They cover the shared property suite (hypothesis over shapes, dtypes, masks, softcap, GQA, lse cotangents) at a
 bounded set of head dims (each distinct head dim / flag set compiles new kernels), explicit
 edge cases (D = 1..512 incl. odd and prime sizes, primes for N, rows with no visible key,
 broadcast masks), GPU-sized cases (N up to 16K) against the "mlx" backend in fp32 on a subset
@@ -17,13 +19,70 @@ from hypothesis import given, settings
 
 from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
 
-if not (hasattr(mx, "cuda") and mx.cuda.is_available()):
-    pytest.skip("no CUDA GPU: mx.cuda.is_available() is False (MLX CPU/Metal build or no NVIDIA device)",
-                allow_module_level=True)
-
 from mlx_flash import fallback_counts, flash_attention, reset_fallback_counts  # noqa: E402
-from mlx_flash.backends import get_backend  # noqa: E402
+from mlx_flash.backends import cuda, cuda_emulator, get_backend  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
+
+HAS_GPU = hasattr(mx, "cuda") and mx.cuda.is_available()
+gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU: mx.cuda.is_available() is False "
+                                              "(MLX CPU/Metal build or no NVIDIA device)")
+emulator = pytest.mark.skipif(cuda_emulator.compiler() is None, reason="no host C++ compiler for the CUDA emulator")
+
+# (case, warp layout it exercises with the current blocks_cuda.txt)
+EMULATED_CASES = [
+    (Case(head_dim=64, q_len=150, kv_len=140, dtype="bfloat16", mask="causal", group=2, batch=2),
+     "4 warps x 2 m-tiles, block-major CTA order"),
+    (Case(head_dim=160, q_len=140, kv_len=170, dtype="float16", mask="bool", mask_shape=(False, True, True, True),
+          softcap=5.0, lse_gradient=True), "8 warps, dK/dV with 2 column groups sharing P/dS"),
+    (Case(head_dim=320, q_len=61, kv_len=67, dtype="bfloat16", mask="causal_window", window=(20, 3), group=3),
+     "forward and dQ with 2 column groups, dK/dV with 4"),
+]
+
+
+@emulator
+@pytest.mark.parametrize("eager_copies", [False, True], ids=["deferred-copies", "eager-copies"])
+@pytest.mark.parametrize("case,layout", EMULATED_CASES, ids=lambda x: x if isinstance(x, str) else f"d{x.head_dim}")
+def test_emulated_kernels(case, layout, eager_copies):
+    """The kernels' logic on the CPU emulator (no GPU needed) against the float64 reference."""
+    with cuda_emulator.emulated(seed=case.q_len + int(eager_copies), eager_copies=eager_copies):
+        check_case(case, backend="cuda")
+
+
+def _block_orders_agree():
+    """Head-major and block-major CTA orders compute bitwise the same (only the schedule differs)."""
+    case = Case(batch=2, kv_heads=2, group=2, q_len=140, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
+    results = []
+    for block_major in (False, True):
+        cuda.BLOCK_MAJOR_OVERRIDE = block_major
+        try:
+            results.append(_out_and_grads(case))
+        finally:
+            cuda.BLOCK_MAJOR_OVERRIDE = None
+    for x, y in zip(*results):
+        assert np.array_equal(x, y)
+
+
+@emulator
+def test_emulated_block_orders_agree():
+    with cuda_emulator.emulated(seed=3):
+        _block_orders_agree()
+
+
+@gpu
+def test_block_orders_agree():
+    _block_orders_agree()
+
+
+def _out_and_grads(case):
+    a = make_arrays(case)
+
+    def f(q_, k_, v_):
+        o = flash_attention(q_, k_, v_, mask=a.mask, backend="cuda", **a.kwargs)
+        return (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum(), o
+
+    (_, out), g = mx.value_and_grad(f, argnums=(0, 1, 2))(a.q, a.k, a.v)
+    mx.eval(out, g)
+    return [np.array(x.astype(mx.float32)) for x in (out, *g)]
 
 # Head dims the property test samples from (bounds the number of compiled kernel variants).
 PROPERTY_HEAD_DIMS = [8, 37, 64, 80, 128, 160, 256]
@@ -31,6 +90,9 @@ HALF_DTYPES = ("float16", "bfloat16")
 
 
 # MLX_FLASH_CUDA_EXAMPLES trims the property suite where device time is short (default 40).
+
+
+@gpu
 @settings(max_examples=int(os.environ.get("MLX_FLASH_CUDA_EXAMPLES", "40")))
 @given(cases(max_len=200, dtypes=HALF_DTYPES, head_dims=PROPERTY_HEAD_DIMS))
 def test_property_suite(case):
@@ -54,6 +116,7 @@ EDGE_CASES = [
 ]
 
 
+@gpu
 @pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: f"d{c.head_dim}-{c.dtype}-{c.mask}-{c.q_len}x{c.kv_len}")
 def test_edge_cases(case):
     check_case(case, backend="cuda")
@@ -63,6 +126,7 @@ def _rows_subset_error(out, ref, rows):
     return relative_error(to_numpy(out)[..., rows, :], to_numpy(ref)[..., rows, :].astype(np.float64))
 
 
+@gpu
 @pytest.mark.parametrize("n,d,causal", [(4096, 64, True), (16384, 128, False), (16384, 128, True), (4099, 256, True)])
 def test_large_against_mlx_fp32(n, d, causal):
     """GPU-sized problems: compare with the blocked "mlx" backend run in fp32 on the same inputs."""
@@ -89,6 +153,7 @@ def test_large_against_mlx_fp32(n, d, causal):
         assert err < 5e-2, f"{name}: relative error {err}"
 
 
+@gpu
 def test_gradients_bitwise_deterministic():
     case = Case(batch=2, kv_heads=2, group=4, q_len=333, kv_len=517, head_dim=128, dtype="bfloat16", mask="causal")
     a = make_arrays(case)
@@ -105,6 +170,7 @@ def test_gradients_bitwise_deterministic():
         assert np.array_equal(x, y)
 
 
+@gpu
 def test_many_heads_past_grid_y_limit():
     """B * H = 70000 blocks: the launch must not rely on grid y holding B * H."""
     rng = np.random.default_rng(1)
@@ -114,6 +180,7 @@ def test_many_heads_past_grid_y_limit():
     assert relative_error(to_numpy(out), to_numpy(ref).astype(np.float64)) < 4e-3
 
 
+@gpu
 def test_float32_falls_back_counted():
     reset_fallback_counts()
     q = mx.random.normal((1, 2, 32, 64))
@@ -123,6 +190,7 @@ def test_float32_falls_back_counted():
     assert any("float32" in reason for reason in fallback_counts())
 
 
+@gpu
 def test_backward_kernels_separately_match_backward():
     case = Case(batch=1, kv_heads=2, group=2, q_len=200, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
     a = make_arrays(case)

@@ -260,11 +260,22 @@ def _mask_strides(spec: AttentionSpec) -> List[int]:
     return strides
 
 
+# Tuning hook for benchmarks/gpu_check.py only: None = block-major CTA order under causal masks,
+# head-major otherwise (see block_of in kernels/attention_common.cuh); True / False forces one.
+BLOCK_MAJOR_OVERRIDE: Optional[bool] = None
+
+
+def _block_major(spec: AttentionSpec) -> bool:
+    """Whether CTAs go block-major: under a causal mask blocks differ in work by up to
+    N / block times, and starting every head's longest blocks first balances the tail."""
+    return spec.causal if BLOCK_MAJOR_OVERRIDE is None else BLOCK_MAJOR_OVERRIDE
+
+
 def _int_params(spec: AttentionSpec, blocks: int, total: int) -> mx.array:
     # Order = enum Param in kernels/attention_common.cuh.
     left, right = spec.window if spec.window is not None else (-1, -1)
     values = [spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.group,
-              spec.diagonal, left, right, *_mask_strides(spec), blocks, total]
+              spec.diagonal, left, right, *_mask_strides(spec), blocks, total, int(_block_major(spec))]
     return mx.array(values, dtype=mx.int64)
 
 
