@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from importlib import resources
-from typing import Dict, FrozenSet, List, Tuple
+from typing import FrozenSet, List, Optional, Tuple
 
 import mlx.core as mx
 
@@ -29,6 +29,8 @@ class BlockPlan:
         head_block: H, columns of the head dim handled per inner step (a multiple of 8).
         cached: operands kept in registers for the whole kernel (e.g. {"Q", "O"}).
         head_dim: the real D.
+        warps: SIMD-groups / warps per threadgroup, or None where the backend derives it
+            (the Metal kernels use P / 8 SIMD-groups).
     """
 
     kernel: str
@@ -37,6 +39,7 @@ class BlockPlan:
     head_block: int
     cached: FrozenSet[str]
     head_dim: int
+    warps: Optional[int] = None
 
     @property
     def padded_head_dim(self) -> int:
@@ -62,11 +65,13 @@ class _Row:
     traversal_block: int
     head_block: int
     cached: FrozenSet[str]
+    warps: Optional[int]
 
 
 @functools.lru_cache(maxsize=None)
 def load_table(target: str) -> Tuple[_Row, ...]:
-    """Parse kernels/blocks_<target>.txt (whitespace columns, '#' comments, '-' = nothing cached)."""
+    """Parse kernels/blocks_<target>.txt: whitespace columns, '#' comments, '-' = nothing cached;
+    an optional ninth column gives the warps per threadgroup ('-' = the backend's default)."""
     text = resources.files("mlx_flash.kernels").joinpath(f"blocks_{target}.txt").read_text()
     rows: List[_Row] = []
     for number, line in enumerate(text.splitlines(), 1):
@@ -74,13 +79,15 @@ def load_table(target: str) -> Tuple[_Row, ...]:
         if not line:
             continue
         fields = line.split()
-        if len(fields) != 8:
-            raise ValueError(f"blocks_{target}.txt line {number}: expected 8 columns, got {fields}")
-        kernel, precision, family, max_d, p, t, h, cached = fields
+        if len(fields) not in (8, 9):
+            raise ValueError(f"blocks_{target}.txt line {number}: expected 8 or 9 columns, got {fields}")
+        kernel, precision, family, max_d, p, t, h, cached = fields[:8]
+        warps = fields[8] if len(fields) == 9 else "-"
         if kernel not in KERNELS:
             raise ValueError(f"blocks_{target}.txt line {number}: unknown kernel {kernel!r}")
         rows.append(_Row(kernel, precision, family, int(max_d), int(p), int(t), int(h),
-                         frozenset() if cached == "-" else frozenset(cached.split(","))))
+                         frozenset() if cached == "-" else frozenset(cached.split(",")),
+                         None if warps == "-" else int(warps)))
     return tuple(rows)
 
 
@@ -117,4 +124,5 @@ def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) 
                          f"family={family!r}; families in the table: {families(target)}.")
     row = next((r for r in rows if head_dim <= r.max_head_dim), rows[-1])
     head_block = min(row.head_block, -(-head_dim // 8) * 8)
-    return BlockPlan(kernel, row.parallel_block, row.traversal_block, head_block, row.cached, head_dim)
+    return BlockPlan(kernel, row.parallel_block, row.traversal_block, head_block, row.cached, head_dim,
+                     row.warps)

@@ -29,7 +29,7 @@ from ..render import render, template_text
 from ..spec import AttentionSpec
 
 FAMILY = "sm90"
-DEFAULT_WARPS = 4  # warps per CTA unless the table row says wN
+DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
 MAX_HEAD_DIM = 512
 # Opt-in shared memory per block on sm_90 (227 KB); sm_80 has 163 KB, sm_86/89 99 KB.
 SHARED_MEMORY_LIMIT = 227 * 1024
@@ -138,12 +138,6 @@ def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int,
     return width, col_groups, slices // col_groups
 
 
-def _warps_of(cached) -> int:
-    """The wN token of a blocks_cuda.txt row's cached column (N warps per CTA), else the default."""
-    counts = [int(t[1:]) for t in cached if t[:1] == "w" and t[1:].isdigit()]
-    return counts[0] if counts else DEFAULT_WARPS
-
-
 # Tuning hook for benchmarks/gpu_check.py only: {kernel: (P, T, H[, warps])} replaces the table's
 # row for every head dim. Empty in normal use.
 BLOCK_OVERRIDES: dict = {}
@@ -152,7 +146,7 @@ BLOCK_OVERRIDES: dict = {}
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
-    warps = _warps_of(plan.cached)
+    warps = plan.warps or DEFAULT_WARPS
     if kernel in BLOCK_OVERRIDES:
         p, t, h, *rest = BLOCK_OVERRIDES[kernel]
         plan = planner.BlockPlan(kernel, p, t, min(h, -(-spec.head_dim // 8) * 8), plan.cached, spec.head_dim)
