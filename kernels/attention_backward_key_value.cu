@@ -136,48 +136,7 @@ __device__ void attention_backward_key_value(
 
     // S^T = K Q^T and dP^T = V dO^T for this warp's rows and queries [qcol, qcol + BNW).
     float s[WM][BNW / 8][4], dp[WM][BNW / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < WM; ++mt)
-#pragma unroll
-      for (int n = 0; n < BNW / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-      u32 ak[WM][4], av[WM][4];
-#pragma unroll
-      for (int mt = 0; mt < WM; ++mt) {
-        const int off = (wrow + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
-        ldmatrix_x4(ak[mt], Ks + off);
-        ldmatrix_x4(av[mt], Vs + off);
-      }
-#pragma unroll
-      for (int nn = 0; nn < BNW / 16; ++nn) {
-        u32 bq[4], bd[4];
-        const int mi = lane / 8;
-        const int off = (qcol + nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
-        ldmatrix_x4(bq, Qst + off);
-        ldmatrix_x4(bd, dOst + off);
-#pragma unroll
-        for (int mt = 0; mt < WM; ++mt) {
-          mma(s[mt][2 * nn], ak[mt], bq[0], bq[1], T());
-          mma(s[mt][2 * nn + 1], ak[mt], bq[2], bq[3], T());
-          mma(dp[mt][2 * nn], av[mt], bd[0], bd[1], T());
-          mma(dp[mt][2 * nn + 1], av[mt], bd[2], bd[3], T());
-        }
-      }
-      if (BNW % 16 == 8) {  // a last 8-query tile
-        u32 bq[2], bd[2];
-        const int off = (qcol + BNW - 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8;
-        ldmatrix_x2(bq, Qst + off);
-        ldmatrix_x2(bd, dOst + off);
-#pragma unroll
-        for (int mt = 0; mt < WM; ++mt) {
-          mma(s[mt][BNW / 8 - 1], ak[mt], bq[0], bq[1], T());
-          mma(dp[mt][BNW / 8 - 1], av[mt], bd[0], bd[1], T());
-        }
-      }
-    }
+    dual_gemm_abt<WM, BNW, DP, ROW>(s, dp, Ks, Vs, wrow, Qst, dOst, qcol, lane);
 
     // P^T into s, dS^T into dp.
     const bool full_block = qs + BN <= Nq && k0 + BM <= Nk &&

@@ -130,48 +130,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
 
     // S = Q K^T and dP = dO V^T for this warp's rows and keys [kcol, kcol + BNW).
     float s[WM][BNW / 8][4], dp[WM][BNW / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < WM; ++mt)
-#pragma unroll
-      for (int n = 0; n < BNW / 8; ++n)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) s[mt][n][r] = dp[mt][n][r] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < DP / 16; ++kk) {
-      u32 aq[WM][4], ad[WM][4];
-#pragma unroll
-      for (int mt = 0; mt < WM; ++mt) {
-        const int off = (wrow + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
-        ldmatrix_x4(aq[mt], Qs + off);
-        ldmatrix_x4(ad[mt], dOs + off);
-      }
-#pragma unroll
-      for (int nn = 0; nn < BNW / 16; ++nn) {
-        u32 bk[4], bv[4];
-        const int mi = lane / 8;
-        const int off = (kcol + nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
-        ldmatrix_x4(bk, Kst + off);
-        ldmatrix_x4(bv, Vst + off);
-#pragma unroll
-        for (int mt = 0; mt < WM; ++mt) {
-          mma(s[mt][2 * nn], aq[mt], bk[0], bk[1], T());
-          mma(s[mt][2 * nn + 1], aq[mt], bk[2], bk[3], T());
-          mma(dp[mt][2 * nn], ad[mt], bv[0], bv[1], T());
-          mma(dp[mt][2 * nn + 1], ad[mt], bv[2], bv[3], T());
-        }
-      }
-      if (BNW % 16 == 8) {  // a last 8-key tile
-        u32 bk[2], bv[2];
-        const int off = (kcol + BNW - 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8;
-        ldmatrix_x2(bk, Kst + off);
-        ldmatrix_x2(bv, Vst + off);
-#pragma unroll
-        for (int mt = 0; mt < WM; ++mt) {
-          mma(s[mt][BNW / 8 - 1], aq[mt], bk[0], bk[1], T());
-          mma(dp[mt][BNW / 8 - 1], ad[mt], bv[0], bv[1], T());
-        }
-      }
-    }
+    dual_gemm_abt<WM, BNW, DP, ROW>(s, dp, Qs, dOs, wrow, Kst, Vst, kcol, lane);
 
     // dS = P * (dP - delta) [* (1 - t^2)], written over s.
     const int key0 = kb * BN;

@@ -115,6 +115,59 @@ __device__ __forceinline__ float quad_sum(float x) {
 // into shared memory with row stride SROW; rows past rows_valid and columns past head_dim are
 // zero-filled. `vec` = 16-byte copies are legal (head_dim % 8 == 0 and g 16-byte aligned);
 // otherwise elements are copied one by one (visible after the next __syncthreads).
+// Two score-shaped products that share their operands' layout, computed in one pass over the
+// contraction: C1 = A1 B1^T and C2 = A2 B2^T for this warp's WM 16-row m-tiles (rows arow..) and
+// BNW columns (bcol..); all four operands are row-major in shared memory with row stride ROW.
+// The backward kernels use it for S = Q K^T with dP = dO V^T (dQ) and for S^T = K Q^T with
+// dP^T = V dO^T (dK/dV).
+template <int WM, int BNW, int DP, int ROW, typename T>
+__device__ __forceinline__ void dual_gemm_abt(float (&c1)[WM][BNW / 8][4], float (&c2)[WM][BNW / 8][4],
+                                              const T* a1, const T* a2, int arow,
+                                              const T* b1, const T* b2, int bcol, int lane) {
+#pragma unroll
+  for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+    for (int n = 0; n < BNW / 8; ++n)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) c1[mt][n][r] = c2[mt][n][r] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < DP / 16; ++kk) {
+    u32 x1[WM][4], x2[WM][4];
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt) {
+      const int off = (arow + mt * 16 + lane % 16) * ROW + kk * 16 + (lane / 16) * 8;
+      ldmatrix_x4(x1[mt], a1 + off);
+      ldmatrix_x4(x2[mt], a2 + off);
+    }
+#pragma unroll
+    for (int nn = 0; nn < BNW / 16; ++nn) {
+      u32 y1[4], y2[4];
+      const int mi = lane / 8;
+      const int off = (bcol + nn * 16 + (mi / 2) * 8 + lane % 8) * ROW + kk * 16 + (mi % 2) * 8;
+      ldmatrix_x4(y1, b1 + off);
+      ldmatrix_x4(y2, b2 + off);
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        mma(c1[mt][2 * nn], x1[mt], y1[0], y1[1], T());
+        mma(c1[mt][2 * nn + 1], x1[mt], y1[2], y1[3], T());
+        mma(c2[mt][2 * nn], x2[mt], y2[0], y2[1], T());
+        mma(c2[mt][2 * nn + 1], x2[mt], y2[2], y2[3], T());
+      }
+    }
+    if (BNW % 16 == 8) {  // a last 8-column tile
+      u32 y1[2], y2[2];
+      const int off = (bcol + BNW - 8 + lane % 8) * ROW + kk * 16 + ((lane / 8) % 2) * 8;
+      ldmatrix_x2(y1, b1 + off);
+      ldmatrix_x2(y2, b2 + off);
+#pragma unroll
+      for (int mt = 0; mt < WM; ++mt) {
+        mma(c1[mt][BNW / 8 - 1], x1[mt], y1[0], y1[1], T());
+        mma(c2[mt][BNW / 8 - 1], x2[mt], y2[0], y2[1], T());
+      }
+    }
+  }
+}
+
 template <int ROWS, int COLS, int SROW, int THREADS, typename T>
 __device__ __forceinline__ void load_tile(T* s, const T* g, int rows_valid, int col0, int head_dim,
                                           bool vec, int tid) {
