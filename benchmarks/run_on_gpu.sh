@@ -38,7 +38,7 @@ log="$out_dir/bench_gpu.log"
         echo "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
         export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
     fi
-    export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse HEAD 2> /dev/null || echo unknown)}"
+    export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse --verify -q HEAD 2> /dev/null || echo unknown)}"
     python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device(), mx.device_info())" \
         || { echo "mlx does not import"; exit 3; }
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 \

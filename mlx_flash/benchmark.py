@@ -33,6 +33,7 @@ import datetime
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import time
@@ -449,15 +450,18 @@ def git_commit() -> Dict[str, Any]:
     Falls back to $MLX_FLASH_COMMIT where the tree has no .git (a copied checkout)."""
     root = Path(__file__).resolve().parent.parent
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=10, check=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"],
+                                capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        if not re.fullmatch(r"[0-9a-f]{40,64}", commit):
+            raise subprocess.SubprocessError(f"not a commit: {commit!r}")
         # Tracked sources only: other people's untracked work in progress is not imported here.
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "--",
                                 "mlx_flash", "kernels", "benchmarks"], capture_output=True, text=True,
                                timeout=10).stdout.strip()
         return {"git_commit": commit, "git_dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
-        return {"git_commit": os.environ.get("MLX_FLASH_COMMIT"), "git_dirty": None}
+        given = os.environ.get("MLX_FLASH_COMMIT", "").strip()
+        return {"git_commit": given or None, "git_dirty": None}
 
 
 def environment(backend_requested: str, backend_resolved: Optional[str]) -> Dict[str, Any]:
