@@ -250,4 +250,85 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT
   return s * LOG2E;
 }
 
+// One step of the forward's online softmax for one 16-row m-tile, in the accumulator layout of
+// mma.sync (and of wgmma, per warp): this thread holds rows row0 and row0 + 8, columns
+// 8 n + 2 tq (+1) of the BN keys from key0. Scores become log2 units with the masks applied,
+// then P = exp2(S - running max) replaces them in s; row sums grow and O is rescaled by
+// exp2(old max - new max). full_block: every element is visible (skips the index tests).
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o)[NO][4], float (&row_max)[2],
+                                                    float (&row_sum)[2], const MaskT* const (&mrow)[2], int row0,
+                                                    int key0, bool full_block, int Nq, int Nk, int diag, int wleft,
+                                                    int wright, i64 msk, float scale, float scale_log2, float cap,
+                                                    int tq) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row0 + 8 * hf;
+    float mx = row_max[hf];
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = key0 + n * 8 + 2 * tq + e;
+        float t;
+        bool visible = true;
+        if (!full_block || MASK_KIND != 0)
+          visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+        const MaskT* mp = MASK_KIND != 0 ? mrow[hf] + (i64)min(j, Nk - 1) * msk : nullptr;
+        const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+        s[n][2 * hf + e] = v2;
+        mx = fmaxf(mx, v2);
+      }
+    mx = quad_max(mx);
+    const float m_use = mx == -INFINITY ? 0.f : mx;
+    const float corr = fast_exp2(row_max[hf] - m_use);
+    row_max[hf] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = fast_exp2(s[n][2 * hf + e] - m_use);
+        s[n][2 * hf + e] = p;
+        sum += p;
+      }
+    row_sum[hf] = row_sum[hf] * corr + sum;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      o[n][2 * hf] *= corr;
+      o[n][2 * hf + 1] *= corr;
+    }
+  }
+}
+
+// The forward's epilogue for one 16-row m-tile (layout as above): O / rowsum stored for rows
+// < Nq and columns col0 + 8 n + 2 tq (+1) < HEAD_DIM of out (this head's [Nq, HEAD_DIM] rows);
+// L = max * ln 2 + ln(sum) (natural log, -inf for rows that saw no key) into lse when non-null.
+template <int HEAD_DIM, int NO, typename T>
+__device__ __forceinline__ void store_output_tile(const float (&o)[NO][4], const float (&row_max)[2],
+                                                  const float (&row_sum)[2], int row0, int Nq, int col0, T* out,
+                                                  float* lse, int tq) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int i = row0 + 8 * hf;
+    const float l = quad_sum(row_sum[hf]);
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    if (i < Nq) {
+      T* orow = out + (i64)i * HEAD_DIM;
+#pragma unroll
+      for (int n = 0; n < NO; ++n) {
+        const int c = col0 + n * 8 + 2 * tq;
+        const float x = o[n][2 * hf] * inv, y = o[n][2 * hf + 1] * inv;
+        if (HEAD_DIM % 2 == 0) {
+          if (c < HEAD_DIM) store2(orow + c, x, y);
+        } else {
+          if (c < HEAD_DIM) store1(orow + c, x);
+          if (c + 1 < HEAD_DIM) store1(orow + c + 1, y);
+        }
+      }
+      if (lse != nullptr && tq == 0) lse[i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
+    }
+  }
+}
+
 }  // namespace mlxflash

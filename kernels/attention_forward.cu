@@ -166,52 +166,16 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
       }
     }
 
-    // Scores -> log2 units with masks; online softmax.
+    // Scores -> log2 units with masks; online softmax (P replaces S, O is rescaled).
     const int key0 = kb * BN;
     const bool full_block = key0 + BN <= Nk &&
         (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
         (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
 #pragma unroll
-    for (int mt = 0; mt < WM; ++mt) {
-#pragma unroll
-      for (int hf = 0; hf < 2; ++hf) {
-        const int i = q0 + wrow + mt * 16 + g + 8 * hf;
-        float mx = row_max[mt][hf];
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int j = key0 + n * 8 + 2 * tq + e;
-            float t;
-            bool visible = true;
-            if (!full_block || MASK_KIND != 0)
-              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-            const MaskT* mp = MASK_KIND != 0 ? mrow[mt][hf] + (i64)min(j, Nk - 1) * msk : nullptr;
-            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
-            s[mt][n][2 * hf + e] = v2;
-            mx = fmaxf(mx, v2);
-          }
-        mx = quad_max(mx);
-        const float m_use = mx == -INFINITY ? 0.f : mx;
-        const float corr = fast_exp2(row_max[mt][hf] - m_use);
-        row_max[mt][hf] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = fast_exp2(s[mt][n][2 * hf + e] - m_use);
-            s[mt][n][2 * hf + e] = p;
-            sum += p;
-          }
-        row_sum[mt][hf] = row_sum[mt][hf] * corr + sum;
-#pragma unroll
-        for (int n = 0; n < HB / 8; ++n) {
-          o[mt][n][2 * hf] *= corr;
-          o[mt][n][2 * hf + 1] *= corr;
-        }
-      }
-    }
+    for (int mt = 0; mt < WM; ++mt)
+      online_softmax_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(
+          s[mt], o[mt], row_max[mt], row_sum[mt], mrow[mt], q0 + wrow + mt * 16 + g, key0, full_block,
+          Nq, Nk, diag, wleft, wright, msk, scale, scale_log2, cap, tq);
 
     // O += P V (P from the accumulator registers: the C layout of two n8 tiles is the A layout of one k16).
 #pragma unroll
@@ -241,30 +205,9 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
 
   // Normalize and store O (rows < Nq, columns < D) and L.
 #pragma unroll
-  for (int mt = 0; mt < WM; ++mt) {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = q0 + wrow + mt * 16 + g + 8 * hf;
-      const float l = quad_sum(row_sum[mt][hf]);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
-      if (i < Nq) {
-        T* orow = out + (bh * Nq + i) * (i64)HEAD_DIM;
-#pragma unroll
-        for (int n = 0; n < HB / 8; ++n) {
-          const int c = col0 + n * 8 + 2 * tq;
-          const float x = o[mt][n][2 * hf] * inv, y = o[mt][n][2 * hf + 1] * inv;
-          if (HEAD_DIM % 2 == 0) {
-            if (c < HEAD_DIM) store2(orow + c, x, y);
-          } else {
-            if (c < HEAD_DIM) store1(orow + c, x);
-            if (c + 1 < HEAD_DIM) store1(orow + c + 1, y);
-          }
-        }
-        if (cslice == 0 && cg == 0 && tq == 0)
-          lse[bh * Nq + i] = l > 0.f ? row_max[mt][hf] * 0.6931471805599453f + logf(l) : -INFINITY;
-      }
-    }
-  }
+  for (int mt = 0; mt < WM; ++mt)
+    store_output_tile<HEAD_DIM>(o[mt], row_max[mt], row_sum[mt], q0 + wrow + mt * 16 + g, Nq, col0,
+                                out + bh * Nq * (i64)HEAD_DIM, cslice == 0 && cg == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash
