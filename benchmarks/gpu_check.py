@@ -7,6 +7,9 @@ Phases:
     smoke     a few forward / backward checks against the float64 reference, printed at once
     test      pytest tests/test_cuda.py (log in DIR/pytest.log)
     sanitize  compute-sanitizer memcheck and racecheck over small calls of every kernel
+    wgmma     the Hopper warpgroup-MMA forward: device info, forward-only checks against the float64
+              reference (both readings of V's descriptor if the first fails), then its time
+              beside the mma.sync forward and under several block shapes (DIR/wgmma.json)
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
@@ -109,6 +112,90 @@ def phase_sanitize(out_dir):
         summary = [l for l in text.splitlines() if "ERROR SUMMARY" in l or "RACECHECK SUMMARY" in l or "done" in l]
         log(f"sanitizer {tool}: exit {code} ({time.time() - t0:.0f}s) " + " | ".join(summary[-3:]))
         ok = ok and code == 0
+    return ok
+
+
+# ----------------------------------------------------------------------------- wgmma
+WGMMA_CASES = (  # forward-only checks: head dims over 1..4 panels and odd widths, every mask kind
+    dict(head_dim=64, q_len=200, kv_len=333, dtype="bfloat16", mask="causal", group=2),
+    dict(head_dim=128, q_len=130, kv_len=260, dtype="float16"),
+    dict(head_dim=128, q_len=300, kv_len=300, dtype="bfloat16", mask="additive", softcap=5.0),
+    dict(head_dim=80, q_len=65, kv_len=129, dtype="bfloat16", mask="window", window=(20, 3)),
+    dict(head_dim=256, q_len=150, kv_len=170, dtype="bfloat16", mask="bool", group=3),
+    dict(head_dim=200, q_len=64, kv_len=64, dtype="float16", mask="causal"),
+    dict(head_dim=37, q_len=50, kv_len=77, dtype="bfloat16"),
+)
+# (P, T, warps) shapes of the wgmma forward timed per head dim (B*N = 16384 for D <= 128, else
+# B = 1, N = 4096; H = 16; non-causal).
+WGMMA_SWEEP = {64: [(128, 128, 8), (128, 64, 8), (64, 128, 4), (128, 192, 8)],
+               128: [(128, 128, 8), (128, 64, 8), (64, 128, 4)],
+               160: [(128, 64, 8), (128, 128, 8)],
+               256: [(128, 64, 8), (128, 32, 8), (64, 64, 4)]}
+
+
+def phase_wgmma(out_dir):
+    import mlx.core as mx
+    from attention_cases import Case, check_case
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    info = {k_: str(v_) for k_, v_ in mx.device_info().items()}
+    log("device_info:", info, "compute capability:", cuda.compute_capability())
+    report = dict(device_info=info, capability=cuda.compute_capability(), checks=[], timings=[])
+    cuda.WGMMA_FORWARD_OVERRIDE = True
+    ok = True
+    try:
+        for swapped in (False, True):
+            cuda.WGMMA_V_LBO_ALONG_K = swapped
+            failures = 0
+            for c in WGMMA_CASES:
+                try:
+                    errors = check_case(Case(**c), backend="cuda", gradients=False)
+                    line = f"wgmma OK   v_swapped={swapped} {c}: " + " ".join(f"{k_}={v_:.2e}" for k_, v_ in errors.items())
+                except Exception as e:
+                    failures += 1
+                    line = f"wgmma FAIL v_swapped={swapped} {c}: {str(e)[:300]}"
+                log(line)
+                report["checks"].append(line)
+            if failures == 0:
+                break
+            ok = False
+        report["v_swapped_passes"] = failures == 0 and swapped
+        # Time: the mma.sync forward, then the wgmma forward under WGMMA_SWEEP shapes.
+        for D, shapes in WGMMA_SWEEP.items():
+            B, H, N = (4, 16, 4096) if D <= 128 else (1, 16, 4096)
+            for causal in (False, True):
+                mx.random.seed(D)
+                q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
+                spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
+                flops = 4 * B * H * N * N * D / (2 if causal else 1)
+                variants = [("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:1])]
+                for name, shape in variants:
+                    cuda.WGMMA_FORWARD_OVERRIDE = name == "wgmma"
+                    cuda.BLOCK_OVERRIDES.clear()
+                    if shape:
+                        cuda.BLOCK_OVERRIDES["forward_wgmma"] = (shape[0], shape[1], D, shape[2])
+                    r = dict(D=D, causal=causal, kernel=name, shape=shape)
+                    try:
+                        fn = lambda: mx.eval(cuda.forward(q, k, v, m4, spec))
+                        fn()
+                        t = _median_time(fn, reps=10, sync=mx.synchronize)
+                        r.update(ms=t * 1e3, tflops=flops / t / 1e12)
+                    except Exception as e:
+                        r["error"] = str(e)[:300]
+                        ok = False
+                    report["timings"].append(r)
+                    log("wgmma time", json.dumps(r))
+                del q, k, v
+    finally:
+        cuda.WGMMA_FORWARD_OVERRIDE = None
+        cuda.WGMMA_V_LBO_ALONG_K = False
+        cuda.BLOCK_OVERRIDES.clear()
+    with open(os.path.join(out_dir, "wgmma.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    log("\n| D | causal | kernel | P, T, warps | ms | TFLOP/s |")
+    for r in report["timings"]:
+        log(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['kernel']} | {r['shape'] or '-'} | "
+            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} |")
     return ok
 
 
@@ -332,8 +419,14 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
             for causal in (False, True):
                 q = mx.zeros((1, 2, 64, D), mx.bfloat16)
                 spec = check_inputs(q, q, q, mask="causal" if causal else None)[0]
-                for kernel in ("forward", "backward_query", "backward_key_value"):
-                    cfg = cuda.kernel_config(kernel, spec, None)
+                for kernel in ("forward", "forward_wgmma", "backward_query", "backward_key_value"):
+                    if kernel == "forward_wgmma" and D > cuda.WGMMA_MAX_HEAD_DIM:
+                        continue
+                    cuda.WGMMA_FORWARD_OVERRIDE = kernel == "forward_wgmma"
+                    try:
+                        cfg = cuda.kernel_config(kernel.replace("_wgmma", ""), spec, None)
+                    finally:
+                        cuda.WGMMA_FORWARD_OVERRIDE = None
                     header, body, inputs, outputs = cuda.kernel_source(cfg)
                     sig = ", ".join([f"const {types.get(n, cfg.dtype)}* {n}" for n in inputs]
                                     + [f"{types.get(n, cfg.dtype)}* {n}" for n in outputs])
@@ -346,11 +439,13 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
                     text = r.stdout + r.stderr
                     regs = re.search(r"Used (\d+) registers", text)
                     spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+                    serialized = "serialized" in text  # ptxas: wgmma serialized (a fence or register problem)
                     ok = ok and r.returncode == 0
                     log(f"resources D={D} causal={causal} {kernel}: warps={cfg.warps} CG={cfg.col_groups} "
                         f"WM={cfg.m_tiles} P={cfg.parallel_block} T={cfg.traversal_block} H={cfg.slice_width} "
                         f"smem={cfg.shared_memory} regs={regs.group(1) if regs else '?'} "
                         f"stack/spill-st/spill-ld={spill.groups() if spill else '?'}"
+                        + (" WGMMA SERIALIZED: " + text[-400:] if serialized else "")
                         + ("" if r.returncode == 0 else " COMPILE ERROR: " + text[-500:]))
     return ok
 
@@ -479,6 +574,8 @@ def main():
                 results[phase] = phase_sanitize(args.out)
             elif phase == "resources":
                 results[phase] = phase_resources(args.out)
+            elif phase == "wgmma":
+                results[phase] = phase_wgmma(args.out)
             elif phase == "sweep":
                 results[phase] = phase_sweep(args.out)
             elif phase == "profile":

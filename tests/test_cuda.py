@@ -203,3 +203,61 @@ def test_backward_kernels_separately_match_backward():
     for x, y in ((dq, dq2), (dk, dk2), (dv, dv2)):
         assert np.array_equal(to_numpy(x), to_numpy(y))
     assert math.isfinite(float(mx.abs(dq.astype(mx.float32)).sum()))
+
+
+# ----------------------------------------------------------------------------- wgmma forward
+def test_wgmma_ops_header_matches_its_generator():
+    import importlib.util
+    path = os.path.join(os.path.dirname(cuda.__file__), "..", "kernels", "wgmma_generate.py")
+    spec = importlib.util.spec_from_file_location("wgmma_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with open(module.PATH) as f:
+        assert f.read() == module.generate(), "kernels/wgmma_ops.cuh is stale: run python kernels/wgmma_generate.py"
+
+
+@pytest.mark.parametrize("head_dim", [1, 37, 64, 80, 128, 160, 200, 256])
+def test_wgmma_forward_config_renders(head_dim, monkeypatch):
+    monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", True)
+    q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
+    spec, _ = check_inputs(q, q, q, mask="causal")
+    config = cuda.kernel_config("forward", spec, None)
+    assert config.instruction == "wgmma" and config.parallel_block == 64 * (config.warps // 4)
+    assert config.padded_dim % 16 == 0 and config.padded_dim >= head_dim
+    assert config.shared_memory <= cuda.SHARED_MEMORY_LIMIT
+    header, body, inputs, outputs = cuda.kernel_source(config)
+    assert "attention_forward_wgmma" in body and outputs == ["out", "lse"]
+    assert f"struct Wgmma<{config.padded_dim}, __nv_bfloat16>" in header
+    assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
+
+
+def test_wgmma_forward_not_chosen_off_hopper(monkeypatch):
+    q = mx.zeros((1, 1, 8, 64), mx.float16)
+    spec, _ = check_inputs(q, q, q)
+    for capability, expected in ((None, False), (80, False), (90, True), (100, False)):
+        monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
+        assert cuda.use_wgmma_forward(spec) is expected
+    big = mx.zeros((1, 1, 8, 320), mx.float16)
+    assert cuda.use_wgmma_forward(check_inputs(big, big, big)[0]) is False
+
+
+@gpu
+@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
+                    reason="the wgmma forward needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", [
+    Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=72, q_len=100, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
+    Case(head_dim=256, q_len=200, kv_len=150, dtype="bfloat16", mask="window", window=(30, 30)),
+], ids=lambda c: f"d{c.head_dim}")
+def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
+    check_case(case, backend="cuda", gradients=False)
+    a = make_arrays(case)
+    outs = []
+    for wgmma in (True, False):
+        monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", wgmma)
+        outs.append(flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend="cuda", **a.kwargs))
+    assert relative_error(to_numpy(outs[0][0]), to_numpy(outs[1][0])) < 1e-2
+    lse_wgmma, lse_mma = np.array(outs[0][1]), np.array(outs[1][1])
+    assert np.array_equal(np.isfinite(lse_wgmma), np.isfinite(lse_mma))
+    finite = np.isfinite(lse_mma)
+    assert relative_error(lse_wgmma[finite], lse_mma[finite]) < 1e-4

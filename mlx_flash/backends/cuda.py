@@ -40,6 +40,10 @@ _CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "
 _MASK_KINDS = {"none": 0, "bool": 1, "additive": 2}
 _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_backward_query.cu",
               "backward_key_value": "attention_backward_key_value.cu"}
+# Hopper's warpgroup-MMA forward (kernels/attention_forward_wgmma.cu): rows of family "sm90a" in
+# blocks_cuda.txt, P = 64 query rows per warpgroup, warps = 4 per warpgroup, whole D per warpgroup.
+WGMMA_FAMILY = "sm90a"
+WGMMA_MAX_HEAD_DIM = 256  # wgmma's N (the O tile width) is at most 256
 
 
 def _round_up(x: int, m: int) -> int:
@@ -63,6 +67,10 @@ class KernelConfig:
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         cache_q: the forward keeps Q fragments in registers.
+        instruction: "mma" (mma.sync kernels, sm_80+) or "wgmma" (the Hopper forward: one
+            warpgroup per 64 query rows, m_tiles = 1, warps = 4 * warpgroups).
+        v_lbo_along_k: wgmma forward only: swaps the two byte offsets of V's descriptor
+            (a diagnostic switch for benchmarks/gpu_check.py; False is the PTX ISA's layout).
     """
 
     kernel: str
@@ -81,6 +89,8 @@ class KernelConfig:
     cache_q: bool
     warps: int = DEFAULT_WARPS
     col_groups: int = 1
+    instruction: str = "mma"
+    v_lbo_along_k: bool = False
 
     @property
     def row_groups(self) -> int:
@@ -103,6 +113,8 @@ class KernelConfig:
     def shared_memory(self) -> int:
         """Bytes of dynamic shared memory (must match SMEM_BYTES in the template)."""
         bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
+        if self.instruction == "wgmma":  # swizzled 64-column panels: Q, 2 x K, 2 x V, 1 KB alignment
+            return 1024 + -(-self.padded_dim // 64) * 128 * (bm + 4 * bn)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
@@ -115,8 +127,9 @@ class KernelConfig:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("q", self.cache_q)) if on)
-        return (f"mlxflash_{self.kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
+                                         ("q", self.cache_q), ("t", self.v_lbo_along_k)) if on)
+        kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
+        return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
                 f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
                 f"_k{self.mask_kind}{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
 
@@ -145,6 +158,8 @@ BLOCK_OVERRIDES: dict = {}
 
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
+    if kernel == "forward" and use_wgmma_forward(spec):
+        return _wgmma_forward_config(spec, mask_dtype)
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
     warps = plan.warps or DEFAULT_WARPS
     if kernel in BLOCK_OVERRIDES:
@@ -180,6 +195,66 @@ def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
     return config
 
 
+def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
+    plan = planner.plan("cuda", "forward", spec.head_dim, spec.dtype, WGMMA_FAMILY)
+    block, keys, warps = plan.parallel_block, plan.traversal_block, plan.warps or 8
+    if "forward_wgmma" in BLOCK_OVERRIDES:
+        block, keys, _, *rest = BLOCK_OVERRIDES["forward_wgmma"]
+        warps = rest[0] if rest else block // 16
+    if warps % 4 or block != 16 * warps:
+        raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} forward at head_dim={spec.head_dim} needs "
+                         f"P = 64 rows per warpgroup of 4 warps, got P={block} with {warps} warps.")
+    if keys % 16 or not 16 <= keys <= 256:
+        raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} forward at head_dim="
+                         f"{spec.head_dim} must be a multiple of 16 in [16, 256].")
+    config = KernelConfig(
+        kernel="forward", dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim,
+        padded_dim=_round_up(spec.head_dim, 16), slice_width=_round_up(spec.head_dim, 16), slices=1, m_tiles=1,
+        traversal_block=keys, causal=spec.causal, window=spec.window is not None,
+        softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
+        mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
+        cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K)
+    while config.shared_memory > SHARED_MEMORY_LIMIT and config.traversal_block >= 32:
+        config = replace(config, traversal_block=config.traversal_block // 2)
+    if config.shared_memory > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"[cuda] the {WGMMA_FAMILY} forward at head_dim={spec.head_dim} needs "
+                         f"{config.shared_memory} bytes of shared memory (limit {SHARED_MEMORY_LIMIT}).")
+    return config
+
+
+# Tuning hooks for benchmarks/gpu_check.py only: None = the wgmma forward wherever
+# use_wgmma_forward allows it, False = the mma.sync forward everywhere, True = the wgmma forward
+# for every head_dim <= 256 whatever the GPU (nvcc resource checks); and V's descriptor
+# offsets swapped (a check of the layout reading on new hardware).
+WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
+WGMMA_V_LBO_ALONG_K = False
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability() -> Optional[int]:
+    """The GPU's compute capability as 10 * major + minor (90 for H100 / H200), None if unknown.
+
+    Read from mx.device_info()'s "architecture" (e.g. "sm_90a" on MLX's CUDA backend)."""
+    try:
+        info = mx.device_info(mx.gpu)
+    except Exception:  # no GPU device or an MLX without device_info
+        return None
+    text = str(info.get("architecture", info.get("compute_capability", "")))
+    digits = "".join(c for c in text if c.isdigit())
+    return int(digits) if digits else None
+
+
+def use_wgmma_forward(spec: AttentionSpec) -> bool:
+    """Whether the forward runs the warpgroup-MMA kernel: Hopper only (wgmma is sm_90a; Blackwell
+    dropped it), head_dim <= 256."""
+    if WGMMA_FORWARD_OVERRIDE is False or spec.head_dim > WGMMA_MAX_HEAD_DIM:
+        return False
+    if WGMMA_FORWARD_OVERRIDE:
+        return True
+    capability = compute_capability()
+    return capability is not None and 90 <= capability < 100
+
+
 def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]:
     """(header, body, input names, output names) for mx.fast.cuda_kernel."""
     constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
@@ -187,13 +262,22 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                      WM=config.m_tiles, RG=config.row_groups, CG=config.col_groups,
                      BN=config.traversal_block, CAUSAL=config.causal,
                      WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind)
+    has_mask = config.mask_kind != 0
+    mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
+    if config.instruction == "wgmma":
+        header = "\n".join([template_text("attention_common.cuh"), template_text("wgmma_ops.cuh"), render(
+            "attention_forward_wgmma.cu", T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
+            DP=config.padded_dim, GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
+            WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
+            V_LBO_ALONG_K=config.v_lbo_along_k)])
+        inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
+        body = f"mlxflash::attention_forward_wgmma(q, k, v, {mask_arg}, params, fparams, out, lse);"
+        return header, body, inputs, ["out", "lse"]
     if config.kernel == "forward":
         constants["CACHE_Q"] = config.cache_q
     else:
         constants["DS"] = config.staged_dim
     header = template_text("attention_common.cuh") + "\n" + render(_TEMPLATES[config.kernel], **constants)
-    has_mask = config.mask_kind != 0
-    mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
     if config.kernel == "forward":
         inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
         outputs = ["out", "lse"]
