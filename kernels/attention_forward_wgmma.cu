@@ -13,8 +13,8 @@
 // boundaries, so the hardware's swizzle (address bits 4-6 ^= bits 7-9) matches this one.
 //   Q, K: K-major operands (rows = queries / keys, contiguous along D).
 //   V:    MN-major B operand of O += P V (rows = keys = the contraction, contiguous along D).
-// Loads: cp.async (generic proxy) double-buffered for K / V, then fence.proxy.async before the
-// barrier so the tensor cores (async proxy) see the data.
+// Loads: cp.async (generic proxy) two K and two V buffers deep (see the pipeline below), then
+// fence.proxy.async before the barrier so the tensor cores (async proxy) see the data.
 // Rendered by mlx_flash.backends.cuda with the constants below.
 namespace mlxflash {
 namespace fwdwg {
@@ -45,6 +45,8 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 // Writes through the generic proxy (cp.async, st.shared) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 #endif
+template <bool B> struct Flag { static constexpr bool value = B; };
+
 // Keeps the compiler from moving reads / writes of accumulator registers across a wgmma
 // issue or wait (the asm statements do not name them).
 template <int N>
@@ -145,35 +147,24 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   }
   const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
 
-  if (kb_begin < kb_end) {
-    load_swizzled<BM, PANELS, THREADS>(Qs, qg, Nq - q0, HEAD_DIM, vec, tid);
-    const int k0 = kb_begin * BN;
-    load_swizzled<BN, PANELS, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, tid);
-    load_swizzled<BN, PANELS, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, tid);
-    cp_async_commit();
-  }
   const u32 q_addr = smem_u32(Qs) + warpgroup * 64 * 128;  // this warpgroup's 64 rows of panel 0
   // V as the B operand (16 keys x DP columns, MN-major): 64-column panels are BN * 128 bytes
   // apart (along N: the leading byte offset), 8-key row groups 1024 bytes apart (along K: the
   // stride byte offset), per the canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)).
   const u32 v_leading = V_LBO_ALONG_K ? 1024 : BN * 128, v_stride = V_LBO_ALONG_K ? BN * 128 : 1024;
-
-  for (int kb = kb_begin; kb < kb_end; ++kb) {
-    const int stage = (kb - kb_begin) & 1;
-    if (kb + 1 < kb_end) {
-      const int k1 = (kb + 1) * BN;
-      load_swizzled<BN, PANELS, THREADS>(Ks + (stage ^ 1) * K_BYTES, kg + (i64)k1 * HEAD_DIM, Nk - k1, HEAD_DIM, vec, tid);
-      load_swizzled<BN, PANELS, THREADS>(Vs + (stage ^ 1) * V_BYTES, vg + (i64)k1 * HEAD_DIM, Nk - k1, HEAD_DIM, vec, tid);
-    }
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
-    const u32 k_addr = smem_u32(Ks + stage * K_BYTES), v_addr = smem_u32(Vs + stage * V_BYTES);
-
-    // S = Q K^T: DP / 16 k-steps; a k-step moves 32 bytes along a panel row, every 4 a panel.
-    float s[BN / 8][4];
+  auto load_keys = [&](int kb, int buffer) {
+    const int k0 = kb * BN;
+    load_swizzled<BN, PANELS, THREADS>(Ks + buffer * K_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, tid);
+  };
+  auto load_values = [&](int kb, int buffer) {
+    const int k0 = kb * BN;
+    load_swizzled<BN, PANELS, THREADS>(Vs + buffer * V_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, tid);
+  };
+  // S = Q K^T from K buffer `buffer`, issued (not waited): DP / 16 k-steps; a k-step moves 32
+  // bytes along a panel row, every 4 steps the next panel.
+  auto issue_scores = [&](float (&s)[BN / 8][4], int buffer) {
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
+    const u32 k_addr = smem_u32(Ks + buffer * K_BYTES);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < DP / 16; ++kk) {
@@ -183,36 +174,87 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       Wgmma<BN, T>::ss(s_flat, a_desc, b_desc, kk > 0);
     }
     wgmma_commit();
-    wgmma_wait<0>();
-    fence_registers(s_flat);
+  };
+  float(&o_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&o[0][0]);
+
+  // Software pipeline (per warpgroup): while the tensor cores compute S_{j+1} = Q K_{j+1}^T, the
+  // warpgroup runs the softmax of S_j, then O += P_j V_j; both are waited for at the end of the
+  // step. (Leaving O += P_j V_j running into the next step, or issuing S_{j+1} under a runtime
+  // condition, makes ptxas serialize every wgmma: nvcc 13.0, warning C7515.) The last step has
+  // no S_{j+1}: HAS_NEXT is a compile-time flag at each call site. Buffers: K double (K_{j+2}
+  // loads while S_{j+1} reads K_{j+1}), V double (V_{j+1} loads while O += P_j V_j reads V_j).
+  auto step = [&](int kb, float (&s_cur)[BN / 8][4], float (&s_next)[BN / 8][4], auto has_next) {
+    constexpr bool HAS_NEXT = decltype(has_next)::value;
+    const int it = kb - kb_begin;
+    cp_async_wait<0>();  // K_{kb+1} and V_{kb} (committed one step ago) have landed
+    fence_proxy_async();
+    __syncthreads();     // ... for every thread, and every warpgroup finished step kb - 1
+    if (kb + 2 < kb_end) load_keys(kb + 2, it % 2);
+    if (HAS_NEXT) load_values(kb + 1, (it + 1) % 2);
+    cp_async_commit();
+    if (HAS_NEXT) issue_scores(s_next, (it + 1) % 2);
 
     // Scores -> log2 units with masks; online softmax (P replaces S, O is rescaled).
     const int key0 = kb * BN;
     const bool full_block = key0 + BN <= Nk &&
         (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
         (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
-    online_softmax_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s, o, row_max, row_sum, mrow, row0, key0, full_block,
+    online_softmax_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s_cur, o, row_max, row_sum, mrow, row0, key0, full_block,
                                                            Nq, Nk, diag, wleft, wright, msk, scale, scale_log2, cap, tq);
 
     // O += P V: P from the S accumulators (two n8 accumulator tiles = one k16 A fragment).
-    float(&o_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&o[0][0]);
     u32 p[BN / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      p[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1], T());
-      p[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3], T());
-      p[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
-      p[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+      p[kk][0] = pack2(s_cur[2 * kk][0], s_cur[2 * kk][1], T());
+      p[kk][1] = pack2(s_cur[2 * kk][2], s_cur[2 * kk][3], T());
+      p[kk][2] = pack2(s_cur[2 * kk + 1][0], s_cur[2 * kk + 1][1], T());
+      p[kk][3] = pack2(s_cur[2 * kk + 1][2], s_cur[2 * kk + 1][3], T());
     }
     fence_registers(o_flat);
     wgmma_fence();
+    const u32 v_addr = smem_u32(Vs + (it % 2) * V_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk)
       Wgmma<DP, T>::rs(o_flat, p[kk], smem_descriptor(v_addr + kk * 16 * 128, v_leading, v_stride), 1);
     wgmma_commit();
-    wgmma_wait<0>();
+    wgmma_wait<0>();  // S_{j+1} and O += P_j V_j
     fence_registers(o_flat);
-    __syncthreads();  // the next iteration's loads overwrite this stage
+    if (HAS_NEXT) {
+      float(&next_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s_next[0][0]);
+      fence_registers(next_flat);
+    }
+  };
+
+  if (kb_begin < kb_end) {
+    load_swizzled<BM, PANELS, THREADS>(Qs, qg, Nq - q0, HEAD_DIM, vec, tid);
+    load_keys(kb_begin, 0);
+    load_values(kb_begin, 0);
+    cp_async_commit();
+    if (kb_begin + 1 < kb_end) load_keys(kb_begin + 1, 1);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q, K_0, V_0
+    fence_proxy_async();
+    __syncthreads();
+  }
+  float s_a[BN / 8][4], s_b[BN / 8][4];
+  if (kb_begin < kb_end) {
+    issue_scores(s_a, 0);
+    wgmma_wait<0>();
+    float(&a_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s_a[0][0]);
+    fence_registers(a_flat);
+  }
+  // Unrolled by two so S_j and S_{j+1} swap roles without copies; the last step alone.
+  int kb = kb_begin;
+  for (; kb + 2 < kb_end; kb += 2) {
+    step(kb, s_a, s_b, Flag<true>());
+    step(kb + 1, s_b, s_a, Flag<true>());
+  }
+  if (kb + 1 < kb_end) {
+    step(kb, s_a, s_b, Flag<true>());
+    step(kb + 1, s_b, s_a, Flag<false>());
+  } else if (kb < kb_end) {
+    step(kb, s_a, s_b, Flag<false>());
   }
 
   store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, 0, out + bh * Nq * (i64)HEAD_DIM, lse + bh * Nq, tq);
