@@ -127,8 +127,8 @@ WGMMA_CASES = (  # forward-only checks: head dims over 1..4 panels and odd width
 )
 # (P, T, warps) shapes of the wgmma forward timed per head dim (B*N = 16384 for D <= 128, else
 # B = 1, N = 4096; H = 16; non-causal).
-WGMMA_SWEEP = {64: [(128, 64, 8), (128, 128, 8), (64, 64, 4)],
-               128: [(128, 64, 8), (128, 128, 8), (64, 64, 4)],
+WGMMA_SWEEP = {64: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
+               128: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
                160: [(128, 64, 8), (128, 32, 8)],
                256: [(128, 64, 8), (128, 32, 8), (64, 64, 4)]}
 
@@ -168,7 +168,7 @@ def phase_wgmma(out_dir):
                 q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
                 spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
                 flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                variants = [("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:1])]
+                variants = [("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:2])]
                 for name, shape in variants:
                     cuda.WGMMA_FORWARD_OVERRIDE = name == "wgmma"
                     cuda.BLOCK_OVERRIDES.clear()
