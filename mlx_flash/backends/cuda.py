@@ -44,6 +44,9 @@ _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_ba
 # blocks_cuda.txt, P = 64 query rows per warpgroup, warps = 4 per warpgroup, whole D per warpgroup.
 WGMMA_FAMILY = "sm90a"
 WGMMA_MAX_HEAD_DIM = 256  # wgmma's N (the O tile width) is at most 256
+# Below this the mma.sync forward is as fast (H100, one run, 2026-11-22, TFLOP/s mma / wgmma:
+# D=64 178 / 172, D=128 251 / 247, D=160 158 / 168, D=256 160 / 225; causal D=256 110 / 153).
+WGMMA_MIN_HEAD_DIM = 129
 
 
 def _round_up(x: int, m: int) -> int:
@@ -246,11 +249,13 @@ def compute_capability() -> Optional[int]:
 
 def use_wgmma_forward(spec: AttentionSpec) -> bool:
     """Whether the forward runs the warpgroup-MMA kernel: Hopper only (wgmma is sm_90a; Blackwell
-    dropped it), head_dim <= 256."""
+    dropped it), WGMMA_MIN_HEAD_DIM <= head_dim <= 256 (the override forces it for any D <= 256)."""
     if WGMMA_FORWARD_OVERRIDE is False or spec.head_dim > WGMMA_MAX_HEAD_DIM:
         return False
     if WGMMA_FORWARD_OVERRIDE:
         return True
+    if spec.head_dim < WGMMA_MIN_HEAD_DIM:
+        return False
     capability = compute_capability()
     return capability is not None and 90 <= capability < 100
 
