@@ -140,8 +140,7 @@ __device__ void attention_backward_key_value(
 
     // P^T into s, dS^T into dp.
     const bool full_block = qs + BN <= Nq && k0 + BM <= Nk &&
-        (!CAUSAL || k0 + BM - 1 <= qs + diag) &&
-        (!WINDOW || ((wleft < 0 || k0 >= qs + BN - 1 + diag - wleft) && (wright < 0 || k0 + BM - 1 <= qs + diag + wright)));
+        band_covers_tile<CAUSAL, WINDOW>(qs, qs + BN - 1, k0, k0 + BM - 1, diag, wleft, wright);
     const MaskT* mhead = nullptr;
     if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
 #pragma unroll

@@ -78,14 +78,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
 
   const int q_last = min(q0 + BM, Nq) - 1;
-  int lo = 0, hi = Nk;
-  if (CAUSAL) hi = min(hi, q_last + diag + 1);
-  if (WINDOW) {
-    if (wleft >= 0) lo = max(lo, q0 + diag - wleft);
-    if (wright >= 0) hi = min(hi, q_last + diag + wright + 1);
-  }
-  const int kb_begin = max(lo, 0) / BN;
-  const int kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
+  int kb_begin, kb_end;  // the key blocks any row of this block may see
+  key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
 
   float acc[WM][HB / 8][4];
   float row_l2[WM][2], row_d[WM][2];
@@ -134,9 +128,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
 
     // dS = P * (dP - delta) [* (1 - t^2)], written over s.
     const int key0 = kb * BN;
-    const bool full_block = key0 + BN <= Nk &&
-        (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
-        (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
+    const bool full_block =
+        key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
 #pragma unroll
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll

@@ -204,6 +204,29 @@ __device__ __forceinline__ bool band_visible(int i, int j, int diag, int wleft, 
   return ok;
 }
 
+// Key blocks [kb_begin, kb_end) of BN keys that query rows [q0, q_last] may see under the band.
+template <bool CAUSAL, bool WINDOW, int BN>
+__device__ __forceinline__ void key_block_range(int q0, int q_last, int Nk, int diag, int wleft, int wright,
+                                                int& kb_begin, int& kb_end) {
+  int lo = 0, hi = Nk;
+  if (CAUSAL) hi = min(hi, q_last + diag + 1);
+  if (WINDOW) {
+    if (wleft >= 0) lo = max(lo, q0 + diag - wleft);
+    if (wright >= 0) hi = min(hi, q_last + diag + wright + 1);
+  }
+  kb_begin = max(lo, 0) / BN;
+  kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
+}
+
+// Whether the band lets every query of [q_first, q_last] see every key of [k_first, k_last]
+// (the caller checks the tile lies inside Nq x Nk): such tiles skip the per-element index tests.
+template <bool CAUSAL, bool WINDOW>
+__device__ __forceinline__ bool band_covers_tile(int q_first, int q_last, int k_first, int k_last, int diag,
+                                                 int wleft, int wright) {
+  return (!CAUSAL || k_last <= q_first + diag) &&
+         (!WINDOW || ((wleft < 0 || k_first >= q_last + diag - wleft) && (wright < 0 || k_last <= q_first + diag + wright)));
+}
+
 // The block's linear index over a 2-D grid (x capped so any block count fits the grid limits).
 __device__ __forceinline__ i64 linear_block() {
   return (i64)blockIdx.y * gridDim.x + blockIdx.x;

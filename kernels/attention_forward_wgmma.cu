@@ -124,16 +124,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
   const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v);
 
-  // Keys any row of this block may see.
   const int q_last = min(q0 + BM, Nq) - 1;
-  int lo = 0, hi = Nk;
-  if (CAUSAL) hi = min(hi, q_last + diag + 1);
-  if (WINDOW) {
-    if (wleft >= 0) lo = max(lo, q0 + diag - wleft);
-    if (wright >= 0) hi = min(hi, q_last + diag + wright + 1);
-  }
-  const int kb_begin = max(lo, 0) / BN;
-  const int kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
+  int kb_begin, kb_end;  // the key blocks any row of this block may see
+  key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
 
   float o[DP / 8][4];
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -196,9 +189,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
     // Scores -> log2 units with masks; online softmax (P replaces S, O is rescaled).
     const int key0 = kb * BN;
-    const bool full_block = key0 + BN <= Nk &&
-        (!CAUSAL || key0 + BN - 1 <= q0 + diag) &&
-        (!WINDOW || ((wleft < 0 || key0 >= q_last + diag - wleft) && (wright < 0 || key0 + BN - 1 <= q0 + diag + wright)));
+    const bool full_block =
+        key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
     online_softmax_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s_cur, o, row_max, row_sum, mrow, row0, key0, full_block,
                                                            Nq, Nk, diag, wleft, wright, msk, scale, scale_log2, cap, tq);
 
