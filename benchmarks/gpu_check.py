@@ -125,12 +125,12 @@ WGMMA_CASES = (  # forward-only checks: head dims over 1..4 panels and odd width
     dict(head_dim=200, q_len=64, kv_len=64, dtype="float16", mask="causal"),
     dict(head_dim=37, q_len=50, kv_len=77, dtype="bfloat16"),
 )
-# (P, T, warps) shapes of the wgmma forward timed per head dim (B*N = 16384 for D <= 128, else
-# B = 1, N = 4096; H = 16; non-causal).
-WGMMA_SWEEP = {64: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
-               128: [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
-               160: [(128, 64, 8), (128, 32, 8)],
-               256: [(128, 64, 8), (128, 32, 8), (64, 64, 4)]}
+# (P, T, consumer warps, pingpong[, stages]) shapes of the wgmma forward timed per head dim (B*N = 16384 for
+# D <= 128, else B = 1, N = 4096; H = 16); causal times the first two only.
+WGMMA_SWEEP = {64: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 3)],
+               128: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 3)],
+               160: [(128, 64, 8, False), (128, 64, 8, True)],
+               256: [(128, 64, 8, False), (128, 64, 8, True)]}
 
 
 def phase_wgmma(out_dir):
@@ -161,6 +161,7 @@ def phase_wgmma(out_dir):
             ok = False
         report["v_swapped_passes"] = failures == 0 and swapped
         # Time: the mma.sync forward, then the wgmma forward under WGMMA_SWEEP shapes.
+        warm_up_gpu()
         for D, shapes in WGMMA_SWEEP.items():
             B, H, N = (4, 16, 4096) if D <= 128 else (1, 16, 4096)
             for causal in (False, True):
@@ -168,35 +169,65 @@ def phase_wgmma(out_dir):
                 q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
                 spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
                 flops = 4 * B * H * N * N * D / (2 if causal else 1)
-                variants = [("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:2])]
+                variants = ([("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:2])]
+                            + [("mlx_sdpa", None), ("torch_fa2", None)])
                 for name, shape in variants:
                     cuda.WGMMA_FORWARD_OVERRIDE = name == "wgmma"
                     cuda.BLOCK_OVERRIDES.clear()
+                    cuda.WGMMA_PINGPONG = None
+                    cuda.WGMMA_STAGES = 2
                     if shape:
                         cuda.BLOCK_OVERRIDES["forward_wgmma"] = (shape[0], shape[1], D, shape[2])
+                        cuda.WGMMA_PINGPONG = shape[3]
+                        cuda.WGMMA_STAGES = shape[4] if len(shape) > 4 else 2
                     r = dict(D=D, causal=causal, kernel=name, shape=shape)
                     try:
-                        fn = lambda: mx.eval(cuda.forward(q, k, v, m4, spec))
-                        fn()
-                        t = _median_time(fn, reps=10, sync=mx.synchronize)
+                        if name == "torch_fa2":
+                            t = _torch_forward_time(B, H, N, D, causal)
+                        else:
+                            if name == "mlx_sdpa":
+                                fn = lambda: mx.eval(mx.fast.scaled_dot_product_attention(
+                                    q, k, v, scale=D ** -0.5, mask="causal" if causal else None))
+                            else:
+                                fn = lambda: mx.eval(cuda.forward(q, k, v, m4, spec))
+                            fn()
+                            t = _median_time(fn, reps=10, sync=mx.synchronize)
                         r.update(ms=t * 1e3, tflops=flops / t / 1e12)
                     except Exception as e:
                         r["error"] = str(e)[:300]
-                        ok = False
+                        ok = ok and name in ("mlx_sdpa", "torch_fa2")
                     report["timings"].append(r)
                     log("wgmma time", json.dumps(r))
                 del q, k, v
     finally:
         cuda.WGMMA_FORWARD_OVERRIDE = None
         cuda.WGMMA_V_LBO_ALONG_K = False
+        cuda.WGMMA_PINGPONG = None
+        cuda.WGMMA_STAGES = 2
         cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "wgmma.json"), "w") as f:
         json.dump(report, f, indent=1)
-    log("\n| D | causal | kernel | P, T, warps | ms | TFLOP/s |")
+    log("\n| D | causal | kernel | P, T, warps, pingpong | ms | TFLOP/s |")
     for r in report["timings"]:
         log(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['kernel']} | {r['shape'] or '-'} | "
             f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} |")
     return ok
+
+
+def _torch_forward_time(B, H, N, D, causal, reps=10):
+    """Median seconds of torch's FlashAttention-2 forward (bf16) on the same shape."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return _median_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), reps=reps,
+                                sync=torch.cuda.synchronize)
+    finally:
+        del q, k, v
+        torch.cuda.empty_cache()
 
 
 # ----------------------------------------------------------------------------- bench
@@ -450,11 +481,20 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
     return ok
 
 
-def profile_case():
-    """One call of each kernel at D=128 (for ncu)."""
+def profile_case(kind="all"):
+    """One call of each kernel at D=128 (for ncu); kind "wgmma": three wgmma forward calls only."""
     import mlx.core as mx
     from mlx_flash import flash_attention
     B, H, N, D = 4, 16, 4096, 128
+    if kind == "wgmma":
+        from mlx_flash.backends import cuda
+        from mlx_flash.spec import check_inputs
+        cuda.WGMMA_FORWARD_OVERRIDE = True
+        q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
+        spec, m4 = check_inputs(q, k, v)
+        for _ in range(3):
+            mx.eval(cuda.forward(q, k, v, m4, spec))
+        return
     q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
     for _ in range(2):
         o, g = mx.vjp(lambda a, b, c: flash_attention(a, b, c, backend="cuda"), [q, k, v], [do])
@@ -472,6 +512,32 @@ def phase_profile(out_dir):
     keys = ("custom_kernel", "Duration", "Compute (SM) Throughput", "Memory Throughput", "Achieved Occupancy",
             "Registers Per Thread", "Stall", "Issue Slots Busy", "Bank Conflicts", "L1/TEX Hit", "Theoretical Occupancy")
     for line in open(path).read().splitlines():
+        if any(k in line for k in keys):
+            log("ncu", line.strip()[:160])
+    return r.returncode == 0
+
+
+def phase_profile_wgmma(out_dir):
+    """ncu of the wgmma forward at D=128 (B=4, H=16, N=4096): the sections' text in ncu_wgmma.txt,
+    the report in ncu_wgmma.ncu-rep and its per-SASS-instruction stall samples in ncu_wgmma_sass.csv."""
+    report = os.path.join(out_dir, "ncu_wgmma")
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "regex:mlxflash_forward_wgmma", "--launch-skip", "1",
+           "--launch-count", "1", "--import-source", "no", "-f", "-o", report]
+    for section in ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "ComputeWorkloadAnalysis",
+                    "MemoryWorkloadAnalysis", "SourceCounters", "LaunchStats", "Occupancy"):
+        cmd += ["--section", section]
+    cmd += [sys.executable, os.path.abspath(__file__), "--profile-case", "--profile-kind", "wgmma"]
+    with open(report + "_run.txt", "w") as f:
+        r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=400)
+    with open(report + ".txt", "w") as f:
+        subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "details"], stdout=f,
+                       stderr=subprocess.STDOUT, timeout=120)
+    with open(report + "_sass.csv", "w") as f:
+        subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "source", "--csv", "--print-source", "sass"],
+                       stdout=f, stderr=subprocess.STDOUT, timeout=120)
+    keys = ("Duration", "Throughput", "Stall", "Issue", "Eligible", "Active Warps", "Pipe", "Bank", "Hit Rate",
+            "Registers", "Bandwidth")
+    for line in open(report + ".txt").read().splitlines():
         if any(k in line for k in keys):
             log("ncu", line.strip()[:160])
     return r.returncode == 0
@@ -552,12 +618,13 @@ def main():
     parser.add_argument("--pytest-args", default="", help="extra pytest arguments (shell syntax)")
     parser.add_argument("--sanitize-case", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--profile-case", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--profile-kind", default="all", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.sanitize_case:
         sanitize_case()
         return 0
     if args.profile_case:
-        profile_case()
+        profile_case(args.profile_kind)
         return 0
     os.makedirs(args.out, exist_ok=True)
     import mlx.core as mx
@@ -580,6 +647,8 @@ def main():
                 results[phase] = phase_sweep(args.out)
             elif phase == "profile":
                 results[phase] = phase_profile(args.out)
+            elif phase == "profile_wgmma":
+                results[phase] = phase_profile_wgmma(args.out)
             elif phase == "bench":
                 results[phase] = phase_bench(args.out, args.quick, references=not args.ours_only)
             else:

@@ -276,10 +276,11 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT
 // One step of the forward's online softmax for one 16-row m-tile, in the accumulator layout of
 // mma.sync (and of wgmma, per warp): this thread holds rows row0 and row0 + 8, columns
 // 8 n + 2 tq (+1) of the BN keys from key0. Scores become log2 units with the masks applied,
-// then P = exp2(S - running max) replaces them in s; row sums grow and O is rescaled by
-// exp2(old max - new max). full_block: every element is visible (skips the index tests).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT>
-__device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o)[NO][4], float (&row_max)[2],
+// then P = exp2(S - running max) replaces them in s; row sums grow, and corr receives the factor
+// exp2(old max - new max) that O must be scaled by (rescale_output) before P V is added.
+// full_block: every element is visible (skips the index tests).
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, typename MaskT>
+__device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&corr)[2], float (&row_max)[2],
                                                     float (&row_sum)[2], const MaskT* const (&mrow)[2], int row0,
                                                     int key0, bool full_block, int Nq, int Nk, int diag, int wleft,
                                                     int wright, i64 msk, float scale, float scale_log2, float cap,
@@ -304,7 +305,7 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o
       }
     mx = quad_max(mx);
     const float m_use = mx == -INFINITY ? 0.f : mx;
-    const float corr = fast_exp2(row_max[hf] - m_use);
+    corr[hf] = fast_exp2(row_max[hf] - m_use);
     row_max[hf] = mx;
     float sum = 0.f;
 #pragma unroll
@@ -315,13 +316,33 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o
         s[n][2 * hf + e] = p;
         sum += p;
       }
-    row_sum[hf] = row_sum[hf] * corr + sum;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      o[n][2 * hf] *= corr;
-      o[n][2 * hf + 1] *= corr;
-    }
+    row_sum[hf] = row_sum[hf] * corr[hf] + sum;
   }
+}
+
+// O (rows row0, row0 + 8 of the m-tile) scaled by softmax_scores_tile's correction factors.
+template <int NO>
+__device__ __forceinline__ void rescale_output(float (&o)[NO][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+    o[n][0] *= corr[0];
+    o[n][1] *= corr[0];
+    o[n][2] *= corr[1];
+    o[n][3] *= corr[1];
+  }
+}
+
+// softmax_scores_tile and rescale_output together (when O is not being accumulated meanwhile).
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT>
+__device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o)[NO][4], float (&row_max)[2],
+                                                    float (&row_sum)[2], const MaskT* const (&mrow)[2], int row0,
+                                                    int key0, bool full_block, int Nq, int Nk, int diag, int wleft,
+                                                    int wright, i64 msk, float scale, float scale_log2, float cap,
+                                                    int tq) {
+  float corr[2];
+  softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s, corr, row_max, row_sum, mrow, row0, key0, full_block,
+                                                          Nq, Nk, diag, wleft, wright, msk, scale, scale_log2, cap, tq);
+  rescale_output(o, corr);
 }
 
 // The forward's epilogue for one 16-row m-tile (layout as above): O / rowsum stored for rows

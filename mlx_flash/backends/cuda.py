@@ -41,12 +41,16 @@ _MASK_KINDS = {"none": 0, "bool": 1, "additive": 2}
 _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_backward_query.cu",
               "backward_key_value": "attention_backward_key_value.cu"}
 # Hopper's warpgroup-MMA forward (kernels/attention_forward_wgmma.cu): rows of family "sm90a" in
-# blocks_cuda.txt, P = 64 query rows per warpgroup, warps = 4 per warpgroup, whole D per warpgroup.
+# blocks_cuda.txt, P = 64 query rows per consumer warpgroup, warps = 4 per consumer warpgroup (8 or
+# 12), whole D per warpgroup; the CTA has one more warpgroup, the producer of the K / V tiles.
 WGMMA_FAMILY = "sm90a"
 WGMMA_MAX_HEAD_DIM = 256  # wgmma's N (the O tile width) is at most 256
 # Below this the mma.sync forward is as fast (H100, one run, 2026-11-22, TFLOP/s mma / wgmma:
 # D=64 178 / 172, D=128 251 / 247, D=160 158 / 168, D=256 160 / 225; causal D=256 110 / 153).
 WGMMA_MIN_HEAD_DIM = 129
+# Consumer warpgroups take turns issuing MMAs (FlashAttention-3's scheduler barriers) up to this
+# head dim; past it the softmax is a small share of a step. Provisional: FA3's choice for bf16.
+WGMMA_PINGPONG_MAX_HEAD_DIM = 128
 
 
 def _round_up(x: int, m: int) -> int:
@@ -71,7 +75,10 @@ class KernelConfig:
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         cache_q: the forward keeps Q fragments in registers.
         instruction: "mma" (mma.sync kernels, sm_80+) or "wgmma" (the Hopper forward: one
-            warpgroup per 64 query rows, m_tiles = 1, warps = 4 * warpgroups).
+            consumer warpgroup per 64 query rows, m_tiles = 1, warps = 4 * consumer warpgroups,
+            plus a producer warpgroup).
+        pingpong: wgmma forward only: the consumer warpgroups take turns issuing their MMAs.
+        stages: wgmma forward only: K and V buffers (each) in the producer's ring.
         v_lbo_along_k: wgmma forward only: swaps the two byte offsets of V's descriptor
             (a diagnostic switch for benchmarks/gpu_check.py; False is the PTX ISA's layout).
     """
@@ -94,6 +101,8 @@ class KernelConfig:
     col_groups: int = 1
     instruction: str = "mma"
     v_lbo_along_k: bool = False
+    pingpong: bool = False
+    stages: int = 2
 
     @property
     def row_groups(self) -> int:
@@ -101,7 +110,7 @@ class KernelConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        return 32 * self.warps + (128 if self.instruction == "wgmma" else 0)  # + the producer warpgroup
 
     @property
     def parallel_block(self) -> int:
@@ -116,8 +125,8 @@ class KernelConfig:
     def shared_memory(self) -> int:
         """Bytes of dynamic shared memory (must match SMEM_BYTES in the template)."""
         bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
-        if self.instruction == "wgmma":  # swizzled 64-column panels: Q, 2 x K, 2 x V, 1 KB alignment
-            return 1024 + -(-self.padded_dim // 64) * 128 * (bm + 4 * bn)
+        if self.instruction == "wgmma":  # swizzled 64-column panels: Q, K and V rings; 1 KB alignment, mbarriers
+            return 1024 + -(-self.padded_dim // 64) * 128 * (bm + 2 * self.stages * bn) + 32 * self.stages
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
@@ -130,8 +139,9 @@ class KernelConfig:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("q", self.cache_q), ("t", self.v_lbo_along_k)) if on)
-        kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
+                                         ("q", self.cache_q), ("t", self.v_lbo_along_k),
+                                         ("p", self.pingpong)) if on)
+        kernel = self.kernel + (f"_wgmma{self.stages}" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
                 f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
                 f"_k{self.mask_kind}{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
@@ -204,9 +214,10 @@ def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -
     if "forward_wgmma" in BLOCK_OVERRIDES:
         block, keys, _, *rest = BLOCK_OVERRIDES["forward_wgmma"]
         warps = rest[0] if rest else block // 16
-    if warps % 4 or block != 16 * warps:
+    if warps not in (8, 12) or block != 16 * warps:
         raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} forward at head_dim={spec.head_dim} needs "
-                         f"P = 64 rows per warpgroup of 4 warps, got P={block} with {warps} warps.")
+                         f"P = 64 rows per consumer warpgroup of 4 warps, 2 or 3 of them; got P={block} with "
+                         f"{warps} warps.")
     if keys % 16 or not 16 <= keys <= 256:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} forward at head_dim="
                          f"{spec.head_dim} must be a multiple of 16 in [16, 256].")
@@ -216,7 +227,9 @@ def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -
         traversal_block=keys, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
-        cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K)
+        cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K,
+        pingpong=WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM,
+        stages=WGMMA_STAGES)
     while config.shared_memory > SHARED_MEMORY_LIMIT and config.traversal_block >= 32:
         config = replace(config, traversal_block=config.traversal_block // 2)
     if config.shared_memory > SHARED_MEMORY_LIMIT:
@@ -231,6 +244,8 @@ def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -
 # offsets swapped (a check of the layout reading on new hardware).
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_V_LBO_ALONG_K = False
+WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
+WGMMA_STAGES = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -274,7 +289,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
             "attention_forward_wgmma.cu", T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
             DP=config.padded_dim, GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
             WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
-            V_LBO_ALONG_K=config.v_lbo_along_k)])
+            V_LBO_ALONG_K=config.v_lbo_along_k, PINGPONG=config.pingpong, STAGES=config.stages)])
         inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
         body = f"mlxflash::attention_forward_wgmma(q, k, v, {mask_arg}, params, fparams, out, lse);"
         return header, body, inputs, ["out", "lse"]
