@@ -3,10 +3,10 @@
 // The algorithm of attention_forward.cu with warpgroup MMAs (wgmma.mma_async) and warp
 // specialization (the FlashAttention-3 design):
 //   - a producer warpgroup streams K and V tiles into a ring of STAGES shared memory buffers each
-//     with cp.async and announces each tile on an mbarrier ("full"); it runs on 40-48 registers
+//     with cp.async and announces each tile on an mbarrier ("full"); it runs on 48 registers
 //     (setmaxnreg) since it holds no tiles;
 //   - CONSUMERS consumer warpgroups (64 query rows each, all DP output columns) run the MMAs
-//     and the online softmax on 224-232 registers, and hand each buffer back on its "empty" mbarrier
+//     and the online softmax on 224 registers, and hand each buffer back on its "empty" mbarrier
 //     as soon as their MMAs have read it.
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
@@ -55,9 +55,9 @@ constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES 
 // what the producer gives back (LAUNCH_REGS - PRODUCER_REGS each) must cover what the consumers
 // take, or their setmaxnreg.inc waits forever.
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-// nvcc 13.0 spills: the producer's copy loop at 40 for DP <= 64 (one panel, more rows per
-// thread) and at 24-32 for any DP; the consumers at 224 (producer 48) for D=256 causal.
-constexpr int PRODUCER_REGS = DP <= 64 ? 48 : 40;
+// 48 / 224 (two consumers): with 40 the producer's copy loop spills at D=256 (nvcc 13.0); the
+// consumers need at most 224 at D <= 256 with BN = 64 (D > 128) or 128 (no spills).
+constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
@@ -132,22 +132,37 @@ __device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
 
 // Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
 // ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
-template <int ROWS, int PANELS, int THREADS, typename T>
-__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, int head_dim,
-                                              bool vec, int tid) {
+// Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS)
+// when CHUNKS divides THREADS: its shared and global offsets then advance by constants, so each
+// copy costs a few instructions (the general index arithmetic cost ~25 per 16-byte copy and made
+// the producer warpgroup too slow to feed the tensor cores: H100, D=128).
+template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, bool vec, int tid) {
   constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
-  if (vec) {
-#pragma unroll
-    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
-      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-      const bool ok = r < rows_valid && c < head_dim;
-      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g + (i64)r * head_dim + c : g, ok);
+  static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
+  if (vec && THREADS % CHUNKS == 0) {
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+    const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
+    const T* src = g + (i64)r0 * HEAD_DIM + c;
+    // Partly unrolled: the producer runs on 40 registers (fully unrolled, its addresses spill).
+#pragma unroll 4
+    for (int r = r0; r < ROWS; r += ROW_STEP, src += ROW_STEP * HEAD_DIM) {
+      const bool ok = r < rows;
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? src : g, ok);
+    }
+  } else if (vec) {
+#pragma unroll 2
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+      const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+      const bool ok = r < rows_valid && c < HEAD_DIM;
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g + (i64)r * HEAD_DIM + c : g, ok);
     }
   } else {
     for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
       const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
-      const bool ok = r < rows_valid && c < head_dim;
-      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g[(i64)r * head_dim + c] : T(0.0f);
+      const bool ok = r < rows_valid && c < HEAD_DIM;
+      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g[(i64)r * HEAD_DIM + c] : T(0.0f);
     }
   }
 }
@@ -207,30 +222,53 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
     const int ptid = tid - 128 * CONSUMERS;
-    // K_j and V_j are separate cp.async groups, announced as each lands: K_j once V_{j-1} and
-    // K_j are in (wait_group 1 after V_j's commit), V_j after K_{j+1} is issued.
-    for (int it = 0; it < steps; ++it) {
-      const int k0 = (kb_begin + it) * BN, stage = it % STAGES;
-      const u32 parity = ((it / STAGES) & 1) ^ 1;  // the consumers' release of this buffer's last use
-      mbarrier_wait(empty_keys(stage), parity);
-      load_swizzled<BN, PANELS, 128>(Ks + stage * K_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, ptid);
+    // cp.async groups in the order the consumers need them: K_0, then K_{j+1}, V_j for each j.
+    // A group is announced (wait, proxy fence, arrive on its "full" barrier) once the next two
+    // are issued, so up to three are in flight. No deadlock with two stages: announcing K_{j+1}
+    // and V_j needs K_{j+2} and V_{j+1} issued, whose buffers the consumers freed in step j - 1.
+    u32 older = 0, newer = 0;
+    int in_flight = 0;
+    auto committed = [&](u32 full_barrier) {
       cp_async_commit();
-      if (it > 0) {
-        cp_async_wait<1>();  // V_{it-1}
+      if (in_flight == 2) {
+        cp_async_wait<2>();
         fence_proxy_async();
-        mbarrier_arrive(full_values((it - 1) % STAGES));
+        mbarrier_arrive(older);
+        older = newer;
+        newer = full_barrier;
+      } else {
+        (in_flight == 0 ? older : newer) = full_barrier;
+        ++in_flight;
       }
-      mbarrier_wait(empty_values(stage), parity);
-      load_swizzled<BN, PANELS, 128>(Vs + stage * V_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, HEAD_DIM, vec, ptid);
-      cp_async_commit();
-      cp_async_wait<1>();  // K_it
-      fence_proxy_async();
-      mbarrier_arrive(full_keys(stage));
+    };
+    auto issue_keys = [&](int j) {
+      const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
+      mbarrier_wait(empty_keys(stage), ((j / STAGES) & 1) ^ 1);  // the consumers freed it (j >= STAGES)
+      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * K_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+      committed(full_keys(stage));
+    };
+    auto issue_values = [&](int j) {
+      const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
+      mbarrier_wait(empty_values(stage), ((j / STAGES) & 1) ^ 1);
+      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * V_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+      committed(full_values(stage));
+    };
+    if (steps > 0) issue_keys(0);
+    for (int j = 0; j < steps; ++j) {
+      if (j + 1 < steps) issue_keys(j + 1);
+      issue_values(j);
     }
-    if (steps > 0) {
+    if (in_flight == 2) {
+      cp_async_wait<1>();
+      fence_proxy_async();
+      mbarrier_arrive(older);
+      older = newer;
+      --in_flight;
+    }
+    if (in_flight == 1) {
       cp_async_wait<0>();
       fence_proxy_async();
-      mbarrier_arrive(full_values((steps - 1) % STAGES));
+      mbarrier_arrive(older);
     }
     return;
   }
@@ -258,8 +296,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
     const int q_row = q0 + warpgroup * 64;
-    load_swizzled<64, PANELS, 128>(q_tile, q + (bh * Nq + q_row) * (i64)HEAD_DIM, Nq - q_row, HEAD_DIM, vec,
-                                   tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + (bh * Nq + q_row) * (i64)HEAD_DIM, Nq - q_row, vec,
+                                             tid % 128);
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async();
