@@ -4,12 +4,15 @@ Usage (on the GPU machine):
     python benchmarks/gpu_check.py --out DIR [--phases smoke,test,sanitize,bench] [--quick]
 
 Phases:
+    probe     three small forward calls against MLX (run it alone first, under `timeout`)
     smoke     a few forward / backward checks against the float64 reference, printed at once
     test      pytest tests/test_cuda.py (log in DIR/pytest.log)
     sanitize  compute-sanitizer memcheck and racecheck over small calls of every kernel
     wgmma     the Hopper warpgroup-MMA forward: device info, forward-only checks against the float64
               reference (both readings of V's descriptor if the first fails), then its time
-              beside the mma.sync forward and under several block shapes (DIR/wgmma.json)
+              beside the mma.sync forward, MLX and FlashAttention-2, under several block shapes,
+              per call and per call of 8 in one evaluation (DIR/wgmma.json)
+    profile_wgmma  ncu of the wgmma forward at D=128 (sections and per-instruction stalls)
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
@@ -36,6 +39,26 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def log(*args):
     print(*args, flush=True)
+
+
+# ----------------------------------------------------------------------------- probe
+def phase_probe(out_dir):
+    """Three small forward calls against MLX's attention: run it first, under `timeout`, so that a
+    kernel that hangs (a barrier protocol bug) costs seconds of GPU time, not the whole run."""
+    import mlx.core as mx
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    ok = True
+    for D, causal in ((128, False), (64, True), (256, True)):
+        q = mx.random.normal((1, 2, 300, D)).astype(mx.bfloat16)
+        mask = "causal" if causal else None
+        spec, m4 = check_inputs(q, q, q, mask=mask)
+        out, _ = cuda.forward(q, q, q, m4, spec)
+        ref = mx.fast.scaled_dot_product_attention(q, q, q, scale=D ** -0.5, mask=mask)
+        err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
+        ok = ok and err < 0.05
+        log(f"probe D={D} causal={causal}: max |ours - MLX| = {err:.3g}")
+    return ok
 
 
 # ----------------------------------------------------------------------------- smoke
@@ -127,8 +150,8 @@ WGMMA_CASES = (  # forward-only checks: head dims over 1..4 panels and odd width
 )
 # (P, T, consumer warps, pingpong[, stages]) shapes of the wgmma forward timed per head dim (B*N = 16384 for
 # D <= 128, else B = 1, N = 4096; H = 16); causal times the first two only.
-WGMMA_SWEEP = {64: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 2)],
-               128: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 2)],
+WGMMA_SWEEP = {64: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 3)],
+               128: [(128, 128, 8, True), (128, 128, 8, False), (128, 128, 8, True, 3)],
                160: [(128, 64, 8, False), (128, 64, 8, True)],
                256: [(128, 64, 8, False), (128, 64, 8, True)]}
 
@@ -175,11 +198,11 @@ def phase_wgmma(out_dir):
                     cuda.WGMMA_FORWARD_OVERRIDE = name == "wgmma"
                     cuda.BLOCK_OVERRIDES.clear()
                     cuda.WGMMA_PINGPONG = None
-                    cuda.WGMMA_STAGES = 3
+                    cuda.WGMMA_STAGES = 2
                     if shape:
                         cuda.BLOCK_OVERRIDES["forward_wgmma"] = (shape[0], shape[1], D, shape[2])
                         cuda.WGMMA_PINGPONG = shape[3]
-                        cuda.WGMMA_STAGES = shape[4] if len(shape) > 4 else 3
+                        cuda.WGMMA_STAGES = shape[4] if len(shape) > 4 else 2
                     r = dict(D=D, causal=causal, kernel=name, shape=shape)
                     try:
                         # ms: one call, evaluated and synchronized; ms_batched: BATCH calls in one
@@ -210,7 +233,7 @@ def phase_wgmma(out_dir):
         cuda.WGMMA_FORWARD_OVERRIDE = None
         cuda.WGMMA_V_LBO_ALONG_K = False
         cuda.WGMMA_PINGPONG = None
-        cuda.WGMMA_STAGES = 3
+        cuda.WGMMA_STAGES = 2
         cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "wgmma.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -647,7 +670,9 @@ def main():
     for phase in args.phases.split(","):
         t0 = time.time()
         try:
-            if phase == "smoke":
+            if phase == "probe":
+                results[phase] = phase_probe(args.out)
+            elif phase == "smoke":
                 results[phase] = phase_smoke(args.out)
             elif phase == "test":
                 results[phase] = phase_test(args.out, shlex.split(args.pytest_args))

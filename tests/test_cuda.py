@@ -237,9 +237,10 @@ def test_wgmma_forward_not_chosen_off_hopper(monkeypatch):
     for capability, expected in ((None, False), (80, False), (90, True), (100, False)):
         monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
         assert cuda.use_wgmma_forward(spec) is expected
-    for head_dim in (64, 128, 320):  # mma.sync as fast below 129 (measured); wgmma N <= 256
+    monkeypatch.setattr(cuda, "compute_capability", lambda: 90)
+    for head_dim, expected in ((1, True), (64, True), (256, True), (257, False), (320, False)):  # wgmma N <= 256
         x = mx.zeros((1, 1, 8, head_dim), mx.float16)
-        assert cuda.use_wgmma_forward(check_inputs(x, x, x)[0]) is False
+        assert cuda.use_wgmma_forward(check_inputs(x, x, x)[0]) is expected
 
 
 @gpu

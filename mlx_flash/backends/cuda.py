@@ -45,9 +45,9 @@ _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_ba
 # 12), whole D per warpgroup; the CTA has one more warpgroup, the producer of the K / V tiles.
 WGMMA_FAMILY = "sm90a"
 WGMMA_MAX_HEAD_DIM = 256  # wgmma's N (the O tile width) is at most 256
-# Below this the mma.sync forward is as fast (H100, one run, 2026-11-22, TFLOP/s mma / wgmma:
-# D=64 178 / 172, D=128 251 / 247, D=160 158 / 168, D=256 160 / 225; causal D=256 110 / 153).
-WGMMA_MIN_HEAD_DIM = 129
+# The warp-specialized wgmma forward is the faster one at every head dim it covers (H100, one
+# run, 2026-11-22, TFLOP/s per call mma.sync / wgmma: D=64 196 / 250, D=128 240 / 412, D=160
+# 163 / 211, D=256 168 / 344; causal D=128 214 / 289, D=256 149 / 237).
 # Consumer warpgroups take turns issuing MMAs (FlashAttention-3's scheduler barriers) up to this
 # head dim; past it the softmax is a small share of a step. Provisional: FA3's choice for bf16.
 WGMMA_PINGPONG_MAX_HEAD_DIM = 128
@@ -248,9 +248,10 @@ def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_V_LBO_ALONG_K = False
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
-# K / V buffers each in the producer's ring (fewer where shared memory is short: D > 128).
-# H100, D=128, one run: 3 stages 315 TFLOP/s, 2 stages 289 (producer waiting for its copies).
-WGMMA_STAGES = 3
+# K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
+# D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
+# copies; since the hardware announces them, two suffice).
+WGMMA_STAGES = 2
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,13 +270,11 @@ def compute_capability() -> Optional[int]:
 
 def use_wgmma_forward(spec: AttentionSpec) -> bool:
     """Whether the forward runs the warpgroup-MMA kernel: Hopper only (wgmma is sm_90a; Blackwell
-    dropped it), WGMMA_MIN_HEAD_DIM <= head_dim <= 256 (the override forces it for any D <= 256)."""
+    dropped it) and head_dim <= 256 (the override forces it, or the mma.sync kernel, anywhere)."""
     if WGMMA_FORWARD_OVERRIDE is False or spec.head_dim > WGMMA_MAX_HEAD_DIM:
         return False
     if WGMMA_FORWARD_OVERRIDE:
         return True
-    if spec.head_dim < WGMMA_MIN_HEAD_DIM:
-        return False
     capability = compute_capability()
     return capability is not None and 90 <= capability < 100
 
