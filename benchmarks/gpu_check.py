@@ -13,6 +13,7 @@ Phases:
               beside the mma.sync forward, MLX and FlashAttention-2, under several block shapes,
               per call and per call of 8 in one evaluation (DIR/wgmma.json)
     profile_wgmma  ncu of the wgmma forward at D=128 (sections and per-instruction stalls)
+    overhead  one forward's time through each layer (kernel call, flash_attention, MLX), per call
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
@@ -265,6 +266,35 @@ def _torch_forward_time(B, H, N, D, causal, reps=10):
     finally:
         del q, k, v
         torch.cuda.empty_cache()
+
+
+def phase_overhead(out_dir):
+    """Per-call time of the same forward through each layer of the stack (the kernel call,
+    flash_attention, flash_attention with lse, MLX's attention), one call per evaluation and
+    BATCH per evaluation, at a tiny shape (host overhead) and at B=4, H=16, N=4096, D=128."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    warm_up_gpu()
+    rows = []
+    for B, H, N, D in ((1, 1, 64, 128), (4, 16, 4096, 128)):
+        q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
+        mx.eval(q, k, v)
+        spec, m4 = check_inputs(q, k, v)
+        calls = {"kernel": lambda: cuda.forward(q, k, v, m4, spec)[0],
+                 "flash_attention": lambda: flash_attention(q, k, v, backend="cuda"),
+                 "flash_attention_lse": lambda: flash_attention(q, k, v, backend="cuda", return_lse=True)[1],
+                 "mlx_sdpa": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)}
+        for name, call in calls.items():
+            mx.eval(call())
+            one = _median_time(lambda: mx.eval(call()), reps=10, sync=mx.synchronize)
+            batched = _median_time(lambda: mx.eval([call() for _ in range(BATCH)]), reps=5, sync=mx.synchronize) / BATCH
+            rows.append(dict(B=B, H=H, N=N, D=D, call=name, ms=one * 1e3, ms_batched=batched * 1e3))
+            log("overhead", json.dumps(rows[-1]))
+    with open(os.path.join(out_dir, "overhead.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return True
 
 
 # ----------------------------------------------------------------------------- bench
@@ -686,6 +716,8 @@ def main():
                 results[phase] = phase_sweep(args.out)
             elif phase == "profile":
                 results[phase] = phase_profile(args.out)
+            elif phase == "overhead":
+                results[phase] = phase_overhead(args.out)
             elif phase == "profile_wgmma":
                 results[phase] = phase_profile_wgmma(args.out)
             elif phase == "bench":
