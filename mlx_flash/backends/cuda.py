@@ -289,7 +289,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
     has_mask = config.mask_kind != 0
     mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
     if config.instruction == "wgmma":
-        header = "\n".join([template_text("attention_common.cuh"), template_text("wgmma_ops.cuh"), render(
+        header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config), render(
             "attention_forward_wgmma.cu", T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
             DP=config.padded_dim, GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
             WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
@@ -324,6 +324,19 @@ def prepare_source(dtype: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str
         "attention_backward_prepare.cu", T=dtype, HEAD_DIM=head_dim, HAS_DLSE=has_d_lse)
     body = "mlxflash::attention_backward_prepare(out, d_out, lse, d_lse, params, delta, lse2);"
     return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"]
+
+
+def _wgmma_wrappers(config: KernelConfig) -> str:
+    """kernels/wgmma_ops.cuh cut to the two widths the kernel uses (S: BN, O: DP). MLX copies and
+    hashes a kernel's source on every call: the whole file (148 KB) made that host time 3x."""
+    text = template_text("wgmma_ops.cuh")
+    marker = "template <> struct Wgmma<"
+    first = text.index(marker)
+    head, structs = text[:first], text[first:].split(marker)[1:]
+    widths = {config.traversal_block, config.padded_dim}
+    keep = [marker + body for body in structs
+            if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == config.dtype]
+    return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"
 
 
 @functools.lru_cache(maxsize=None)
@@ -374,13 +387,21 @@ def _block_major(spec: AttentionSpec) -> bool:
 
 
 def _int_params(spec: AttentionSpec, blocks: int, total: int) -> mx.array:
+    return _int_params_array(spec, blocks, total, _block_major(spec))
+
+
+# The parameter arrays are constants of (spec, launch shape): cached, so that a call does not
+# create and upload new ones (part of the per-call host time, which was ~4x MLX's attention's).
+@functools.lru_cache(maxsize=1024)
+def _int_params_array(spec: AttentionSpec, blocks: int, total: int, block_major: bool) -> mx.array:
     # Order = enum Param in kernels/attention_common.cuh.
     left, right = spec.window if spec.window is not None else (-1, -1)
     values = [spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.group,
-              spec.diagonal, left, right, *_mask_strides(spec), blocks, total, int(_block_major(spec))]
+              spec.diagonal, left, right, *_mask_strides(spec), blocks, total, int(block_major)]
     return mx.array(values, dtype=mx.int64)
 
 
+@functools.lru_cache(maxsize=1024)
 def _float_params(spec: AttentionSpec) -> mx.array:
     return mx.array([spec.scale, spec.softcap if spec.softcap is not None else 1.0], dtype=mx.float32)
 
