@@ -196,14 +196,8 @@ __device__ void attention_backward_key_value(
           ldmatrix_x4(as[mt], dSs + off);
         } else {
           // P^T / dS^T from the accumulators: the C layout of two n8 tiles is the A layout of one k16.
-          ap[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-          ap[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-          ap[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-          ap[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
-          as[mt][0] = pack2(dp[mt][2 * kk][0], dp[mt][2 * kk][1], T());
-          as[mt][1] = pack2(dp[mt][2 * kk][2], dp[mt][2 * kk][3], T());
-          as[mt][2] = pack2(dp[mt][2 * kk + 1][0], dp[mt][2 * kk + 1][1], T());
-          as[mt][3] = pack2(dp[mt][2 * kk + 1][2], dp[mt][2 * kk + 1][3], T());
+          accumulators_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], ap[mt]);
+          accumulators_to_a<T>(dp[mt][2 * kk], dp[mt][2 * kk + 1], as[mt]);
         }
       }
 #pragma unroll

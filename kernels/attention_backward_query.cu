@@ -177,10 +177,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
           ldmatrix_x4(a[mt], dSs + (wrow + mt * 16 + lane % 16) * PROW + kk * 16 + (lane / 16) * 8);
         } else {
           // dS from the accumulators: the C layout of two n8 tiles is the A layout of one k16.
-          a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-          a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-          a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-          a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+          accumulators_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a[mt]);
         }
       }
 #pragma unroll

@@ -80,6 +80,15 @@ __device__ __forceinline__ u32 pack2(float x, float y, __half) {
   __half2 v = __floats2half2_rn(x, y);
   return *reinterpret_cast<u32*>(&v);
 }
+// Two n8 accumulator tiles of a 16-row m-tile (columns 16 kk .. 16 kk + 15, mma.sync's C layout,
+// also wgmma's per warp) as the k16 A fragment of the next product: P V, dS K, P^T dO, dS^T Q.
+template <typename T>
+__device__ __forceinline__ void accumulators_to_a(const float (&lo)[4], const float (&hi)[4], u32 (&a)[4]) {
+  a[0] = pack2(lo[0], lo[1], T());
+  a[1] = pack2(lo[2], lo[3], T());
+  a[2] = pack2(hi[0], hi[1], T());
+  a[3] = pack2(hi[2], hi[3], T());
+}
 __device__ __forceinline__ void store2(__nv_bfloat16* p, float x, float y) {
   *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
 }

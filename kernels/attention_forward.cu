@@ -175,10 +175,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
       u32 a[WM][4];
 #pragma unroll
       for (int mt = 0; mt < WM; ++mt) {
-        a[mt][0] = pack2(s[mt][2 * kk][0], s[mt][2 * kk][1], T());
-        a[mt][1] = pack2(s[mt][2 * kk][2], s[mt][2 * kk][3], T());
-        a[mt][2] = pack2(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1], T());
-        a[mt][3] = pack2(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3], T());
+        accumulators_to_a<T>(s[mt][2 * kk], s[mt][2 * kk + 1], a[mt]);
       }
 #pragma unroll
       for (int nn = 0; nn < HB / 16; ++nn) {

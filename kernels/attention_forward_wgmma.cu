@@ -151,7 +151,7 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, i
     const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
     const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
     const T* src = g + (i64)r0 * HEAD_DIM + c;
-    // Partly unrolled: the producer runs on 40 registers (fully unrolled, its addresses spill).
+    // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).
 #pragma unroll 4
     for (int r = r0; r < ROWS; r += ROW_STEP, src += ROW_STEP * HEAD_DIM) {
       const bool ok = r < rows;
@@ -332,10 +332,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     auto convert = [&]() {
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        p[kk][0] = pack2(s[2 * kk][0], s[2 * kk][1], T());
-        p[kk][1] = pack2(s[2 * kk][2], s[2 * kk][3], T());
-        p[kk][2] = pack2(s[2 * kk + 1][0], s[2 * kk + 1][1], T());
-        p[kk][3] = pack2(s[2 * kk + 1][2], s[2 * kk + 1][3], T());
+        accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], p[kk]);
       }
     };
     auto release = [&](u32 barrier) {  // this warp is done reading the buffer
