@@ -20,10 +20,7 @@
 // FlashAttention-3's scheduler barriers: the consumer warpgroups take turns to issue their
 // MMAs, so one's softmax overlaps the other's MMAs.
 //
-// Shared memory tiles use the 128-byte swizzle of wgmma's canonical layouts: a tile of R rows x
-// C columns is stored as ceil(C / 64) panels of R rows x 64 columns (128 bytes a row); inside a
-// panel, 16-byte chunk c of row r sits at chunk position c ^ (r % 8). Panels start on 1024-byte
-// boundaries, so the hardware's swizzle (address bits 4-6 ^= bits 7-9) matches this one.
+// Shared memory tiles: the swizzled panel layout of wgmma_common.cuh.
 //   Q, K: K-major operands (rows = queries / keys, contiguous along D); each consumer
 //         warpgroup loads its own 64 Q rows.
 //   V:    MN-major B operand of O += P V (rows = keys = the contraction, contiguous along D).
@@ -67,112 +64,6 @@ static_assert(DP % 16 == 0 && DP <= 256, "wgmma N is at most 256");
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
 }  // namespace fwdwg
 
-#ifndef MLXFLASH_CPU_EMULATION
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
-// Writes through the generic proxy (cp.async, st.shared) made visible to wgmma's async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
-
-// mbarriers (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"):
-// arrive has release semantics, try_wait acquire, both at CTA scope. A barrier's phase
-// completes when `count` arrivals have come; waiting on parity P returns once the phase of
-// parity P has completed (a fresh barrier counts its phase "1" as completed).
-__device__ __forceinline__ void mbarrier_init(u32 barrier, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
-  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(barrier) : "memory");
-}
-// The barrier receives one arrival once all of this thread's earlier cp.async copies have landed
-// (noinc: that arrival counts toward the barrier's expected count).
-__device__ __forceinline__ void cp_async_arrive_noinc(u32 barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
-  u32 done;
-  do {
-    asm volatile(
-        "{\n .reg .pred ready;\n mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, ready;\n}\n"
-        : "=r"(done)
-        : "r"(barrier), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// Named barriers 1..15 (0 is __syncthreads): bar.sync waits for `threads` arrivals counting its
-// own warp's, bar.arrive adds its warp's without waiting.
-__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// setmaxnreg: the warpgroup's per-thread register budget from here on (a multiple of 8).
-template <int REGS>
-__device__ __forceinline__ void registers_decrease() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-template <int REGS>
-__device__ __forceinline__ void registers_increase() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
-#endif
-
-// Keeps the compiler from moving reads / writes of accumulator registers across a wgmma
-// issue or wait (the asm statements do not name them).
-template <int N>
-__device__ __forceinline__ void fence_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Matrix descriptor of a 128-byte-swizzled shared memory operand (PTX ISA, "Matrix Descriptor
-// Format"): start address, leading and stride byte offsets, all >> 4; swizzle mode 1 = 128 B.
-__device__ __forceinline__ unsigned long long smem_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
-  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)(leading_bytes >> 4) << 16) |
-         ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
-}
-
-// Byte offset of element (row, col) in a panel-swizzled tile of `rows` rows (see the top).
-__device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
-  return (col / 64) * rows * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
-}
-
-// Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
-// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
-// Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS)
-// when CHUNKS divides THREADS: its shared and global offsets then advance by constants, so each
-// copy costs a few instructions (the general index arithmetic cost ~25 per 16-byte copy and made
-// the producer warpgroup too slow to feed the tensor cores: H100, D=128).
-template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
-__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, bool vec, int tid) {
-  constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
-  static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
-  if (vec && THREADS % CHUNKS == 0) {
-    constexpr int ROW_STEP = THREADS / CHUNKS;
-    const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
-    const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
-    const T* src = g + (i64)r0 * HEAD_DIM + c;
-    // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).
-#pragma unroll 4
-    for (int r = r0; r < ROWS; r += ROW_STEP, src += ROW_STEP * HEAD_DIM) {
-      const bool ok = r < rows;
-      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? src : g, ok);
-    }
-  } else if (vec) {
-#pragma unroll 2
-    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
-      const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-      const bool ok = r < rows_valid && c < HEAD_DIM;
-      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g + (i64)r * HEAD_DIM + c : g, ok);
-    }
-  } else {
-    for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
-      const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
-      const bool ok = r < rows_valid && c < HEAD_DIM;
-      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g[(i64)r * HEAD_DIM + c] : T(0.0f);
-    }
-  }
-}
-
 __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fwdwg::T* __restrict__ k,
                                         const fwdwg::T* __restrict__ v, const fwdwg::MaskT* __restrict__ mask,
                                         const i64* __restrict__ ip, const float* __restrict__ fp,
@@ -184,11 +75,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   unsigned char* Qs = base;
   unsigned char* Ks = Qs + CONSUMERS * Q_GROUP_BYTES;
   unsigned char* Vs = Ks + STAGES * K_BYTES;
-  const u32 barriers = smem_u32(Vs + STAGES * V_BYTES);
-  auto full_keys = [&](int stage) { return barriers + 8 * stage; };
-  auto empty_keys = [&](int stage) { return barriers + 8 * (STAGES + stage); };
-  auto full_values = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
-  auto empty_values = [&](int stage) { return barriers + 8 * (3 * STAGES + stage); };
+  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * V_BYTES)};
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -214,44 +101,13 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
   const int steps = kb_end - kb_begin;
 
-  if (tid == 0) {
-#pragma unroll
-    for (int stage = 0; stage < STAGES; ++stage) {
-      mbarrier_init(full_keys(stage), 128);             // every producer thread
-      mbarrier_init(full_values(stage), 128);
-      mbarrier_init(empty_keys(stage), 4 * CONSUMERS);  // one lane of every consumer warp
-      mbarrier_init(empty_values(stage), 4 * CONSUMERS);
-    }
-  }
+  if (tid == 0) ring.init(4 * CONSUMERS);
   __syncthreads();  // the barriers are initialized before anyone uses them
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    const int ptid = tid - 128 * CONSUMERS;
-    // Each tile is announced by the hardware as it lands: cp.async.mbarrier.arrive.noinc makes
-    // the thread's arrival on the "full" barrier wait for its copies, so the producer never
-    // waits for its own loads, only for free buffers (it runs up to STAGES tiles ahead). The
-    // previous scheme (wait_group, fence, arrive) left the consumers waiting for K / V in 20% of
-    // the stall samples (H100 ncu, D=128).
-    auto announce = [&](u32 full_barrier) {
-      if (vec) {
-        cp_async_arrive_noinc(full_barrier);
-      } else {  // plain stores (D % 8 != 0 or unaligned inputs)
-        fence_proxy_async();
-        mbarrier_arrive(full_barrier);
-      }
-    };
-    for (int j = 0; j < steps; ++j) {
-      const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
-      const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
-      mbarrier_wait(empty_keys(stage), parity);
-      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * K_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
-      announce(full_keys(stage));
-      mbarrier_wait(empty_values(stage), parity);
-      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * V_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
-      announce(full_values(stage));
-    }
-    cp_async_wait<0>();  // no copy outlives the thread
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
+                                                          tid - 128 * CONSUMERS);
     return;
   }
 
@@ -348,39 +204,34 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     if (PINGPONG && warpgroup == CONSUMERS - 1) named_barrier_arrive(1 + CONSUMERS, 256);  // warpgroup 0 first
 
     float corr[2];
-    // cp.async writes through the generic proxy and the producer cannot fence after they land,
-    // so each consumer orders them before its wgmma reads (async proxy) after the acquire.
-    auto wait_full = [&](u32 barrier, int it) {
-      mbarrier_wait(barrier, (it / STAGES) & 1);
-      fence_proxy_async();
-    };
-    wait_full(full_keys(0), 0);
+    auto wait_full = [&](u32 barrier, int it) { acquire_tile(barrier, (it / STAGES) & 1); };
+    wait_full(ring.full_keys(0), 0);
     take_turn();
     issue_scores(0);
     pass_turn();
     wgmma_wait<0>();
     fence_registers(s_flat);
-    release(empty_keys(0));
+    release(ring.empty_keys(0));
     softmax(0, corr);  // O is still zero: no rescale
     convert();
     for (int it = 0; it + 1 < steps; ++it) {
-      wait_full(full_keys((it + 1) % STAGES), it + 1);
-      wait_full(full_values(it % STAGES), it);
+      wait_full(ring.full_keys((it + 1) % STAGES), it + 1);
+      wait_full(ring.full_values(it % STAGES), it);
       take_turn();
       issue_scores(it + 1);
       issue_values(it);
       pass_turn();
       wgmma_wait<1>();  // S_{j+1}; O += P_j V_j still running
       fence_registers(s_flat);
-      release(empty_keys((it + 1) % STAGES));
+      release(ring.empty_keys((it + 1) % STAGES));
       softmax(it + 1, corr);
       wgmma_wait<0>();
       fence_registers(o_flat);
-      release(empty_values(it % STAGES));
+      release(ring.empty_values(it % STAGES));
       rescale_output(o, corr);
       convert();
     }
-    wait_full(full_values((steps - 1) % STAGES), steps - 1);
+    wait_full(ring.full_values((steps - 1) % STAGES), steps - 1);
     take_turn();
     issue_values(steps - 1);
     if (warpgroup != CONSUMERS - 1) pass_turn();  // the last warpgroup's last turn has no taker
@@ -393,14 +244,6 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
 }  // namespace mlxflash
 
-// mx.fast.cuda_kernel writes "__global__ void <name>(...)" right after this header and takes no
-// launch bounds, but setmaxnreg needs them: ptxas must know each thread's register budget at
-// entry (65536 / THREADS), or the consumers' setmaxnreg.inc could wait for registers that the
-// launch never reserved. So the kernel's __global__ carries them.
-#if defined(__location__)
-#define MLXFLASH_GLOBAL_KERNEL __location__(global)
-#else
-#define MLXFLASH_GLOBAL_KERNEL __attribute__((global))
-#endif
+// Launch bounds for setmaxnreg (see the end of wgmma_common.cuh).
 #undef __global__
 #define __global__ MLXFLASH_GLOBAL_KERNEL __launch_bounds__(mlxflash::fwdwg::THREADS, 1)

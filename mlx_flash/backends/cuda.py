@@ -289,7 +289,8 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
     has_mask = config.mask_kind != 0
     mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
     if config.instruction == "wgmma":
-        header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config), render(
+        header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
+                            template_text("wgmma_common.cuh"), render(
             "attention_forward_wgmma.cu", T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
             DP=config.padded_dim, GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
             WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,

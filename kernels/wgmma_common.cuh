@@ -1,0 +1,237 @@
+// Shared device helpers of the Hopper (sm_90a) warpgroup-MMA kernels: wgmma issue / fence / wait,
+// mbarriers and named barriers for warp specialization, setmaxnreg, shared memory descriptors of
+// the 128-byte-swizzled tile layout and the loader that writes it. Included after
+// attention_common.cuh and wgmma_ops.cuh by attention_forward_wgmma.cu and the two wgmma
+// backward kernels.
+//
+// The tile layout (every wgmma operand in shared memory): a tile of R rows x C columns is stored
+// as ceil(C / 64) panels of R rows x 64 columns (128 bytes a row); inside a panel, 16-byte chunk
+// c of row r sits at chunk position c ^ (r % 8). Panels start on 1024-byte boundaries, so the
+// hardware's swizzle (address bits 4-6 ^= bits 7-9) matches this one. The same tile serves as a
+// K-major operand (rows = M or N, contiguous along the contraction: Q, K in S = Q K^T) and as an
+// MN-major B operand (rows = the contraction: V in O += P V).
+#pragma once
+namespace mlxflash {
+
+#ifndef MLXFLASH_CPU_EMULATION
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Writes through the generic proxy (cp.async, st.shared) made visible to wgmma's async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// mbarriers (PTX ISA "Parallel Synchronization and Communication Instructions: mbarrier"):
+// arrive has release semantics, try_wait acquire, both at CTA scope. A barrier's phase
+// completes when `count` arrivals have come; waiting on parity P returns once the phase of
+// parity P has completed (a fresh barrier counts its phase "1" as completed).
+__device__ __forceinline__ void mbarrier_init(u32 barrier, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(barrier), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(u32 barrier) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.shared::cta.b64 state, [%0];\n}\n" ::"r"(barrier) : "memory");
+}
+// The barrier receives one arrival once all of this thread's earlier cp.async copies have landed
+// (noinc: that arrival counts toward the barrier's expected count).
+__device__ __forceinline__ void cp_async_arrive_noinc(u32 barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
+  u32 done;
+  do {
+    asm volatile(
+        "{\n .reg .pred ready;\n mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, ready;\n}\n"
+        : "=r"(done)
+        : "r"(barrier), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// Named barriers 1..15 (0 is __syncthreads): bar.sync waits for `threads` arrivals counting its
+// own warp's, bar.arrive adds its warp's without waiting.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+// setmaxnreg: the warpgroup's per-thread register budget from here on (a multiple of 8).
+template <int REGS>
+__device__ __forceinline__ void registers_decrease() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+template <int REGS>
+__device__ __forceinline__ void registers_increase() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+#endif
+
+// Keeps the compiler from moving reads / writes of accumulator registers across a wgmma
+// issue or wait (the asm statements do not name them).
+template <int N>
+__device__ __forceinline__ void fence_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Matrix descriptor of a 128-byte-swizzled shared memory operand (PTX ISA, "Matrix Descriptor
+// Format"): start address, leading and stride byte offsets, all >> 4; swizzle mode 1 = 128 B.
+__device__ __forceinline__ unsigned long long smem_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)(leading_bytes >> 4) << 16) |
+         ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
+}
+
+// Byte offset of element (row, col) in a panel-swizzled tile of `rows` rows (see the top).
+__device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
+  return (col / 64) * rows * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
+}
+
+// Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
+// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
+// Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS)
+// when CHUNKS divides THREADS: its shared and global offsets then advance by constants, so each
+// copy costs a few instructions (the general index arithmetic cost ~25 per 16-byte copy and made
+// the producer warpgroup too slow to feed the tensor cores: H100, D=128).
+template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, bool vec, int tid) {
+  constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
+  static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
+  if (vec && THREADS % CHUNKS == 0) {
+    constexpr int ROW_STEP = THREADS / CHUNKS;
+    const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+    const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
+    const T* src = g + (i64)r0 * HEAD_DIM + c;
+    // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).
+#pragma unroll 4
+    for (int r = r0; r < ROWS; r += ROW_STEP, src += ROW_STEP * HEAD_DIM) {
+      const bool ok = r < rows;
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? src : g, ok);
+    }
+  } else if (vec) {
+#pragma unroll 2
+    for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
+      const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+      const bool ok = r < rows_valid && c < HEAD_DIM;
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g + (i64)r * HEAD_DIM + c : g, ok);
+    }
+  } else {
+    for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
+      const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
+      const bool ok = r < rows_valid && c < HEAD_DIM;
+      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g[(i64)r * HEAD_DIM + c] : T(0.0f);
+    }
+  }
+}
+
+// 4-byte asynchronous copy (lse / delta rows of the backward); src_bytes = 0 writes zeros.
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+
+// Copies `count` floats from g (valid below `valid`, zero-filled past it) into s with cp.async,
+// threads tid = 0.. in steps of THREADS: the per-row statistics staged beside a Q / dO tile.
+template <int COUNT, int THREADS>
+__device__ __forceinline__ void load_floats(float* s, const float* g, int valid, int tid) {
+#pragma unroll
+  for (int c = tid; c < COUNT; c += THREADS) cp_async4(s + c, c < valid ? g + c : g, c < valid);
+}
+
+// Producer side of a tile handoff: the tile's "full" barrier receives this thread's arrival once
+// its copies have landed. With cp.async (vec) the hardware arrives by itself
+// (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own loads, only for free
+// buffers: the earlier scheme (wait_group, fence, arrive) left the forward's consumers waiting for
+// K / V in 20 % of the stall samples (H100 ncu, D=128). Plain stores (D % 8 != 0 or unaligned
+// inputs) are fenced into the async proxy and arrive at once.
+__device__ __forceinline__ void announce_tile(u32 full_barrier, bool vec) {
+  if (vec) {
+    cp_async_arrive_noinc(full_barrier);
+  } else {
+    cp_async_wait<0>();  // the 4-byte copies of load_floats
+    fence_proxy_async();
+    mbarrier_arrive(full_barrier);
+  }
+}
+
+// Consumer side: waits for phase `parity` of a "full" barrier, then orders the producer's
+// cp.async writes (generic proxy, which the producer cannot fence after they land) before this
+// thread's wgmma reads (async proxy).
+__device__ __forceinline__ void acquire_tile(u32 full_barrier, u32 parity) {
+  mbarrier_wait(full_barrier, parity);
+  fence_proxy_async();
+}
+
+// The K / V ring of the forward and the dQ kernel: STAGES buffers of BN keys each for K and V,
+// and four arrays of STAGES mbarriers at `barriers`: full / empty for K, full / empty for V.
+// "full" counts the 128 producer threads, "empty" one lane of each of the consumers' warps.
+template <int STAGES>
+struct KeyValueRing {
+  u32 barriers;
+  __device__ __forceinline__ u32 full_keys(int stage) const { return barriers + 8 * stage; }
+  __device__ __forceinline__ u32 empty_keys(int stage) const { return barriers + 8 * (STAGES + stage); }
+  __device__ __forceinline__ u32 full_values(int stage) const { return barriers + 8 * (2 * STAGES + stage); }
+  __device__ __forceinline__ u32 empty_values(int stage) const { return barriers + 8 * (3 * STAGES + stage); }
+  __device__ __forceinline__ void init(int consumer_warps) const {
+#pragma unroll
+    for (int stage = 0; stage < STAGES; ++stage) {
+      mbarrier_init(full_keys(stage), 128);
+      mbarrier_init(full_values(stage), 128);
+      mbarrier_init(empty_keys(stage), consumer_warps);
+      mbarrier_init(empty_values(stage), consumer_warps);
+    }
+  }
+};
+
+// The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
+// kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
+// once the consumers released it (it runs up to STAGES tiles ahead).
+template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
+__device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
+                                                        unsigned char* Vs, const T* kg, const T* vg, int kb_begin,
+                                                        int steps, int Nk, bool vec, int ptid) {
+  constexpr int TILE_BYTES = PANELS * BN * 128;
+  for (int j = 0; j < steps; ++j) {
+    const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
+    const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
+    mbarrier_wait(ring.empty_keys(stage), parity);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+    announce_tile(ring.full_keys(stage), vec);
+    mbarrier_wait(ring.empty_values(stage), parity);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+    announce_tile(ring.full_values(stage), vec);
+  }
+  cp_async_wait<0>();  // no copy outlives the thread
+}
+
+// A gradient tile's epilogue (dQ, dK or dV) for one warp's 16 rows in the accumulator layout
+// (rows row0 and row0 + 8, columns 8 n + 2 tq (+1)): factor * acc stored for rows < rows_valid
+// and columns < HEAD_DIM of `base` ([*, HEAD_DIM] row-major, row 0 = tile row 0).
+template <int HEAD_DIM, int NO, typename T>
+__device__ __forceinline__ void store_gradient_tile(const float (&acc)[NO][4], int row0, int rows_valid, T* base,
+                                                    float factor, int tq) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = row0 + 8 * hf;
+    if (r >= rows_valid) continue;
+    T* row = base + (i64)r * HEAD_DIM;
+#pragma unroll
+    for (int n = 0; n < NO; ++n) {
+      const int c = n * 8 + 2 * tq;
+      const float x = acc[n][2 * hf] * factor, y = acc[n][2 * hf + 1] * factor;
+      if (HEAD_DIM % 2 == 0) {
+        if (c < HEAD_DIM) store2(row + c, x, y);
+      } else {
+        if (c < HEAD_DIM) store1(row + c, x);
+        if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
+      }
+    }
+  }
+}
+
+}  // namespace mlxflash
+
+// mx.fast.cuda_kernel writes "__global__ void <name>(...)" right after the header and takes no
+// launch bounds, but setmaxnreg needs them: ptxas must know each thread's register budget at
+// entry (65536 / THREADS), or a consumer's setmaxnreg.inc could wait for registers that the
+// launch never reserved. So each wgmma kernel's template ends by redefining __global__ with
+// MLXFLASH_GLOBAL_KERNEL and its own launch bounds.
+#if defined(__location__)
+#define MLXFLASH_GLOBAL_KERNEL __location__(global)
+#else
+#define MLXFLASH_GLOBAL_KERNEL __attribute__((global))
+#endif
