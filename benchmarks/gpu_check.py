@@ -4,7 +4,7 @@ Usage (on the GPU machine):
     python benchmarks/gpu_check.py --out DIR [--phases smoke,test,sanitize,bench] [--quick]
 
 Phases:
-    probe     three small forward calls against MLX (run it alone first, under `timeout`)
+    probe     small forward and backward calls against MLX (run it alone first, under `timeout`)
     smoke     a few forward / backward checks against the float64 reference, printed at once
     test      pytest tests/test_cuda.py (log in DIR/pytest.log)
     sanitize  compute-sanitizer memcheck and racecheck over small calls of every kernel
@@ -15,6 +15,8 @@ Phases:
     profile_wgmma  ncu of the wgmma forward at D=128 (sections and per-instruction stalls)
     overhead  one forward's time through each layer (kernel call, flash_attention, MLX), per call
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
+    backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
+              times under the traversal blocks of BACKWARD_SHAPES (DIR/backward.json)
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
               bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
@@ -44,9 +46,10 @@ def log(*args):
 
 # ----------------------------------------------------------------------------- probe
 def phase_probe(out_dir):
-    """Three small forward calls against MLX's attention: run it first, under `timeout`, so that a
-    kernel that hangs (a barrier protocol bug) costs seconds of GPU time, not the whole run."""
+    """Small forward and backward calls against MLX's attention: run it first, under `timeout`, so
+    that a kernel that hangs (a barrier protocol bug) costs seconds of GPU time, not the whole run."""
     import mlx.core as mx
+    from mlx_flash import flash_attention
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
     ok = True
@@ -59,6 +62,18 @@ def phase_probe(out_dir):
         err = mx.abs(out.astype(mx.float32) - ref.astype(mx.float32)).max().item()
         ok = ok and err < 0.05
         log(f"probe D={D} causal={causal}: max |ours - MLX| = {err:.3g}")
+    # Gradients (the wgmma backward at D <= 128 on Hopper) against MLX's, relative to their size.
+    for D, causal, N in ((128, False, 300), (64, True, 333), (96, True, 200)):
+        q, k, v, do = (mx.random.normal((1, 2, N, D)).astype(mx.bfloat16) for _ in range(4))
+        mask = "causal" if causal else None
+        ours = mx.vjp(lambda a, b, c: flash_attention(a, b, c, mask=mask, backend="cuda"), [q, k, v], [do])[1]
+        theirs = mx.vjp(lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=D ** -0.5, mask=mask),
+                        [q, k, v], [do])[1]
+        errs = [(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() /
+                 mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(ours, theirs)]
+        ok = ok and max(errs) < 0.05
+        log(f"probe backward D={D} causal={causal} N={N} (wgmma: {cuda.use_wgmma('backward_key_value', check_inputs(q, k, v)[0])}): "
+            f"max |ours - MLX| / max |MLX| dq {errs[0]:.3g} dk {errs[1]:.3g} dv {errs[2]:.3g}")
     return ok
 
 
@@ -435,6 +450,71 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     return res
 
 
+# The wgmma backward kernels against the mma.sync ones, alone (B=4, H=16, N=4096, bf16): (D,
+# causal) -> traversal blocks T to time for each wgmma kernel (the table's first).
+BACKWARD_SHAPES = {(64, False): (64, 128), (128, False): (64, 128), (64, True): (64,), (128, True): (64,)}
+
+
+def phase_backward(out_dir):
+    """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed."""
+    import mlx.core as mx
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    rows, ok = [], True
+    B, H, N = 4, 16, 4096
+    warm_up_gpu(1.0)
+    for (D, causal), blocks in BACKWARD_SHAPES.items():
+        mx.random.seed(D)
+        q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+        spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
+        out, lse = cuda.forward(q, k, v, m4, spec)
+        delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
+        mx.eval(out, lse, delta, lse2)
+        flops = 4 * B * H * N * N * D / (2 if causal else 1)
+        variants = [("mma", None)] + [("wgmma", t) for t in blocks]
+        grads = {}
+        for kernel, mult in (("backward_query", 1.0), ("backward_key_value", 1.5)):
+            for name, t in variants:
+                cuda.WGMMA_BACKWARD_OVERRIDE = name == "wgmma"
+                cuda.BLOCK_OVERRIDES.clear()
+                if t is not None:
+                    cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
+                r = dict(D=D, causal=causal, kernel=kernel, variant=name, T=t)
+                try:
+                    if kernel == "backward_query":
+                        fn = lambda: cuda._backward_query(q, k, v, m4, do, lse2, delta, spec)  # noqa: E731
+                    else:
+                        fn = lambda: cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec)  # noqa: E731
+                    result = fn()
+                    mx.eval(result)
+                    result = [result] if kernel == "backward_query" else list(result)
+                    if name == "mma":
+                        grads[kernel] = result
+                    else:
+                        r["rel_err_vs_mma"] = max(
+                            (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() /
+                             mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(result, grads[kernel]))
+                        ok = ok and r["rel_err_vs_mma"] < 0.02
+                    t_s = _median_time(lambda: mx.eval(fn()), reps=10, sync=mx.synchronize)
+                    r.update(ms=t_s * 1e3, tflops=flops * mult / t_s / 1e12)
+                except Exception as e:
+                    ok = False
+                    r["error"] = str(e)[:400]
+                rows.append(r)
+                log("backward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
+        del q, k, v, do, out, lse, delta, lse2
+    cuda.WGMMA_BACKWARD_OVERRIDE = None
+    cuda.BLOCK_OVERRIDES.clear()
+    with open(os.path.join(out_dir, "backward.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    log("\n| D | causal | kernel | variant | T | ms | TFLOP/s | rel err vs mma |")
+    for r in rows:
+        log(f"| {r['D']} | {'y' if r['causal'] else 'n'} | {r['kernel']} | {r['variant']} | {r['T'] or '-'} | "
+            f"{r.get('ms', float('nan')):.3f} | {r.get('tflops', float('nan')):.0f} | "
+            f"{r.get('rel_err_vs_mma', float('nan')):.2g} |" + (" ERR " + r["error"][:200] if "error" in r else ""))
+    return ok
+
+
 # Block shapes (P, T, H, warps) to time per kernel and head dim; the first of each list is the
 # table's row at the time of writing. B*N = 16384 for D <= 128, B = 1, N = 4096 above; H = 16.
 SWEEP = {
@@ -525,19 +605,24 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
         return False
     types = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float"}
     ok = True
+    if os.environ.get("RESOURCES_HEAD_DIMS"):
+        head_dims = [int(d) for d in os.environ["RESOURCES_HEAD_DIMS"].split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for D in head_dims:
             for causal in (False, True):
                 q = mx.zeros((1, 2, 64, D), mx.bfloat16)
                 spec = check_inputs(q, q, q, mask="causal" if causal else None)[0]
-                for kernel in ("forward", "forward_wgmma", "backward_query", "backward_key_value"):
-                    if kernel == "forward_wgmma" and D > cuda.WGMMA_MAX_HEAD_DIM:
+                for kernel in ("forward", "backward_query", "backward_key_value", "forward_wgmma",
+                               "backward_query_wgmma", "backward_key_value_wgmma"):
+                    base = kernel.replace("_wgmma", "")
+                    wgmma = kernel != base
+                    if wgmma and D > cuda.WGMMA_MAX_HEAD_DIMS[base]:
                         continue
-                    cuda.WGMMA_FORWARD_OVERRIDE = kernel == "forward_wgmma"
+                    cuda.WGMMA_FORWARD_OVERRIDE = cuda.WGMMA_BACKWARD_OVERRIDE = wgmma
                     try:
-                        cfg = cuda.kernel_config(kernel.replace("_wgmma", ""), spec, None)
+                        cfg = cuda.kernel_config(base, spec, None)
                     finally:
-                        cuda.WGMMA_FORWARD_OVERRIDE = None
+                        cuda.WGMMA_FORWARD_OVERRIDE = cuda.WGMMA_BACKWARD_OVERRIDE = None
                     header, body, inputs, outputs = cuda.kernel_source(cfg)
                     sig = ", ".join([f"const {types.get(n, cfg.dtype)}* {n}" for n in inputs]
                                     + [f"{types.get(n, cfg.dtype)}* {n}" for n in outputs])
@@ -727,6 +812,8 @@ def main():
                 results[phase] = phase_wgmma(args.out)
             elif phase == "sweep":
                 results[phase] = phase_sweep(args.out)
+            elif phase == "backward":
+                results[phase] = phase_backward(args.out)
             elif phase == "profile":
                 results[phase] = phase_profile(args.out)
             elif phase == "overhead":

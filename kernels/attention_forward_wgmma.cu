@@ -48,6 +48,7 @@ constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per tile row
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
 constexpr int BARRIER_BYTES = 4 * STAGES * 8;  // full / empty mbarriers of the K and V rings
 constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIER_BYTES;
+static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
 // to 8: 168 with two consumers). setmaxnreg moves registers only inside the CTA's allocation, so
 // what the producer gives back (LAUNCH_REGS - PRODUCER_REGS each) must cover what the consumers

@@ -216,31 +216,45 @@ def test_wgmma_ops_header_matches_its_generator():
         assert f.read() == module.generate(), "kernels/wgmma_ops.cuh is stale: run python kernels/wgmma_generate.py"
 
 
-@pytest.mark.parametrize("head_dim", [1, 37, 64, 80, 128, 160, 200, 256])
-def test_wgmma_forward_config_renders(head_dim, monkeypatch):
+WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
+    ("forward", [1, 37, 64, 80, 128, 160, 200, 256]),
+    ("backward_query", [1, 37, 64, 80, 128]),
+    ("backward_key_value", [1, 37, 64, 80, 128])) for head_dim in dims]
+
+
+@pytest.mark.parametrize("kernel,head_dim", WGMMA_RENDER_CASES, ids=lambda x: str(x))
+def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", True)
+    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
     q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
     spec, _ = check_inputs(q, q, q, mask="causal")
-    config = cuda.kernel_config("forward", spec, None)
+    config = cuda.kernel_config(kernel, spec, None)
     assert config.instruction == "wgmma" and config.parallel_block == 64 * (config.warps // 4)
     assert config.padded_dim % 16 == 0 and config.padded_dim >= head_dim
     assert config.shared_memory <= cuda.SHARED_MEMORY_LIMIT
     header, body, inputs, outputs = cuda.kernel_source(config)
-    assert "attention_forward_wgmma" in body and outputs == ["out", "lse"]
+    assert f"attention_{kernel}_wgmma(" in body
+    assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[kernel]
+    assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{config.padded_dim}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
 
 
-def test_wgmma_forward_not_chosen_off_hopper(monkeypatch):
-    q = mx.zeros((1, 1, 8, 160), mx.float16)
+def test_wgmma_not_chosen_off_hopper(monkeypatch):
+    q = mx.zeros((1, 1, 8, 128), mx.float16)
     spec, _ = check_inputs(q, q, q)
-    for capability, expected in ((None, False), (80, False), (90, True), (100, False)):
-        monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
-        assert cuda.use_wgmma_forward(spec) is expected
+    for kernel in ("forward", "backward_query", "backward_key_value"):
+        for capability, expected in ((None, False), (80, False), (90, True), (100, False)):
+            monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
+            assert cuda.use_wgmma(kernel, spec) is expected, (kernel, capability)
     monkeypatch.setattr(cuda, "compute_capability", lambda: 90)
-    for head_dim, expected in ((1, True), (64, True), (256, True), (257, False), (320, False)):  # wgmma N <= 256
+    for head_dim, forward, backward in ((1, True, True), (64, True, True), (128, True, True), (129, True, False),
+                                        (256, True, False), (257, False, False), (320, False, False)):
         x = mx.zeros((1, 1, 8, head_dim), mx.float16)
-        assert cuda.use_wgmma_forward(check_inputs(x, x, x)[0]) is expected
+        spec = check_inputs(x, x, x)[0]
+        assert cuda.use_wgmma("forward", spec) is forward  # wgmma N <= 256
+        assert cuda.use_wgmma("backward_query", spec) is backward  # accumulators of D <= 128
+        assert cuda.use_wgmma("backward_key_value", spec) is backward
 
 
 @gpu
@@ -263,3 +277,24 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
     assert np.array_equal(np.isfinite(lse_wgmma), np.isfinite(lse_mma))
     finite = np.isfinite(lse_mma)
     assert relative_error(lse_wgmma[finite], lse_mma[finite]) < 1e-4
+
+
+@gpu
+@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
+                    reason="the wgmma backward needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("case", [
+    Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=64, q_len=300, kv_len=200, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
+    Case(head_dim=72, q_len=100, kv_len=90, dtype="bfloat16", mask="additive", softcap=10.0, lse_gradient=True),
+    Case(head_dim=37, q_len=130, kv_len=129, dtype="float16", mask="causal_window", window=(40, 5), group=3),
+], ids=lambda c: f"d{c.head_dim}")
+def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
+    """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""
+    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
+    check_case(case, backend="cuda")
+    grads = []
+    for wgmma in (True, False):
+        monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", wgmma)
+        grads.append(_out_and_grads(case)[1:])
+    for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
+        assert relative_error(g_wgmma, g_mma) < 2e-2, name

@@ -40,11 +40,18 @@ _CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "
 _MASK_KINDS = {"none": 0, "bool": 1, "additive": 2}
 _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_backward_query.cu",
               "backward_key_value": "attention_backward_key_value.cu"}
-# Hopper's warpgroup-MMA forward (kernels/attention_forward_wgmma.cu): rows of family "sm90a" in
-# blocks_cuda.txt, P = 64 query rows per consumer warpgroup, warps = 4 per consumer warpgroup (8 or
-# 12), whole D per warpgroup; the CTA has one more warpgroup, the producer of the K / V tiles.
+# Hopper's warpgroup-MMA kernels (kernels/attention_*_wgmma.cu): rows of family "sm90a" in
+# blocks_cuda.txt, P = 64 rows (queries, or keys for dK/dV) per consumer warpgroup, warps = 4 per
+# consumer warpgroup, whole D per warpgroup; the CTA has one more warpgroup, the producer of the
+# streamed tiles (K / V, or Q / dO for dK/dV).
 WGMMA_FAMILY = "sm90a"
-WGMMA_MAX_HEAD_DIM = 256  # wgmma's N (the O tile width) is at most 256
+_WGMMA_TEMPLATES = {"forward": "attention_forward_wgmma.cu", "backward_query": "attention_backward_query_wgmma.cu",
+                    "backward_key_value": "attention_backward_key_value_wgmma.cu"}
+# Head dims each wgmma kernel covers. Forward: wgmma's N (the O tile width) is at most 256. Backward:
+# the dK and dV (or dQ) accumulators of a 64-row warpgroup hold D / 2 floats each per thread, which
+# with the score tiles fits the consumers' 232 registers only up to D = 128.
+WGMMA_MAX_HEAD_DIMS = {"forward": 256, "backward_query": 128, "backward_key_value": 128}
+WGMMA_MAX_HEAD_DIM = WGMMA_MAX_HEAD_DIMS["forward"]
 # The warp-specialized wgmma forward is the faster one at every head dim it covers (H100, one
 # run, 2026-11-22, TFLOP/s per call mma.sync / wgmma: D=64 196 / 250, D=128 240 / 412, D=160
 # 163 / 211, D=256 168 / 344; causal D=128 214 / 289, D=256 149 / 237).
@@ -125,8 +132,14 @@ class KernelConfig:
     def shared_memory(self) -> int:
         """Bytes of dynamic shared memory (must match SMEM_BYTES in the template)."""
         bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
-        if self.instruction == "wgmma":  # swizzled 64-column panels: Q, K and V rings; 1 KB alignment, mbarriers
-            return 1024 + -(-self.padded_dim // 64) * 128 * (bm + 2 * self.stages * bn) + 32 * self.stages
+        if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
+            row = -(-self.padded_dim // 64) * 128
+            if self.kernel == "forward":  # Q; K and V rings
+                return 1024 + row * (bm + 2 * self.stages * bn) + 32 * self.stages
+            if self.kernel == "backward_query":  # Q and dO; K and V rings
+                return 1024 + row * (2 * bm + 2 * self.stages * bn) + 32 * self.stages
+            # K and V; Q, dO, lse2 and delta ring
+            return 1024 + row * (2 * bm + 2 * self.stages * bn) + self.stages * (8 * bn + 24)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
@@ -171,8 +184,8 @@ BLOCK_OVERRIDES: dict = {}
 
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
-    if kernel == "forward" and use_wgmma_forward(spec):
-        return _wgmma_forward_config(spec, mask_dtype)
+    if use_wgmma(kernel, spec):
+        return _wgmma_config(kernel, spec, mask_dtype)
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
     warps = plan.warps or DEFAULT_WARPS
     if kernel in BLOCK_OVERRIDES:
@@ -208,27 +221,30 @@ def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
     return config
 
 
-def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
-    plan = planner.plan("cuda", "forward", spec.head_dim, spec.dtype, WGMMA_FAMILY)
+def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, WGMMA_FAMILY)
     block, keys, warps = plan.parallel_block, plan.traversal_block, plan.warps or 8
-    if "forward_wgmma" in BLOCK_OVERRIDES:
-        block, keys, _, *rest = BLOCK_OVERRIDES["forward_wgmma"]
+    if kernel + "_wgmma" in BLOCK_OVERRIDES:
+        block, keys, _, *rest = BLOCK_OVERRIDES[kernel + "_wgmma"]
         warps = rest[0] if rest else block // 16
-    if warps not in (8, 12) or block != 16 * warps:
-        raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} forward at head_dim={spec.head_dim} needs "
-                         f"P = 64 rows per consumer warpgroup of 4 warps, 2 or 3 of them; got P={block} with "
-                         f"{warps} warps.")
-    if keys % 16 or not 16 <= keys <= 256:
-        raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} forward at head_dim="
-                         f"{spec.head_dim} must be a multiple of 16 in [16, 256].")
+    consumers = (8, 12) if kernel == "forward" else (8,)  # the backward kernels' register split needs 2
+    if warps not in consumers or block != 16 * warps:
+        raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} {kernel} at head_dim={spec.head_dim} needs "
+                         f"P = 64 rows per consumer warpgroup of 4 warps, {' or '.join(str(w // 4) for w in consumers)}"
+                         f" of them; got P={block} with {warps} warps.")
+    most = 256 if kernel == "forward" else 128
+    if keys % 16 or not 16 <= keys <= most:
+        raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} {kernel} at head_dim="
+                         f"{spec.head_dim} must be a multiple of 16 in [16, {most}].")
     config = KernelConfig(
-        kernel="forward", dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim,
+        kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim,
         padded_dim=_round_up(spec.head_dim, 16), slice_width=_round_up(spec.head_dim, 16), slices=1, m_tiles=1,
         traversal_block=keys, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
         cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K,
-        pingpong=WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM,
+        pingpong=kernel == "forward" and (WGMMA_PINGPONG if WGMMA_PINGPONG is not None
+                                          else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM),
         stages=WGMMA_STAGES)
     while config.shared_memory > SHARED_MEMORY_LIMIT and (config.stages > 2 or config.traversal_block >= 32):
         if config.stages > 2:  # fewer buffers first, then narrower tiles
@@ -236,16 +252,17 @@ def _wgmma_forward_config(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -
         else:
             config = replace(config, traversal_block=config.traversal_block // 2)
     if config.shared_memory > SHARED_MEMORY_LIMIT:
-        raise ValueError(f"[cuda] the {WGMMA_FAMILY} forward at head_dim={spec.head_dim} needs "
+        raise ValueError(f"[cuda] the {WGMMA_FAMILY} {kernel} at head_dim={spec.head_dim} needs "
                          f"{config.shared_memory} bytes of shared memory (limit {SHARED_MEMORY_LIMIT}).")
     return config
 
 
 # Tuning hooks for benchmarks/gpu_check.py only: None = the wgmma forward wherever
-# use_wgmma_forward allows it, False = the mma.sync forward everywhere, True = the wgmma forward
+# use_wgmma allows it, False = the mma.sync forward everywhere, True = the wgmma forward
 # for every head_dim <= 256 whatever the GPU (nvcc resource checks); and V's descriptor
 # offsets swapped (a check of the layout reading on new hardware).
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
+WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
 WGMMA_V_LBO_ALONG_K = False
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
@@ -268,12 +285,14 @@ def compute_capability() -> Optional[int]:
     return int(digits) if digits else None
 
 
-def use_wgmma_forward(spec: AttentionSpec) -> bool:
-    """Whether the forward runs the warpgroup-MMA kernel: Hopper only (wgmma is sm_90a; Blackwell
-    dropped it) and head_dim <= 256 (the override forces it, or the mma.sync kernel, anywhere)."""
-    if WGMMA_FORWARD_OVERRIDE is False or spec.head_dim > WGMMA_MAX_HEAD_DIM:
+def use_wgmma(kernel: str, spec: AttentionSpec) -> bool:
+    """Whether `kernel` runs its warpgroup-MMA version: Hopper only (wgmma is sm_90a; Blackwell
+    dropped it) and head_dim up to WGMMA_MAX_HEAD_DIMS[kernel] (an override forces it, or the
+    mma.sync kernel, anywhere)."""
+    override = WGMMA_FORWARD_OVERRIDE if kernel == "forward" else WGMMA_BACKWARD_OVERRIDE
+    if override is False or spec.head_dim > WGMMA_MAX_HEAD_DIMS[kernel]:
         return False
-    if WGMMA_FORWARD_OVERRIDE:
+    if override:
         return True
     capability = compute_capability()
     return capability is not None and 90 <= capability < 100
@@ -281,42 +300,45 @@ def use_wgmma_forward(spec: AttentionSpec) -> bool:
 
 def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]:
     """(header, body, input names, output names) for mx.fast.cuda_kernel."""
+    has_mask = config.mask_kind != 0
+    mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
+    if config.instruction == "wgmma":
+        constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim, DP=config.padded_dim,
+                         GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
+                         WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
+                         STAGES=config.stages, LAUNCH_SMEM=config.shared_memory)
+        if config.kernel == "forward":
+            constants.update(V_LBO_ALONG_K=config.v_lbo_along_k, PINGPONG=config.pingpong)
+        header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
+                            template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
+        inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
+        return header, body, inputs, outputs
     constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
                      DP=config.padded_dim, HB=config.slice_width, NSLICE=config.slices,
                      WM=config.m_tiles, RG=config.row_groups, CG=config.col_groups,
                      BN=config.traversal_block, CAUSAL=config.causal,
                      WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind)
-    has_mask = config.mask_kind != 0
-    mask_arg = "mask" if has_mask else f"(const {config.mask_type}*)nullptr"
-    if config.instruction == "wgmma":
-        header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
-                            template_text("wgmma_common.cuh"), render(
-            "attention_forward_wgmma.cu", T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
-            DP=config.padded_dim, GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
-            WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
-            V_LBO_ALONG_K=config.v_lbo_along_k, PINGPONG=config.pingpong, STAGES=config.stages)])
-        inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
-        body = f"mlxflash::attention_forward_wgmma(q, k, v, {mask_arg}, params, fparams, out, lse);"
-        return header, body, inputs, ["out", "lse"]
     if config.kernel == "forward":
         constants["CACHE_Q"] = config.cache_q
     else:
         constants["DS"] = config.staged_dim
     header = template_text("attention_common.cuh") + "\n" + render(_TEMPLATES[config.kernel], **constants)
-    if config.kernel == "forward":
-        inputs = ["q", "k", "v"] + (["mask"] if has_mask else []) + ["params", "fparams"]
-        outputs = ["out", "lse"]
-        body = f"mlxflash::attention_forward(q, k, v, {mask_arg}, params, fparams, out, lse);"
-    elif config.kernel == "backward_query":
-        inputs = ["q", "k", "v", "d_out", "lse2", "delta"] + (["mask"] if has_mask else []) + ["params", "fparams"]
-        outputs = ["dq"]
-        body = f"mlxflash::attention_backward_query(q, k, v, d_out, lse2, delta, {mask_arg}, params, fparams, dq);"
-    else:
-        inputs = ["q", "k", "v", "d_out", "lse2", "delta"] + (["mask"] if has_mask else []) + ["params", "fparams"]
-        outputs = ["dk", "dv"]
-        body = (f"mlxflash::attention_backward_key_value(q, k, v, d_out, lse2, delta, {mask_arg}, params, "
-                f"fparams, dk, dv);")
+    inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "")
     return header, body, inputs, outputs
+
+
+def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str) -> Tuple[List[str], List[str], str]:
+    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>."""
+    if kernel == "forward":
+        inputs, outputs = ["q", "k", "v"], ["out", "lse"]
+    else:
+        inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
+        outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
+    inputs += (["mask"] if has_mask else []) + ["params", "fparams"]
+    args = [name for name in inputs if name != "mask"]
+    args.insert(len(args) - 2, mask_arg)
+    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args + outputs)});"
+    return inputs, outputs, body
 
 
 def prepare_source(dtype: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str, List[str], List[str]]:

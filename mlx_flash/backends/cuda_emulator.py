@@ -144,16 +144,17 @@ def emulated(seed: int = 0, eager_copies: bool = False):
         eager_copies: perform cp.async copies at issue instead of at the covering wait.
     """
     saved = (cuda._kernel, cuda._prepare_kernel, cuda.CUDABackend.unavailable_reason, cuda.WGMMA_FORWARD_OVERRIDE,
-             dict(_SETTINGS))
+             cuda.WGMMA_BACKWARD_OVERRIDE, dict(_SETTINGS))
     cuda._kernel = _emulated_kernel
     cuda._prepare_kernel = _emulated_prepare
     cuda.CUDABackend.unavailable_reason = lambda self, device: None
-    cuda.WGMMA_FORWARD_OVERRIDE = False  # wgmma is not emulated: the mma.sync forward even on a Hopper host
+    # wgmma is not emulated: the mma.sync kernels even on a Hopper host
+    cuda.WGMMA_FORWARD_OVERRIDE = cuda.WGMMA_BACKWARD_OVERRIDE = False
     _SETTINGS.update(seed=seed, eager=eager_copies)
     try:
         yield
     finally:
         cuda._kernel, cuda._prepare_kernel, cuda.CUDABackend.unavailable_reason = saved[:3]
-        cuda.WGMMA_FORWARD_OVERRIDE = saved[3]
+        cuda.WGMMA_FORWARD_OVERRIDE, cuda.WGMMA_BACKWARD_OVERRIDE = saved[3:5]
         _SETTINGS.clear()
-        _SETTINGS.update(saved[4])
+        _SETTINGS.update(saved[5])

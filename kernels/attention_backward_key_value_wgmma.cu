@@ -1,0 +1,276 @@
+// Attention backward, dK and dV, for Hopper (sm_90a): the algorithm of
+// attention_backward_key_value.cu with warpgroup MMAs and warp specialization.
+//
+// One CTA owns BM = 64 * CONSUMERS keys of one (batch, kv head) and all of D. It loops over the
+// kv head's GROUP query heads and, for each, over the query blocks of BN rows that can see its
+// keys ("items"), in the transposed orientation so keys are the MMA rows:
+//   S^T = K Q^T, dP^T = V dO^T                          (wgmma, both operands in shared memory)
+//   P^T = exp2(S2^T - lse2), dS^T = P^T * (dP^T - delta) (registers)
+//   dV += P^T dO, dK += dS^T Q                         (wgmma, P^T / dS^T from registers)
+// - A producer warpgroup streams each item's Q and dO tiles (with its lse2 and delta values)
+//   into a ring of STAGES buffers with cp.async; the hardware announces each on an mbarrier.
+// - CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay in shared memory
+//   for the whole loop, their dK and dV accumulators in registers (DP / 2 floats each per
+//   thread: this is what limits the kernel to D <= 128).
+// Every score is computed once: a warpgroup's keys see the whole BN-query tile. GQA heads are
+// summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
+//
+// Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
+// of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
+// (rows = queries = the contraction), one layout for both.
+// Rendered by mlx_flash.backends.cuda with the constants below.
+namespace mlxflash {
+namespace bwdkvwg {
+typedef {{T}} T;
+typedef {{MASK_T}} MaskT;
+constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 128)
+constexpr int DP = {{DP}};              // D padded to 16
+constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 keys each)
+constexpr int BN = {{BN}};              // queries per step
+constexpr bool CAUSAL = {{CAUSAL}};
+constexpr bool WINDOW = {{WINDOW}};
+constexpr bool SOFTCAP = {{SOFTCAP}};
+constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
+constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
+constexpr int PANELS = (DP + 63) / 64;
+constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of K (or V)
+constexpr int TILE_BYTES = PANELS * BN * 128;      // one Q (or dO) tile
+constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * KV_GROUP_BYTES + STAGES * (2 * TILE_BYTES + 2 * BN * 4) + 3 * STAGES * 8;
+static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
+constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+// 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
+// each), S^T, dP^T (32 each) and the P^T / dS^T fragments without spills, and with a bool mask
+// spill 4 bytes (48 / 224: 32 bytes). At D <= 64 the consumers need far fewer and the producer's
+// loop spills 8-16 bytes on 40, none on 48. nvcc 13.0.
+constexpr int PRODUCER_REGS = DP <= 64 ? 48 : 40;
+constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
+constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
+static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
+static_assert(DP % 16 == 0 && DP <= 128, "dK and dV accumulators of D <= 128 columns");
+static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
+}  // namespace bwdkvwg
+
+__device__ void attention_backward_key_value_wgmma(
+    const bwdkvwg::T* __restrict__ q, const bwdkvwg::T* __restrict__ k, const bwdkvwg::T* __restrict__ v,
+    const bwdkvwg::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
+    const bwdkvwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
+    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv) {
+  using namespace bwdkvwg;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
+  unsigned char* Ks = base;                                   // [CONSUMERS] x 64 key rows
+  unsigned char* Vs = Ks + CONSUMERS * KV_GROUP_BYTES;        // [CONSUMERS] x 64 key rows
+  unsigned char* Qs = Vs + CONSUMERS * KV_GROUP_BYTES;        // [STAGES] x BN query rows
+  unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES);  // [STAGES] x BN lse2
+  float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
+  const u32 barriers = smem_u32(Dls + STAGES * BN);
+  // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer warp.
+  auto full_q = [&](int stage) { return barriers + 8 * stage; };
+  auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
+  auto empty = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
+
+  const i64 bid = linear_block();
+  if (bid >= ip[P_TOTAL]) return;
+  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
+  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
+  const int nkb = (int)ip[P_NBLOCKS];
+  const float scale = fp[0], cap = fp[1];
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
+  i64 bkv;
+  block_of(bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
+  const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
+  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int k0 = kb * BM;
+  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+
+  // Queries any key of this block is seen by.
+  const int k_last = min(k0 + BM, Nk) - 1;
+  int lo = 0, hi = Nq;
+  if (CAUSAL) lo = max(lo, k0 - diag);
+  if (WINDOW) {
+    if (wright >= 0) lo = max(lo, k0 - diag - wright);
+    if (wleft >= 0) hi = min(hi, k_last - diag + wleft + 1);
+  }
+  const int qb_begin = max(lo, 0) / BN;
+  const int qb_count = hi > lo ? (hi + BN - 1) / BN - qb_begin : 0;
+  const int items = qb_count * group;  // (query head in group, query block) pairs
+
+  if (tid == 0) {
+#pragma unroll
+    for (int stage = 0; stage < STAGES; ++stage) {
+      mbarrier_init(full_q(stage), 128);
+      mbarrier_init(full_do(stage), 128);
+      mbarrier_init(empty(stage), 4 * CONSUMERS);
+    }
+  }
+  __syncthreads();  // the barriers are initialized before anyone uses them
+
+  if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
+    registers_decrease<PRODUCER_REGS>();
+    const int ptid = tid - 128 * CONSUMERS;
+    for (int it = 0; it < items; ++it) {
+      const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+      const i64 bh = (i64)b * Hq + hk * group + gi;
+      mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
+      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, q + (bh * Nq + qs) * HEAD_DIM, Nq - qs, vec,
+                                               ptid);
+      load_floats<BN, 128>(Ls + stage * BN, lse2 + bh * Nq + qs, Nq - qs, ptid);
+      announce_tile(full_q(stage), vec);
+      load_swizzled<BN, PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, d_out + (bh * Nq + qs) * HEAD_DIM, Nq - qs,
+                                               vec, ptid);
+      load_floats<BN, 128>(Dls + stage * BN, delta + bh * Nq + qs, Nq - qs, ptid);
+      announce_tile(full_do(stage), vec);
+    }
+    cp_async_wait<0>();  // no copy outlives the thread
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  registers_increase<CONSUMER_REGS>();
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int key_first = k0 + warpgroup * 64;   // this warpgroup's keys: [key_first, key_first + 64)
+  const int row0 = key_first + warp * 16 + g;  // this thread's first key row
+
+  float dka[DP / 8][4], dva[DP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DP / 8; ++n)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.f;
+
+  if (items > 0) {
+    // This warpgroup's K and V rows (rows past Nk zero-filled; the address stays in bounds).
+    unsigned char* k_tile = Ks + warpgroup * KV_GROUP_BYTES;
+    unsigned char* v_tile = Vs + warpgroup * KV_GROUP_BYTES;
+    const i64 kv_row = bkv * Nk + min(key_first, Nk - 1);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, k + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_barrier_sync(1 + warpgroup, 128);
+
+    const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
+    float s[BN / 8][4], dp[BN / 8][4];
+    float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
+    float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
+    float(&dk_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dka[0][0]);
+    float(&dv_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dva[0][0]);
+    const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
+
+    // C (64 x BN) = A (this warpgroup's 64 key rows) * B (a BN-query tile)^T over DP: a k-step
+    // moves 32 bytes along a panel row, every 4 steps the next panel.
+    auto issue_scores = [&](float (&c)[BN / 2], u32 a_addr, u32 b_addr) {
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        const u32 step = (kk % 4) * 32;
+        Wgmma<BN, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * 64 * 128 + step, 16, 1024),
+                         smem_descriptor(b_addr + (kk / 4) * BN * 128 + step, 16, 1024), kk > 0);
+      }
+    };
+    // acc (64 x DP) += A (registers, 64 x BN) * tile (BN queries x DP, MN-major): 64-column
+    // panels BN * 128 bytes apart (leading), 8-query row groups 1024 bytes apart (stride).
+    auto issue_gradient = [&](float (&acc)[DP / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<DP, T>::rs(acc, a[kk], smem_descriptor(b_addr + kk * 16 * 128, BN * 128, 1024), 1);
+    };
+
+    for (int it = 0; it < items; ++it) {
+      const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+      const u32 parity = (it / STAGES) & 1;
+      const u32 q_addr = smem_u32(Qs + stage * TILE_BYTES), do_addr = smem_u32(dOs + stage * TILE_BYTES);
+      const float* Lst = Ls + stage * BN;
+      const float* Dst = Dls + stage * BN;
+
+      acquire_tile(full_q(stage), parity);
+      wgmma_fence();
+      issue_scores(s_flat, k_addr, q_addr);
+      wgmma_commit();
+      acquire_tile(full_do(stage), parity);
+      wgmma_fence();
+      issue_scores(dp_flat, v_addr, do_addr);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s_flat);
+      fence_registers(dp_flat);
+
+      // P^T into s, dS^T into dp. Thread element (n, hf, e): key row0 + 8 hf, query qs + col.
+      const bool full_block = qs + BN <= Nq && key_first + 64 <= Nk &&
+          band_covers_tile<CAUSAL, WINDOW>(qs, qs + BN - 1, key_first, key_first + 63, diag, wleft, wright);
+      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+        // Interior tile, no mask: no index arithmetic (see softmax_scores_tile).
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+          const int col = n * 8 + 2 * tq;
+          const float2 l2 = *reinterpret_cast<const float2*>(Lst + col);
+          const float2 dl = *reinterpret_cast<const float2*>(Dst + col);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            const float p0 = fast_exp2(s[n][2 * hf] * scale_log2 - l2.x);
+            const float p1 = fast_exp2(s[n][2 * hf + 1] * scale_log2 - l2.y);
+            s[n][2 * hf] = p0;
+            s[n][2 * hf + 1] = p1;
+            dp[n][2 * hf] = p0 * (dp[n][2 * hf] - dl.x);
+            dp[n][2 * hf + 1] = p1 * (dp[n][2 * hf + 1] - dl.y);
+          }
+        }
+      } else {
+        const MaskT* mhead = nullptr;
+        if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int j = row0 + 8 * hf, col = n * 8 + 2 * tq + e, i = qs + col;
+              float t = 0.f;
+              const bool visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+              const MaskT* mp = MASK_KIND != 0 ? mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk : nullptr;
+              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+              const float p = fast_exp2(s2 - Lst[col]);
+              float ds = p * (dp[n][2 * hf + e] - Dst[col]);
+              if (SOFTCAP) ds *= 1.f - t * t;
+              s[n][2 * hf + e] = p;
+              dp[n][2 * hf + e] = ds;
+            }
+      }
+
+      // dV += P^T dO, dK += dS^T Q. The accumulator layout of two n8 tiles is the A fragment
+      // layout of one k16 step.
+      u32 pa[BN / 16][4], dsa[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
+        accumulators_to_a<T>(dp[2 * kk], dp[2 * kk + 1], dsa[kk]);
+      }
+      fence_registers(dv_flat);
+      fence_registers(dk_flat);
+      wgmma_fence();
+      issue_gradient(dv_flat, pa, do_addr);
+      issue_gradient(dk_flat, dsa, q_addr);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dv_flat);
+      fence_registers(dk_flat);
+      if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
+    }
+  }
+
+  // dK = scale * dS^T Q (the scores' scale), dV as accumulated.
+  const i64 out_row = bkv * Nk + key_first;
+  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, dk + out_row * HEAD_DIM, scale, tq);
+  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, dv + out_row * HEAD_DIM, 1.f, tq);
+}
+
+}  // namespace mlxflash
+
+// Launch bounds for setmaxnreg (see the end of wgmma_common.cuh).
+#undef __global__
+#define __global__ MLXFLASH_GLOBAL_KERNEL __launch_bounds__(mlxflash::bwdkvwg::THREADS, 1)

@@ -1,0 +1,220 @@
+// Attention backward, dQ, for Hopper (sm_90a): the algorithm of attention_backward_query.cu
+// with warpgroup MMAs and warp specialization, in the structure of attention_forward_wgmma.cu.
+//
+// One CTA owns BM = 64 * CONSUMERS query rows of one (batch, head) and all of D; it streams the
+// key blocks of BN keys those rows may see:
+//   S = Q K^T, dP = dO V^T                             (wgmma, both operands in shared memory)
+//   P = exp2(S2 - lse2), dS = P * (dP - delta)         (registers)
+//   dQ += dS K                                         (wgmma, dS from registers)
+// - The producer warpgroup streams K and V tiles into the ring of the forward
+//   (produce_key_value_tiles in wgmma_common.cuh).
+// - CONSUMERS consumer warpgroups own 64 query rows each: their Q and dO rows stay in shared
+//   memory, lse2 and delta of their rows in registers, the dQ accumulators (DP / 2 floats per
+//   thread) in registers.
+// dQ needs no atomics: each CTA owns its rows (the two-kernel backward).
+//
+// Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. Q, dO: K-major A operands.
+// K: K-major B operand of S and MN-major B operand of dQ += dS K; V: K-major B operand of dP.
+// Rendered by mlx_flash.backends.cuda with the constants below.
+namespace mlxflash {
+namespace bwdqwg {
+typedef {{T}} T;
+typedef {{MASK_T}} MaskT;
+constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 128)
+constexpr int DP = {{DP}};              // D padded to 16
+constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 query rows each)
+constexpr int BN = {{BN}};              // keys per step
+constexpr bool CAUSAL = {{CAUSAL}};
+constexpr bool WINDOW = {{WINDOW}};
+constexpr bool SOFTCAP = {{SOFTCAP}};
+constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr int STAGES = {{STAGES}};      // K and V buffers each in the producer's ring
+constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
+constexpr int PANELS = (DP + 63) / 64;
+constexpr int Q_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of Q (or dO)
+constexpr int TILE_BYTES = PANELS * BN * 128;     // one K (or V) tile
+constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 4 * STAGES * 8;
+static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
+constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
+constexpr int PRODUCER_REGS = 48;  // the forward's (40 spills a few bytes at D = 8 and 64, nvcc 13.0)
+constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
+constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
+static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
+static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
+static_assert(DP % 16 == 0 && DP <= 128, "dQ accumulators of D <= 128 columns");
+static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
+}  // namespace bwdqwg
+
+__device__ void attention_backward_query_wgmma(
+    const bwdqwg::T* __restrict__ q, const bwdqwg::T* __restrict__ k, const bwdqwg::T* __restrict__ v,
+    const bwdqwg::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
+    const bwdqwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
+    bwdqwg::T* __restrict__ dq) {
+  using namespace bwdqwg;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
+  unsigned char* Qs = base;                                // [CONSUMERS] x 64 query rows
+  unsigned char* dOs = Qs + CONSUMERS * Q_GROUP_BYTES;     // [CONSUMERS] x 64 query rows
+  unsigned char* Ks = dOs + CONSUMERS * Q_GROUP_BYTES;     // [STAGES] x BN keys
+  unsigned char* Vs = Ks + STAGES * TILE_BYTES;            // [STAGES] x BN keys
+  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * TILE_BYTES)};
+
+  const i64 bid = linear_block();
+  if (bid >= ip[P_TOTAL]) return;
+  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
+  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
+  const int nqb = (int)ip[P_NBLOCKS];
+  const float scale = fp[0], cap = fp[1];
+  const float scale_log2 = scale * 1.4426950408889634f;
+
+  int qb;
+  i64 bh;
+  block_of(bid, nqb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hq, qb, bh);
+  if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
+  const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
+  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int q0 = qb * BM;
+  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
+  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+
+  const int q_last = min(q0 + BM, Nq) - 1;
+  int kb_begin, kb_end;  // the key blocks any row of this block may see
+  key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
+  const int steps = kb_end - kb_begin;
+
+  if (tid == 0) ring.init(4 * CONSUMERS);
+  __syncthreads();  // the barriers are initialized before anyone uses them
+
+  if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
+    registers_decrease<PRODUCER_REGS>();
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
+                                                          tid - 128 * CONSUMERS);
+    return;
+  }
+
+  // ---------------- consumers ----------------
+  registers_increase<CONSUMER_REGS>();
+  const int warp = (tid % 128) / 32, lane = tid % 32;
+  const int g = lane / 4, tq = lane % 4;
+  const int query_first = q0 + warpgroup * 64;  // this warpgroup's rows: [query_first, query_first + 64)
+  const int row0 = query_first + warp * 16 + g;  // this thread's first query row
+
+  float dqa[DP / 8][4];
+#pragma unroll
+  for (int n = 0; n < DP / 8; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+
+  if (steps > 0) {
+    float row_l2[2], row_d[2];
+    const MaskT* mrow[2] = {nullptr, nullptr};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = row0 + 8 * hf;
+      row_l2[hf] = i < Nq ? lse2[bh * Nq + i] : INFINITY;
+      row_d[hf] = i < Nq ? delta[bh * Nq + i] : 0.f;
+      if (MASK_KIND != 0) mrow[hf] = mask + (i64)b * ip[P_MSB] + (i64)h * ip[P_MSH] + (i64)min(i, Nq - 1) * ip[P_MSQ];
+    }
+    const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+
+    // This warpgroup's Q and dO rows (rows past Nq zero-filled; the address stays in bounds).
+    unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
+    unsigned char* do_tile = dOs + warpgroup * Q_GROUP_BYTES;
+    const i64 q_row = bh * Nq + min(query_first, Nq - 1);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, d_out + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
+    cp_async_commit();
+    cp_async_wait<0>();
+    fence_proxy_async();
+    named_barrier_sync(1 + warpgroup, 128);
+
+    const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
+    float s[BN / 8][4], dp[BN / 8][4];
+    float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
+    float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
+    float(&dq_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dqa[0][0]);
+
+    // C (64 x BN) = A (this warpgroup's 64 rows) * B (a BN-key tile)^T over DP.
+    auto issue_scores = [&](float (&c)[BN / 2], u32 a_addr, u32 b_addr) {
+#pragma unroll
+      for (int kk = 0; kk < DP / 16; ++kk) {
+        const u32 step = (kk % 4) * 32;
+        Wgmma<BN, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * 64 * 128 + step, 16, 1024),
+                         smem_descriptor(b_addr + (kk / 4) * BN * 128 + step, 16, 1024), kk > 0);
+      }
+    };
+
+    for (int it = 0; it < steps; ++it) {
+      const int stage = it % STAGES, key0 = (kb_begin + it) * BN;
+      const u32 parity = (it / STAGES) & 1;
+      const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
+
+      acquire_tile(ring.full_keys(stage), parity);
+      wgmma_fence();
+      issue_scores(s_flat, q_addr, k_addr);
+      wgmma_commit();
+      acquire_tile(ring.full_values(stage), parity);
+      wgmma_fence();
+      issue_scores(dp_flat, do_addr, v_addr);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(s_flat);
+      fence_registers(dp_flat);
+      if (lane == 0) mbarrier_arrive(ring.empty_values(stage));  // V is read: the producer may refill it
+
+      // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
+      const bool full_block =
+          key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
+      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            const float p = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
+            s[n][r] = p * (dp[n][r] - row_d[r / 2]);
+          }
+      } else {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int i = row0 + 8 * hf, j = key0 + n * 8 + 2 * tq + e;
+              float t = 0.f;
+              const bool visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+              const MaskT* mp = MASK_KIND != 0 ? mrow[hf] + (i64)min(j, Nk - 1) * msk : nullptr;
+              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+              const float p = fast_exp2(s2 - row_l2[hf]);
+              float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
+              if (SOFTCAP) ds *= 1.f - t * t;
+              s[n][2 * hf + e] = ds;
+            }
+      }
+
+      // dQ += dS K: K as the MN-major B operand (rows = keys = the contraction): 64-column
+      // panels BN * 128 bytes apart (leading), 8-key row groups 1024 bytes apart (stride).
+      u32 dsa[BN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], dsa[kk]);
+      fence_registers(dq_flat);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk)
+        Wgmma<DP, T>::rs(dq_flat, dsa[kk], smem_descriptor(k_addr + kk * 16 * 128, BN * 128, 1024), 1);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_registers(dq_flat);
+      if (lane == 0) mbarrier_arrive(ring.empty_keys(stage));
+    }
+  }
+
+  // dQ = scale * dS K (the scores' scale).
+  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, dq + (bh * Nq + query_first) * HEAD_DIM,
+                                scale, tq);
+}
+
+}  // namespace mlxflash
+
+// Launch bounds for setmaxnreg (see the end of wgmma_common.cuh).
+#undef __global__
+#define __global__ MLXFLASH_GLOBAL_KERNEL __launch_bounds__(mlxflash::bwdqwg::THREADS, 1)
