@@ -450,9 +450,10 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     return res
 
 
-# The wgmma backward kernels against the mma.sync ones, alone (B=4, H=16, N=4096, bf16): (D,
-# causal) -> traversal blocks T to time for each wgmma kernel (the table's first).
-BACKWARD_SHAPES = {(64, False): (64, 128), (128, False): (64, 128), (64, True): (64,), (128, True): (64,)}
+# The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
+# else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
+BACKWARD_SHAPES = {(64, False): (None,), (128, False): (None,), (128, True): (None,), (160, False): (None,),
+                   (192, False): (None,), (256, False): (None, 32), (256, True): (None,)}
 
 
 def phase_backward(out_dir):
@@ -461,9 +462,9 @@ def phase_backward(out_dir):
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
     rows, ok = [], True
-    B, H, N = 4, 16, 4096
     warm_up_gpu(1.0)
     for (D, causal), blocks in BACKWARD_SHAPES.items():
+        B, H, N = (4 if D <= 128 else 1), 16, 4096
         mx.random.seed(D)
         q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
         spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
@@ -471,7 +472,7 @@ def phase_backward(out_dir):
         delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
         mx.eval(out, lse, delta, lse2)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
-        variants = [("mma", None)] + [("wgmma", t) for t in blocks]
+        variants = [("mma", None)] + [("wgmma", t) for t in blocks]  # T None: the table's
         grads = {}
         for kernel, mult in (("backward_query", 1.0), ("backward_key_value", 1.5)):
             for name, t in variants:
@@ -479,7 +480,8 @@ def phase_backward(out_dir):
                 cuda.BLOCK_OVERRIDES.clear()
                 if t is not None:
                     cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
-                r = dict(D=D, causal=causal, kernel=kernel, variant=name, T=t)
+                r = dict(D=D, causal=causal, kernel=kernel, variant=name,
+                         T=cuda.kernel_config(kernel, spec, None).traversal_block)
                 try:
                     if kernel == "backward_query":
                         fn = lambda: cuda._backward_query(q, k, v, m4, do, lse2, delta, spec)  # noqa: E731

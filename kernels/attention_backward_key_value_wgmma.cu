@@ -10,10 +10,15 @@
 // - A producer warpgroup streams each item's Q and dO tiles (with its lse2 and delta values)
 //   into a ring of STAGES buffers with cp.async; the hardware announces each on an mbarrier.
 // - CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay in shared memory
-//   for the whole loop, their dK and dV accumulators in registers (DP / 2 floats each per
-//   thread: this is what limits the kernel to D <= 128).
-// Every score is computed once: a warpgroup's keys see the whole BN-query tile. GQA heads are
-// summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
+//   for the whole loop, their dK and dV accumulators in registers (DS / 2 floats each per
+//   thread).
+// Column slices: the accumulators of D > 128 columns (2 x D / 2 floats per thread) do not fit
+// beside the score tiles, so NSLICE = ceil(D / 128) CTAs share a key block, each computing dK and
+// dV for its DS = 128 columns [128 s, 128 s + 128) (a panel-aligned start: the MN-major B
+// operand cannot begin inside a 128-byte swizzle row). Each recomputes S^T and dP^T over all of
+// D: at D = 256, 1.5x the MMA work of one CTA, in exchange for the tensor cores of wgmma.
+// The Q / dO tiles carry 2 NSLICE panels (columns past D zero-filled) so every slice reads whole
+// panels. GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
@@ -23,8 +28,10 @@ namespace mlxflash {
 namespace bwdkvwg {
 typedef {{T}} T;
 typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 128)
-constexpr int DP = {{DP}};              // D padded to 16
+constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
+constexpr int DP = {{DP}};              // D padded to 16: the S^T / dP^T contraction
+constexpr int NSLICE = {{NSLICE}};      // CTAs per key block (column slices)
+constexpr int DS = {{DS}};              // dK / dV columns per CTA (DP if NSLICE == 1, else 128)
 constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 keys each)
 constexpr int BN = {{BN}};              // queries per step
 constexpr bool CAUSAL = {{CAUSAL}};
@@ -33,9 +40,10 @@ constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
-constexpr int PANELS = (DP + 63) / 64;
-constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of K (or V)
-constexpr int TILE_BYTES = PANELS * BN * 128;      // one Q (or dO) tile
+constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
+constexpr int TILE_PANELS = NSLICE > 1 ? 2 * NSLICE : PANELS;  // Q / dO tile panels (whole slices)
+constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;       // one warpgroup's 64 rows of K (or V)
+constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * KV_GROUP_BYTES + STAGES * (2 * TILE_BYTES + 2 * BN * 4) + 3 * STAGES * 8;
 static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -48,7 +56,9 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
-static_assert(DP % 16 == 0 && DP <= 128, "dK and dV accumulators of D <= 128 columns");
+static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 ? DS == DP : DS == 128 && 128 * NSLICE >= DP),
+              "dK and dV accumulators of at most 128 columns per CTA");
+static_assert(DP <= 256, "D <= 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
 
@@ -80,9 +90,10 @@ __device__ void attention_backward_key_value_wgmma(
   const float scale = fp[0], cap = fp[1];
   const float scale_log2 = scale * 1.4426950408889634f;
 
+  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0, col0 = cslice * 128;  // this CTA's dK / dV columns
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
   i64 bkv;
-  block_of(bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
+  block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int k0 = kb * BM;
@@ -117,11 +128,11 @@ __device__ void attention_backward_key_value_wgmma(
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
       const i64 bh = (i64)b * Hq + hk * group + gi;
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
-      load_swizzled<BN, PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, q + (bh * Nq + qs) * HEAD_DIM, Nq - qs, vec,
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, q + (bh * Nq + qs) * HEAD_DIM, Nq - qs, vec,
                                                ptid);
       load_floats<BN, 128>(Ls + stage * BN, lse2 + bh * Nq + qs, Nq - qs, ptid);
       announce_tile(full_q(stage), vec);
-      load_swizzled<BN, PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, d_out + (bh * Nq + qs) * HEAD_DIM, Nq - qs,
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, d_out + (bh * Nq + qs) * HEAD_DIM, Nq - qs,
                                                vec, ptid);
       load_floats<BN, 128>(Dls + stage * BN, delta + bh * Nq + qs, Nq - qs, ptid);
       announce_tile(full_do(stage), vec);
@@ -137,9 +148,9 @@ __device__ void attention_backward_key_value_wgmma(
   const int key_first = k0 + warpgroup * 64;   // this warpgroup's keys: [key_first, key_first + 64)
   const int row0 = key_first + warp * 16 + g;  // this thread's first key row
 
-  float dka[DP / 8][4], dva[DP / 8][4];
+  float dka[DS / 8][4], dva[DS / 8][4];
 #pragma unroll
-  for (int n = 0; n < DP / 8; ++n)
+  for (int n = 0; n < DS / 8; ++n)
 #pragma unroll
     for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.f;
 
@@ -159,8 +170,8 @@ __device__ void attention_backward_key_value_wgmma(
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
-    float(&dk_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dka[0][0]);
-    float(&dv_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dva[0][0]);
+    float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
+    float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
     // C (64 x BN) = A (this warpgroup's 64 key rows) * B (a BN-query tile)^T over DP: a k-step
@@ -173,12 +184,14 @@ __device__ void attention_backward_key_value_wgmma(
                          smem_descriptor(b_addr + (kk / 4) * BN * 128 + step, 16, 1024), kk > 0);
       }
     };
-    // acc (64 x DP) += A (registers, 64 x BN) * tile (BN queries x DP, MN-major): 64-column
-    // panels BN * 128 bytes apart (leading), 8-query row groups 1024 bytes apart (stride).
-    auto issue_gradient = [&](float (&acc)[DP / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
+    // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
+    // MN-major): 64-column panels BN * 128 bytes apart (leading), 8-query row groups 1024 bytes
+    // apart (stride); the slice starts at panel col0 / 64.
+    auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
+      const u32 slice_addr = b_addr + (col0 / 64) * BN * 128;
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<DP, T>::rs(acc, a[kk], smem_descriptor(b_addr + kk * 16 * 128, BN * 128, 1024), 1);
+        Wgmma<DS, T>::rs(acc, a[kk], smem_descriptor(slice_addr + kk * 16 * 128, BN * 128, 1024), 1);
     };
 
     for (int it = 0; it < items; ++it) {
@@ -265,8 +278,8 @@ __device__ void attention_backward_key_value_wgmma(
 
   // dK = scale * dS^T Q (the scores' scale), dV as accumulated.
   const i64 out_row = bkv * Nk + key_first;
-  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, dk + out_row * HEAD_DIM, scale, tq);
-  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, dv + out_row * HEAD_DIM, 1.f, tq);
+  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, dk + out_row * HEAD_DIM, scale, tq);
+  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, dv + out_row * HEAD_DIM, 1.f, tq);
 }
 
 }  // namespace mlxflash

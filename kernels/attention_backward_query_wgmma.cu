@@ -10,7 +10,7 @@
 //   (produce_key_value_tiles in wgmma_common.cuh).
 // - CONSUMERS consumer warpgroups own 64 query rows each: their Q and dO rows stay in shared
 //   memory, lse2 and delta of their rows in registers, the dQ accumulators (DP / 2 floats per
-//   thread) in registers.
+//   thread, up to 128 at D = 256) in registers.
 // dQ needs no atomics: each CTA owns its rows (the two-kernel backward).
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. Q, dO: K-major A operands.
@@ -20,7 +20,7 @@ namespace mlxflash {
 namespace bwdqwg {
 typedef {{T}} T;
 typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 128)
+constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
 constexpr int DP = {{DP}};              // D padded to 16
 constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 query rows each)
 constexpr int BN = {{BN}};              // keys per step
@@ -41,7 +41,7 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
-static_assert(DP % 16 == 0 && DP <= 128, "dQ accumulators of D <= 128 columns");
+static_assert(DP % 16 == 0 && DP <= 256, "wgmma N (the dQ tile width) is at most 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdqwg
 
@@ -209,7 +209,7 @@ __device__ void attention_backward_query_wgmma(
   }
 
   // dQ = scale * dS K (the scores' scale).
-  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, dq + (bh * Nq + query_first) * HEAD_DIM,
+  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, 0, dq + (bh * Nq + query_first) * HEAD_DIM,
                                 scale, tq);
 }
 

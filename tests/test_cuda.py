@@ -218,8 +218,8 @@ def test_wgmma_ops_header_matches_its_generator():
 
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
     ("forward", [1, 37, 64, 80, 128, 160, 200, 256]),
-    ("backward_query", [1, 37, 64, 80, 128]),
-    ("backward_key_value", [1, 37, 64, 80, 128])) for head_dim in dims]
+    ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
+    ("backward_key_value", [1, 37, 64, 80, 128, 144, 200, 256])) for head_dim in dims]
 
 
 @pytest.mark.parametrize("kernel,head_dim", WGMMA_RENDER_CASES, ids=lambda x: str(x))
@@ -236,8 +236,11 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     assert f"attention_{kernel}_wgmma(" in body
     assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[kernel]
     assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
-    assert f"struct Wgmma<{config.padded_dim}, __nv_bfloat16>" in header
+    assert f"struct Wgmma<{config.slice_width}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
+    # dK/dV splits D past 128 into 128-column slices, one CTA each; the other kernels hold all of D
+    assert config.slices * config.slice_width >= config.padded_dim
+    assert config.slices == (-(-config.padded_dim // 128) if kernel == "backward_key_value" else 1)
 
 
 def test_wgmma_not_chosen_off_hopper(monkeypatch):
@@ -248,13 +251,12 @@ def test_wgmma_not_chosen_off_hopper(monkeypatch):
             monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
             assert cuda.use_wgmma(kernel, spec) is expected, (kernel, capability)
     monkeypatch.setattr(cuda, "compute_capability", lambda: 90)
-    for head_dim, forward, backward in ((1, True, True), (64, True, True), (128, True, True), (129, True, False),
-                                        (256, True, False), (257, False, False), (320, False, False)):
+    for head_dim, expected in ((1, True), (64, True), (128, True), (129, True), (256, True), (257, False),
+                               (320, False)):
         x = mx.zeros((1, 1, 8, head_dim), mx.float16)
         spec = check_inputs(x, x, x)[0]
-        assert cuda.use_wgmma("forward", spec) is forward  # wgmma N <= 256
-        assert cuda.use_wgmma("backward_query", spec) is backward  # accumulators of D <= 128
-        assert cuda.use_wgmma("backward_key_value", spec) is backward
+        for kernel in ("forward", "backward_query", "backward_key_value"):  # wgmma N <= 256
+            assert cuda.use_wgmma(kernel, spec) is expected, (kernel, head_dim)
 
 
 @gpu
@@ -287,6 +289,8 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
     Case(head_dim=64, q_len=300, kv_len=200, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
     Case(head_dim=72, q_len=100, kv_len=90, dtype="bfloat16", mask="additive", softcap=10.0, lse_gradient=True),
     Case(head_dim=37, q_len=130, kv_len=129, dtype="float16", mask="causal_window", window=(40, 5), group=3),
+    Case(head_dim=200, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=256, q_len=100, kv_len=140, dtype="float16", mask="bool", softcap=20.0),
 ], ids=lambda c: f"d{c.head_dim}")
 def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""

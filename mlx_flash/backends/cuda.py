@@ -47,10 +47,12 @@ _TEMPLATES = {"forward": "attention_forward.cu", "backward_query": "attention_ba
 WGMMA_FAMILY = "sm90a"
 _WGMMA_TEMPLATES = {"forward": "attention_forward_wgmma.cu", "backward_query": "attention_backward_query_wgmma.cu",
                     "backward_key_value": "attention_backward_key_value_wgmma.cu"}
-# Head dims each wgmma kernel covers. Forward: wgmma's N (the O tile width) is at most 256. Backward:
-# the dK and dV (or dQ) accumulators of a 64-row warpgroup hold D / 2 floats each per thread, which
-# with the score tiles fits the consumers' 232 registers only up to D = 128.
-WGMMA_MAX_HEAD_DIMS = {"forward": 256, "backward_query": 128, "backward_key_value": 128}
+# Head dims each wgmma kernel covers: wgmma's N (the O / dQ tile width) is at most 256. dK/dV: the
+# dK and dV accumulators of a 64-row warpgroup hold D / 2 floats each per thread, which beside the
+# score tiles fit the consumers' 232 registers up to D = 128; past that the kernel splits D into
+# column slices of 128 (WGMMA_SLICE_WIDTH), one CTA each.
+WGMMA_MAX_HEAD_DIMS = {"forward": 256, "backward_query": 256, "backward_key_value": 256}
+WGMMA_SLICE_WIDTH = 128
 WGMMA_MAX_HEAD_DIM = WGMMA_MAX_HEAD_DIMS["forward"]
 # The warp-specialized wgmma forward is the faster one at every head dim it covers (H100, one
 # run, 2026-11-22, TFLOP/s per call mma.sync / wgmma: D=64 196 / 250, D=128 240 / 412, D=160
@@ -138,8 +140,9 @@ class KernelConfig:
                 return 1024 + row * (bm + 2 * self.stages * bn) + 32 * self.stages
             if self.kernel == "backward_query":  # Q and dO; K and V rings
                 return 1024 + row * (2 * bm + 2 * self.stages * bn) + 32 * self.stages
-            # K and V; Q, dO, lse2 and delta ring
-            return 1024 + row * (2 * bm + 2 * self.stages * bn) + self.stages * (8 * bn + 24)
+            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring
+            tile_row = row if self.slices == 1 else self.slices * self.slice_width * 2
+            return 1024 + row * 2 * bm + 2 * self.stages * bn * tile_row + self.stages * (8 * bn + 24)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
@@ -236,9 +239,11 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
     if keys % 16 or not 16 <= keys <= most:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} {kernel} at head_dim="
                          f"{spec.head_dim} must be a multiple of 16 in [16, {most}].")
+    padded = _round_up(spec.head_dim, 16)
+    slices = -(-padded // WGMMA_SLICE_WIDTH) if kernel == "backward_key_value" else 1
     config = KernelConfig(
-        kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim,
-        padded_dim=_round_up(spec.head_dim, 16), slice_width=_round_up(spec.head_dim, 16), slices=1, m_tiles=1,
+        kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=padded,
+        slice_width=padded if slices == 1 else WGMMA_SLICE_WIDTH, slices=slices, m_tiles=1,
         traversal_block=keys, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
@@ -309,6 +314,8 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          STAGES=config.stages, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "forward":
             constants.update(V_LBO_ALONG_K=config.v_lbo_along_k, PINGPONG=config.pingpong)
+        elif config.kernel == "backward_key_value":
+            constants.update(NSLICE=config.slices, DS=config.slice_width)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
         inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
@@ -350,13 +357,14 @@ def prepare_source(dtype: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str
 
 
 def _wgmma_wrappers(config: KernelConfig) -> str:
-    """kernels/wgmma_ops.cuh cut to the two widths the kernel uses (S: BN, O: DP). MLX copies and
-    hashes a kernel's source on every call: the whole file (148 KB) made that host time 3x."""
+    """kernels/wgmma_ops.cuh cut to the two widths the kernel uses (scores: BN; O, dQ or a dK / dV
+    slice: slice_width). MLX copies and hashes a kernel's source on every call: the whole file
+    (148 KB) made that host time 3x."""
     text = template_text("wgmma_ops.cuh")
     marker = "template <> struct Wgmma<"
     first = text.index(marker)
     head, structs = text[:first], text[first:].split(marker)[1:]
-    widths = {config.traversal_block, config.padded_dim}
+    widths = {config.traversal_block, config.slice_width}
     keep = [marker + body for body in structs
             if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == config.dtype]
     return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"
