@@ -10,7 +10,9 @@ plan -> source -> launch:
     window) passed as two small arrays, so a new sequence length or batch never recompiles.
 
 Kernels: forward (O, L), a per-row preprocessing step for the backward (delta = rowsum(dO * O)
-- dL, L in base 2), dQ, and dK/dV. No atomics anywhere: gradients are bitwise reproducible.
+- dL, L in base 2), dQ, and dK/dV. No atomics anywhere: gradients are bitwise reproducible. On
+Hopper (sm_90) the forward, dQ and dK/dV for head_dim <= 256 are warp-specialized warpgroup-MMA
+kernels (kernels/attention_*_wgmma.cu); elsewhere, and past 256, mma.sync kernels.
 Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding
 window, softcap, bool / additive array masks with broadcast strides. float32 inputs, value_dim !=
 head_dim and head_dim > 512 go to the "mlx" backend (counted by mlx_flash.fallback).
@@ -83,11 +85,13 @@ class KernelConfig:
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         cache_q: the forward keeps Q fragments in registers.
-        instruction: "mma" (mma.sync kernels, sm_80+) or "wgmma" (the Hopper forward: one
-            consumer warpgroup per 64 query rows, m_tiles = 1, warps = 4 * consumer warpgroups,
-            plus a producer warpgroup).
+        instruction: "mma" (mma.sync kernels, sm_80+) or "wgmma" (the Hopper kernels: one
+            consumer warpgroup per 64 rows (queries; keys for dK/dV), m_tiles = 1, warps = 4 *
+            consumer warpgroups, plus a producer warpgroup; slice_width = the columns of O / dQ /
+            dK and dV each CTA computes, slices = CTAs per block: more than 1 only for dK/dV past
+            D = 128).
         pingpong: wgmma forward only: the consumer warpgroups take turns issuing their MMAs.
-        stages: wgmma forward only: K and V buffers (each) in the producer's ring.
+        stages: wgmma kernels: buffers of each streamed tile (K and V, or Q and dO) in the ring.
         v_lbo_along_k: wgmma forward only: swaps the two byte offsets of V's descriptor
             (a diagnostic switch for benchmarks/gpu_check.py; False is the PTX ISA's layout).
     """
@@ -272,7 +276,8 @@ WGMMA_V_LBO_ALONG_K = False
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
 # D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
-# copies; since the hardware announces them, two suffice).
+# copies; since the hardware announces them, two suffice). The backward kernels use the same
+# count (only 2 measured).
 WGMMA_STAGES = 2
 
 
