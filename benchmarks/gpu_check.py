@@ -16,7 +16,8 @@ Phases:
     overhead  one forward's time through each layer (kernel call, flash_attention, MLX), per call
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
-              times under the traversal blocks of BACKWARD_SHAPES (DIR/backward.json)
+              times under the traversal blocks of BACKWARD_SHAPES, with and without ping-pong
+              (DIR/backward.json)
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
               bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
@@ -452,8 +453,8 @@ def bench_torch(B, H, N, D, causal, flops, reps):
 
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
-BACKWARD_SHAPES = {(64, False): (None,), (128, False): (None,), (128, True): (None,), (160, False): (None,),
-                   (192, False): (None,), (256, False): (None, 32), (256, True): (None,)}
+BACKWARD_SHAPES = {(64, False): (None,), (64, True): (None,), (128, False): (None,), (128, True): (None,),
+                   (192, False): (None,), (256, False): (None,)}
 
 
 def phase_backward(out_dir):
@@ -472,11 +473,14 @@ def phase_backward(out_dir):
         delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
         mx.eval(out, lse, delta, lse2)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
-        variants = [("mma", None)] + [("wgmma", t) for t in blocks]  # T None: the table's
+        # (name, T, ping-pong); T None: the table's
+        variants = [("mma", None, False)] + [(name, t, pp) for t in blocks
+                                              for name, pp in (("wgmma", False), ("wgmma_pingpong", True))]
         grads = {}
         for kernel, mult in (("backward_query", 1.0), ("backward_key_value", 1.5)):
-            for name, t in variants:
-                cuda.WGMMA_BACKWARD_OVERRIDE = name == "wgmma"
+            for name, t, pingpong in variants:
+                cuda.WGMMA_BACKWARD_OVERRIDE = name != "mma"
+                cuda.WGMMA_BACKWARD_PINGPONG = pingpong
                 cuda.BLOCK_OVERRIDES.clear()
                 if t is not None:
                     cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
@@ -506,6 +510,7 @@ def phase_backward(out_dir):
                 log("backward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
         del q, k, v, do, out, lse, delta, lse2
     cuda.WGMMA_BACKWARD_OVERRIDE = None
+    cuda.WGMMA_BACKWARD_PINGPONG = False
     cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "backward.json"), "w") as f:
         json.dump(rows, f, indent=1)

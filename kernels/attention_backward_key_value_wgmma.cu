@@ -38,6 +38,7 @@ constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
 constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -165,6 +166,8 @@ __device__ void attention_backward_key_value_wgmma(
     cp_async_wait<0>();
     fence_proxy_async();
     named_barrier_sync(1 + warpgroup, 128);
+    const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
+    turns.start();
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
     float s[BN / 8][4], dp[BN / 8][4];
@@ -201,14 +204,19 @@ __device__ void attention_backward_key_value_wgmma(
       const float* Lst = Ls + stage * BN;
       const float* Dst = Dls + stage * BN;
 
+      // Without turns S^T starts as soon as Q has landed; with turns both tiles are awaited
+      // first, so a warpgroup never holds the turn while waiting for data.
       acquire_tile(full_q(stage), parity);
+      if (PINGPONG) acquire_tile(full_do(stage), parity);
+      turns.take();
       wgmma_fence();
       issue_scores(s_flat, k_addr, q_addr);
       wgmma_commit();
-      acquire_tile(full_do(stage), parity);
+      if (!PINGPONG) acquire_tile(full_do(stage), parity);
       wgmma_fence();
       issue_scores(dp_flat, v_addr, do_addr);
       wgmma_commit();
+      turns.pass();
       wgmma_wait<0>();
       fence_registers(s_flat);
       fence_registers(dp_flat);
@@ -265,10 +273,12 @@ __device__ void attention_backward_key_value_wgmma(
       }
       fence_registers(dv_flat);
       fence_registers(dk_flat);
+      turns.take();
       wgmma_fence();
       issue_gradient(dv_flat, pa, do_addr);
       issue_gradient(dk_flat, dsa, q_addr);
       wgmma_commit();
+      turns.pass(it + 1 == items);
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);

@@ -28,6 +28,7 @@ constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
+constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
 constexpr int STAGES = {{STAGES}};      // K and V buffers each in the producer's ring
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int PANELS = (DP + 63) / 64;
@@ -126,6 +127,8 @@ __device__ void attention_backward_query_wgmma(
     cp_async_wait<0>();
     fence_proxy_async();
     named_barrier_sync(1 + warpgroup, 128);
+    const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
+    turns.start();
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
     float s[BN / 8][4], dp[BN / 8][4];
@@ -149,13 +152,16 @@ __device__ void attention_backward_query_wgmma(
       const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
 
       acquire_tile(ring.full_keys(stage), parity);
+      if (PINGPONG) acquire_tile(ring.full_values(stage), parity);  // never hold the turn waiting for data
+      turns.take();
       wgmma_fence();
       issue_scores(s_flat, q_addr, k_addr);
       wgmma_commit();
-      acquire_tile(ring.full_values(stage), parity);
+      if (!PINGPONG) acquire_tile(ring.full_values(stage), parity);
       wgmma_fence();
       issue_scores(dp_flat, do_addr, v_addr);
       wgmma_commit();
+      turns.pass();
       wgmma_wait<0>();
       fence_registers(s_flat);
       fence_registers(dp_flat);
@@ -197,11 +203,13 @@ __device__ void attention_backward_query_wgmma(
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], dsa[kk]);
       fence_registers(dq_flat);
+      turns.take();
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk)
         Wgmma<DP, T>::rs(dq_flat, dsa[kk], smem_descriptor(k_addr + kk * 16 * 128, BN * 128, 1024), 1);
       wgmma_commit();
+      turns.pass(it + 1 == steps);
       wgmma_wait<0>();
       fence_registers(dq_flat);
       if (lane == 0) mbarrier_arrive(ring.empty_keys(stage));

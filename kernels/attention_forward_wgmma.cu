@@ -195,21 +195,17 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     auto release = [&](u32 barrier) {  // this warp is done reading the buffer
       if (lane == 0) mbarrier_arrive(barrier);
     };
-    // PINGPONG: warpgroup w issues its MMAs after warpgroup w - 1 (cyclically) issued its own.
-    auto take_turn = [&]() {
-      if (PINGPONG) named_barrier_sync(1 + CONSUMERS + warpgroup, 256);
-    };
-    auto pass_turn = [&]() {
-      if (PINGPONG) named_barrier_arrive(1 + CONSUMERS + (warpgroup + 1) % CONSUMERS, 256);
-    };
-    if (PINGPONG && warpgroup == CONSUMERS - 1) named_barrier_arrive(1 + CONSUMERS, 256);  // warpgroup 0 first
+    // PINGPONG: the consumer warpgroups take turns to issue their MMAs (named barriers from
+    // 1 + CONSUMERS; 1 .. CONSUMERS guard the Q loads).
+    const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};
+    turns.start();
 
     float corr[2];
     auto wait_full = [&](u32 barrier, int it) { acquire_tile(barrier, (it / STAGES) & 1); };
     wait_full(ring.full_keys(0), 0);
-    take_turn();
+    turns.take();
     issue_scores(0);
-    pass_turn();
+    turns.pass();
     wgmma_wait<0>();
     fence_registers(s_flat);
     release(ring.empty_keys(0));
@@ -218,10 +214,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     for (int it = 0; it + 1 < steps; ++it) {
       wait_full(ring.full_keys((it + 1) % STAGES), it + 1);
       wait_full(ring.full_values(it % STAGES), it);
-      take_turn();
+      turns.take();
       issue_scores(it + 1);
       issue_values(it);
-      pass_turn();
+      turns.pass();
       wgmma_wait<1>();  // S_{j+1}; O += P_j V_j still running
       fence_registers(s_flat);
       release(ring.empty_keys((it + 1) % STAGES));
@@ -233,9 +229,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       convert();
     }
     wait_full(ring.full_values((steps - 1) % STAGES), steps - 1);
-    take_turn();
+    turns.take();
     issue_values(steps - 1);
-    if (warpgroup != CONSUMERS - 1) pass_turn();  // the last warpgroup's last turn has no taker
+    turns.pass(true);  // the last warpgroup's last turn has no taker
     wgmma_wait<0>();
     fence_registers(o_flat);
   }

@@ -132,6 +132,26 @@ __device__ __forceinline__ void load_floats(float* s, const float* g, int valid,
   for (int c = tid; c < COUNT; c += THREADS) cp_async4(s + c, c < valid ? g + c : g, c < valid);
 }
 
+// FlashAttention-3's scheduler barriers: consumer warpgroup w issues its MMAs only after
+// warpgroup w - 1 (cyclically) has issued its own, so one's softmax / gradient arithmetic
+// overlaps the other's MMAs instead of colliding with them. Named barriers FIRST ..
+// FIRST + CONSUMERS - 1 (barrier FIRST + w is warpgroup w's turn): take() waits for the turn
+// (its 128 threads + the 128 of the previous warpgroup's pass()), pass() hands it on without
+// waiting. Every pass() must be matched by a take(): the last turn of a kernel is not passed.
+template <bool ON, int CONSUMERS, int FIRST>
+struct MmaTurns {
+  int warpgroup;
+  __device__ __forceinline__ void start() const {  // warpgroup 0 goes first
+    if (ON && warpgroup == CONSUMERS - 1) named_barrier_arrive(FIRST, 256);
+  }
+  __device__ __forceinline__ void take() const {
+    if (ON) named_barrier_sync(FIRST + warpgroup, 256);
+  }
+  __device__ __forceinline__ void pass(bool last_turn = false) const {
+    if (ON && !(last_turn && warpgroup == CONSUMERS - 1)) named_barrier_arrive(FIRST + (warpgroup + 1) % CONSUMERS, 256);
+  }
+};
+
 // Producer side of a tile handoff: the tile's "full" barrier receives this thread's arrival once
 // its copies have landed. With cp.async (vec) the hardware arrives by itself
 // (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own loads, only for free

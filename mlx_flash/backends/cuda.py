@@ -90,7 +90,7 @@ class KernelConfig:
             consumer warpgroups, plus a producer warpgroup; slice_width = the columns of O / dQ /
             dK and dV each CTA computes, slices = CTAs per block: more than 1 only for dK/dV past
             D = 128).
-        pingpong: wgmma forward only: the consumer warpgroups take turns issuing their MMAs.
+        pingpong: wgmma kernels: the consumer warpgroups take turns issuing their MMAs.
         stages: wgmma kernels: buffers of each streamed tile (K and V, or Q and dO) in the ring.
         v_lbo_along_k: wgmma forward only: swaps the two byte offsets of V's descriptor
             (a diagnostic switch for benchmarks/gpu_check.py; False is the PTX ISA's layout).
@@ -252,8 +252,8 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
         cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K,
-        pingpong=kernel == "forward" and (WGMMA_PINGPONG if WGMMA_PINGPONG is not None
-                                          else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM),
+        pingpong=(WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM)
+        if kernel == "forward" else bool(WGMMA_BACKWARD_PINGPONG),
         stages=WGMMA_STAGES)
     while config.shared_memory > SHARED_MEMORY_LIMIT and (config.stages > 2 or config.traversal_block >= 32):
         if config.stages > 2:  # fewer buffers first, then narrower tiles
@@ -272,6 +272,7 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
 # offsets swapped (a check of the layout reading on new hardware).
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
+WGMMA_BACKWARD_PINGPONG = False  # the backward kernels' consumer warpgroups take turns issuing MMAs
 WGMMA_V_LBO_ALONG_K = False
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
@@ -317,8 +318,9 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
                          STAGES=config.stages, LAUNCH_SMEM=config.shared_memory)
+        constants["PINGPONG"] = config.pingpong
         if config.kernel == "forward":
-            constants.update(V_LBO_ALONG_K=config.v_lbo_along_k, PINGPONG=config.pingpong)
+            constants["V_LBO_ALONG_K"] = config.v_lbo_along_k
         elif config.kernel == "backward_key_value":
             constants.update(NSLICE=config.slices, DS=config.slice_width)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
