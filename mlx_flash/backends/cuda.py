@@ -413,19 +413,26 @@ def _mask_strides(spec: AttentionSpec) -> List[int]:
     return strides
 
 
-# Tuning hook for benchmarks/gpu_check.py only: None = block-major CTA order under causal masks,
-# head-major otherwise (see block_of in kernels/attention_common.cuh); True / False forces one.
+# Tuning hook for benchmarks/gpu_check.py only: None = _block_major's choice (see block_of in
+# kernels/attention_common.cuh); True / False forces one order for every kernel.
 BLOCK_MAJOR_OVERRIDE: Optional[bool] = None
 
 
-def _block_major(spec: AttentionSpec) -> bool:
-    """Whether CTAs go block-major: under a causal mask blocks differ in work by up to
-    N / block times, and starting every head's longest blocks first balances the tail."""
-    return spec.causal if BLOCK_MAJOR_OVERRIDE is None else BLOCK_MAJOR_OVERRIDE
+def _block_major(spec: AttentionSpec, config: Optional[KernelConfig]) -> bool:
+    """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
+    than head-major. Under a causal mask blocks differ in work by up to N / block times and
+    block-major order starts every head's longest blocks first: it made the mma.sync kernels'
+    causal fwd+bwd 2-19 % faster at D >= 160 (H100, session 2). The wgmma kernels run one CTA per
+    SM and were faster head-major in both full tables of session 5 (causal/non-causal forward time
+    at N=4096: D=64 0.47-0.55 vs 0.62-0.72, D=128 0.53-0.62 vs 0.61-0.73; fwd+bwd D <= 128
+    0.52-0.61 vs 0.54-0.68), where a head's blocks share its K / V in L2."""
+    if BLOCK_MAJOR_OVERRIDE is not None:
+        return BLOCK_MAJOR_OVERRIDE
+    return spec.causal and (config is None or config.instruction == "mma")
 
 
-def _int_params(spec: AttentionSpec, blocks: int, total: int) -> mx.array:
-    return _int_params_array(spec, blocks, total, _block_major(spec))
+def _int_params(spec: AttentionSpec, blocks: int, total: int, config: Optional[KernelConfig] = None) -> mx.array:
+    return _int_params_array(spec, blocks, total, _block_major(spec, config))
 
 
 # The parameter arrays are constants of (spec, launch shape): cached, so that a call does not
@@ -457,7 +464,8 @@ def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
     blocks = -(-Nq // config.parallel_block)
     total = B * Hq * blocks * config.slices
     grid, group = _grid(total, config.threads)
-    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total), _float_params(spec)]
+    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total, config),
+                                                                 _float_params(spec)]
     out, lse = _kernel(config)(inputs=inputs, output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)],
                                output_dtypes=[spec.dtype, mx.float32], grid=grid, threadgroup=group)
     return out, lse
@@ -484,7 +492,7 @@ def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> m
     total = spec.batch * spec.q_heads * blocks * config.slices
     grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
-        _int_params(spec, blocks, total), _float_params(spec)]
+        _int_params(spec, blocks, total, config), _float_params(spec)]
     return _kernel(config)(inputs=inputs, output_shapes=[q.shape], output_dtypes=[spec.dtype],
                            grid=grid, threadgroup=group)[0]
 
@@ -495,7 +503,7 @@ def _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) 
     total = spec.batch * spec.kv_heads * blocks * config.slices
     grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
-        _int_params(spec, blocks, total), _float_params(spec)]
+        _int_params(spec, blocks, total, config), _float_params(spec)]
     dk, dv = _kernel(config)(inputs=inputs, output_shapes=[k.shape, v.shape],
                              output_dtypes=[spec.dtype, spec.dtype], grid=grid, threadgroup=group)
     return dk, dv
