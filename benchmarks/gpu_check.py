@@ -15,6 +15,7 @@ Phases:
     profile_wgmma  ncu of the wgmma forward at D=128 (sections and per-instruction stalls)
     overhead  one forward's time through each layer (kernel call, flash_attention, MLX), per call
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
+    order     causal fwd and fwd+bwd in head-major vs block-major CTA order, interleaved rounds
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
               times under the traversal blocks of BACKWARD_SHAPES, with and without ping-pong
               (DIR/backward.json)
@@ -454,6 +455,58 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     return res
 
 
+# Causal shapes (B, H, N, D) for the CTA-order A/B test.
+ORDER_SHAPES = [(4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (1, 16, 4096, 160), (1, 16, 4096, 256),
+                (1, 16, 4096, 512)]
+
+
+def phase_order(out_dir, rounds=4):
+    """Causal forward and fwd+bwd in head-major vs block-major CTA order, interleaved (A B A B ...)
+    so that neither order is always timed after the other (the bench's single comparison always
+    favoured whichever order it timed second), plus the non-causal time for the ratio."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    from mlx_flash.backends import cuda
+    rows = []
+    warm_up_gpu(1.0)
+    for B, H, N, D in ORDER_SHAPES:
+        mx.random.seed(D)
+        q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+        mx.eval(q, k, v, do)
+
+        def fwd(mask):
+            mx.eval(flash_attention(q, k, v, mask=mask, backend="cuda"))
+
+        def fb(mask):
+            o, g = mx.vjp(lambda a, b, c: flash_attention(a, b, c, mask=mask, backend="cuda"), [q, k, v], [do])
+            mx.eval(o, g)
+
+        times = {}
+        for name, order in (("non_causal", None), ("head_major", False), ("block_major", True)):
+            cuda.BLOCK_MAJOR_OVERRIDE = order
+            mask = None if order is None else "causal"
+            fwd(mask), fb(mask)  # compile
+        warm_up_gpu(0.5)
+        for _ in range(rounds):
+            for name, order in (("non_causal", None), ("head_major", False), ("block_major", True)):
+                cuda.BLOCK_MAJOR_OVERRIDE = order
+                mask = None if order is None else "causal"
+                for kind, fn in (("fwd", fwd), ("fb", fb)):
+                    t = _median_time(lambda: fn(mask), warmup=1, reps=5, sync=mx.synchronize)
+                    times.setdefault(f"{name}_{kind}", []).append(t * 1e3)
+        cuda.BLOCK_MAJOR_OVERRIDE = None
+        row = dict(B=B, H=H, N=N, D=D, **{key: sorted(v)[len(v) // 2] for key, v in times.items()}, rounds=times)
+        rows.append(row)
+        log(f"order {B}x{H}x{N}x{D}: causal/non-causal fwd head-major "
+            f"{row['head_major_fwd'] / row['non_causal_fwd']:.2f} block-major {row['block_major_fwd'] / row['non_causal_fwd']:.2f}"
+            f"; f+b head-major {row['head_major_fb'] / row['non_causal_fb']:.2f} block-major "
+            f"{row['block_major_fb'] / row['non_causal_fb']:.2f} (medians of {rounds} interleaved rounds)")
+        del q, k, v, do
+    with open(os.path.join(out_dir, "order.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    return True
+
+
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
 BACKWARD_SHAPES = {(64, False): (None,), (64, True): (None,), (128, False): (None,), (128, True): (None,),
@@ -824,6 +877,8 @@ def main():
                 results[phase] = phase_sweep(args.out)
             elif phase == "backward":
                 results[phase] = phase_backward(args.out)
+            elif phase == "order":
+                results[phase] = phase_order(args.out)
             elif phase == "profile":
                 results[phase] = phase_profile(args.out)
             elif phase == "overhead":
