@@ -420,15 +420,15 @@ BLOCK_MAJOR_OVERRIDE: Optional[bool] = None
 
 def _block_major(spec: AttentionSpec, config: Optional[KernelConfig]) -> bool:
     """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
-    than head-major. Under a causal mask blocks differ in work by up to N / block times and
-    block-major order starts every head's longest blocks first: it made the mma.sync kernels'
-    causal fwd+bwd 2-19 % faster at D >= 160 (H100, session 2). The wgmma kernels run one CTA per
-    SM and were faster head-major in both full tables of session 5 (causal/non-causal forward time
-    at N=4096: D=64 0.47-0.55 vs 0.62-0.72, D=128 0.53-0.62 vs 0.61-0.73; fwd+bwd D <= 128
-    0.52-0.61 vs 0.54-0.68), where a head's blocks share its K / V in L2."""
+    than head-major: under a causal mask blocks differ in work by up to N / block times, and
+    block-major order starts every head's longest blocks first. H100, causal / non-causal time in
+    an interleaved A/B (gpu_check --phases order, session 5), head-major vs block-major: forward
+    D=160 0.89 vs 0.68, D=256 0.67 vs 0.58, D=512 0.61 vs 0.54, D <= 128 within 0.01; fwd+bwd
+    D=64 0.71 vs 0.65, N=16K D=128 0.51 vs 0.54, elsewhere within 0.03. (A single comparison
+    per row favoured whichever order was timed second, in both directions.)"""
     if BLOCK_MAJOR_OVERRIDE is not None:
         return BLOCK_MAJOR_OVERRIDE
-    return spec.causal and (config is None or config.instruction == "mma")
+    return spec.causal
 
 
 def _int_params(spec: AttentionSpec, blocks: int, total: int, config: Optional[KernelConfig] = None) -> mx.array:
