@@ -384,8 +384,7 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10, references=True):
             row[name + "_error"] = str(e)[:300]
     if causal:  # the same calls with CTAs in the other order (the default: _block_major in the backend)
         from mlx_flash.backends import cuda as cuda_backend
-        spec_, _ = check_inputs(q, k, v, scale=scale, mask=mask)
-        default = cuda_backend._block_major(spec_, cuda_backend.kernel_config("forward", spec_, None))
+        default = cuda_backend._block_major(check_inputs(q, k, v, scale=scale, mask=mask)[0])
         row["other_order"] = "head-major" if default else "block-major"
         cuda_backend.BLOCK_MAJOR_OVERRIDE = not default
         try:

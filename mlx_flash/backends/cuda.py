@@ -418,7 +418,7 @@ def _mask_strides(spec: AttentionSpec) -> List[int]:
 BLOCK_MAJOR_OVERRIDE: Optional[bool] = None
 
 
-def _block_major(spec: AttentionSpec, config: Optional[KernelConfig]) -> bool:
+def _block_major(spec: AttentionSpec) -> bool:
     """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
     than head-major: under a causal mask blocks differ in work by up to N / block times, and
     block-major order starts every head's longest blocks first. H100, causal / non-causal time in
@@ -431,8 +431,8 @@ def _block_major(spec: AttentionSpec, config: Optional[KernelConfig]) -> bool:
     return spec.causal
 
 
-def _int_params(spec: AttentionSpec, blocks: int, total: int, config: Optional[KernelConfig] = None) -> mx.array:
-    return _int_params_array(spec, blocks, total, _block_major(spec, config))
+def _int_params(spec: AttentionSpec, blocks: int, total: int) -> mx.array:
+    return _int_params_array(spec, blocks, total, _block_major(spec))
 
 
 # The parameter arrays are constants of (spec, launch shape): cached, so that a call does not
@@ -464,7 +464,7 @@ def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
     blocks = -(-Nq // config.parallel_block)
     total = B * Hq * blocks * config.slices
     grid, group = _grid(total, config.threads)
-    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total, config),
+    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total),
                                                                  _float_params(spec)]
     out, lse = _kernel(config)(inputs=inputs, output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)],
                                output_dtypes=[spec.dtype, mx.float32], grid=grid, threadgroup=group)
@@ -492,7 +492,7 @@ def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> m
     total = spec.batch * spec.q_heads * blocks * config.slices
     grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
-        _int_params(spec, blocks, total, config), _float_params(spec)]
+        _int_params(spec, blocks, total), _float_params(spec)]
     return _kernel(config)(inputs=inputs, output_shapes=[q.shape], output_dtypes=[spec.dtype],
                            grid=grid, threadgroup=group)[0]
 
@@ -503,7 +503,7 @@ def _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) 
     total = spec.batch * spec.kv_heads * blocks * config.slices
     grid, group = _grid(total, config.threads)
     inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
-        _int_params(spec, blocks, total, config), _float_params(spec)]
+        _int_params(spec, blocks, total), _float_params(spec)]
     dk, dv = _kernel(config)(inputs=inputs, output_shapes=[k.shape, v.shape],
                              output_dtypes=[spec.dtype, spec.dtype], grid=grid, threadgroup=group)
     return dk, dv
