@@ -177,24 +177,10 @@ __device__ void attention_backward_key_value_wgmma(
     float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
-    // C (64 x BN) = A (this warpgroup's 64 key rows) * B (a BN-query tile)^T over DP: a k-step
-    // moves 32 bytes along a panel row, every 4 steps the next panel.
-    auto issue_scores = [&](float (&c)[BN / 2], u32 a_addr, u32 b_addr) {
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        const u32 step = (kk % 4) * 32;
-        Wgmma<BN, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * 64 * 128 + step, 16, 1024),
-                         smem_descriptor(b_addr + (kk / 4) * BN * 128 + step, 16, 1024), kk > 0);
-      }
-    };
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
-    // MN-major): 64-column panels BN * 128 bytes apart (leading), 8-query row groups 1024 bytes
-    // apart (stride); the slice starts at panel col0 / 64.
+    // MN-major); the slice starts at panel col0 / 64.
     auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
-      const u32 slice_addr = b_addr + (col0 / 64) * BN * 128;
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<DS, T>::rs(acc, a[kk], smem_descriptor(slice_addr + kk * 16 * 128, BN * 128, 1024), 1);
+      wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
     };
 
     for (int it = 0; it < items; ++it) {
@@ -210,11 +196,11 @@ __device__ void attention_backward_key_value_wgmma(
       if (PINGPONG) acquire_tile(full_do(stage), parity);
       turns.take();
       wgmma_fence();
-      issue_scores(s_flat, k_addr, q_addr);
+      wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
       wgmma_commit();
       if (!PINGPONG) acquire_tile(full_do(stage), parity);
       wgmma_fence();
-      issue_scores(dp_flat, v_addr, do_addr);
+      wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
       wgmma_commit();
       turns.pass();
       wgmma_wait<0>();

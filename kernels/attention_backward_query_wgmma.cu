@@ -136,16 +136,6 @@ __device__ void attention_backward_query_wgmma(
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
     float(&dq_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dqa[0][0]);
 
-    // C (64 x BN) = A (this warpgroup's 64 rows) * B (a BN-key tile)^T over DP.
-    auto issue_scores = [&](float (&c)[BN / 2], u32 a_addr, u32 b_addr) {
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        const u32 step = (kk % 4) * 32;
-        Wgmma<BN, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * 64 * 128 + step, 16, 1024),
-                         smem_descriptor(b_addr + (kk / 4) * BN * 128 + step, 16, 1024), kk > 0);
-      }
-    };
-
     for (int it = 0; it < steps; ++it) {
       const int stage = it % STAGES, key0 = (kb_begin + it) * BN;
       const u32 parity = (it / STAGES) & 1;
@@ -155,11 +145,11 @@ __device__ void attention_backward_query_wgmma(
       if (PINGPONG) acquire_tile(ring.full_values(stage), parity);  // never hold the turn waiting for data
       turns.take();
       wgmma_fence();
-      issue_scores(s_flat, q_addr, k_addr);
+      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
       wgmma_commit();
       if (!PINGPONG) acquire_tile(ring.full_values(stage), parity);
       wgmma_fence();
-      issue_scores(dp_flat, do_addr, v_addr);
+      wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
       wgmma_commit();
       turns.pass();
       wgmma_wait<0>();
@@ -197,17 +187,14 @@ __device__ void attention_backward_query_wgmma(
             }
       }
 
-      // dQ += dS K: K as the MN-major B operand (rows = keys = the contraction): 64-column
-      // panels BN * 128 bytes apart (leading), 8-key row groups 1024 bytes apart (stride).
+      // dQ += dS K: K as the MN-major B operand (rows = keys = the contraction).
       u32 dsa[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], dsa[kk]);
       fence_registers(dq_flat);
       turns.take();
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<DP, T>::rs(dq_flat, dsa[kk], smem_descriptor(k_addr + kk * 16 * 128, BN * 128, 1024), 1);
+      wgmma_registers_shared<DP, BN, T>(dq_flat, dsa, k_addr, BN * 128, 1024);
       wgmma_commit();
       turns.pass(it + 1 == steps);
       wgmma_wait<0>();

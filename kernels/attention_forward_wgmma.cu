@@ -152,28 +152,17 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     float(&o_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&o[0][0]);
     u32 p[BN / 16][4];  // P_j as bf16 / fp16 A fragments: two n8 accumulator tiles = one k16 fragment
 
-    // S = Q K_j^T from K buffer j % STAGES: DP / 16 k-steps; a k-step moves 32 bytes along a
-    // panel row, every 4 steps the next panel.
+    // S = Q K_j^T from K buffer j % STAGES.
     auto issue_scores = [&](int it) {
-      const u32 k_addr = smem_u32(Ks + (it % STAGES) * K_BYTES);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < DP / 16; ++kk) {
-        const u32 step = (kk % 4) * 32;
-        const unsigned long long a_desc = smem_descriptor(q_addr + (kk / 4) * 64 * 128 + step, 16, 1024);
-        const unsigned long long b_desc = smem_descriptor(k_addr + (kk / 4) * BN * 128 + step, 16, 1024);
-        Wgmma<BN, T>::ss(s_flat, a_desc, b_desc, kk > 0);
-      }
+      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, smem_u32(Ks + (it % STAGES) * K_BYTES));
       wgmma_commit();
     };
     // O += P_j V_j from V buffer j % STAGES.
     auto issue_values = [&](int it) {
-      const u32 v_addr = smem_u32(Vs + (it % STAGES) * V_BYTES);
       fence_registers(o_flat);
       wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BN / 16; ++kk)
-        Wgmma<DP, T>::rs(o_flat, p[kk], smem_descriptor(v_addr + kk * 16 * 128, v_leading, v_stride), 1);
+      wgmma_registers_shared<DP, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES), v_leading, v_stride);
       wgmma_commit();
     };
     // Scores of step j -> P_j in fp32 (masks, log2 units, online softmax); corr rescales O.

@@ -82,6 +82,31 @@ __device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
   return (col / 64) * rows * 128 + row * 128 + ((((col % 64) / 8) ^ (row % 8)) * 16) + (col % 8) * 2;
 }
 
+// The two operand forms of every wgmma product in these kernels (the caller fences, commits and
+// waits). A swizzled tile of R rows keeps its 64-column panels R * 128 bytes apart.
+//   C (64 x N) = A (A_ROWS-row tile, rows 0..63 used) * B (N-row tile)^T over K = KDIM columns,
+//   both K-major (S = Q K^T, dP = dO V^T and their transposes): a k-step moves the start 32 bytes
+//   along a panel row, every 4 steps to the next panel.
+template <int N, int KDIM, int A_ROWS, typename T>
+__device__ __forceinline__ void wgmma_shared_shared(float (&c)[N / 2], u32 a_addr, u32 b_addr) {
+#pragma unroll
+  for (int kk = 0; kk < KDIM / 16; ++kk) {
+    const u32 step = (kk % 4) * 32;
+    Wgmma<N, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * A_ROWS * 128 + step, 16, 1024),
+                    smem_descriptor(b_addr + (kk / 4) * N * 128 + step, 16, 1024), kk > 0);
+  }
+}
+//   acc (64 x N) += A (K / 16 register fragments) * B (K rows x N columns from b_addr, MN-major:
+//   the rows are the contraction; O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q). In the
+//   canonical layout 64-column panels are `leading` bytes apart (the tile's rows * 128) and
+//   8-row groups `stride` = 1024 bytes apart; a k-step moves 16 rows down.
+template <int N, int K, typename T>
+__device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], const u32 (&a)[K / 16][4], u32 b_addr,
+                                                       u32 leading, u32 stride) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], smem_descriptor(b_addr + kk * 16 * 128, leading, stride), 1);
+}
+
 // Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
 // ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS)
