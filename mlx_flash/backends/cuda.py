@@ -55,7 +55,6 @@ _WGMMA_TEMPLATES = {"forward": "attention_forward_wgmma.cu", "backward_query": "
 # column slices of 128 (WGMMA_SLICE_WIDTH), one CTA each.
 WGMMA_MAX_HEAD_DIMS = {"forward": 256, "backward_query": 256, "backward_key_value": 256}
 WGMMA_SLICE_WIDTH = 128
-WGMMA_MAX_HEAD_DIM = WGMMA_MAX_HEAD_DIMS["forward"]
 # The warp-specialized wgmma forward is the faster one at every head dim it covers (H100, one
 # run, 2026-11-22, TFLOP/s per call mma.sync / wgmma: D=64 196 / 250, D=128 240 / 412, D=160
 # 163 / 211, D=256 168 / 344; causal D=128 214 / 289, D=256 149 / 237).
@@ -317,8 +316,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
         constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim, DP=config.padded_dim,
                          GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
-                         STAGES=config.stages, LAUNCH_SMEM=config.shared_memory)
-        constants["PINGPONG"] = config.pingpong
+                         STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "forward":
             constants["V_LBO_ALONG_K"] = config.v_lbo_along_k
         elif config.kernel == "backward_key_value":
