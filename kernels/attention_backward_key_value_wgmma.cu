@@ -85,11 +85,7 @@ __device__ void attention_backward_key_value_wgmma(
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
-  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
-  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
-  const int nkb = (int)ip[P_NBLOCKS];
-  const float scale = fp[0], cap = fp[1];
-  const float scale_log2 = scale * 1.4426950408889634f;
+  MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nkb);
 
   const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0, col0 = cslice * 128;  // this CTA's dK / dV columns
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first

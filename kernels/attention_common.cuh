@@ -24,6 +24,17 @@ enum Param {
   P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_BLOCK_MAJOR, P_COUNT
 };
 
+// The runtime sizes and scalars every attention kernel reads first, declared as const locals of
+// the kernel (a macro, not a struct: the kernels' [&] lambdas use them by name, and C++17 lambdas
+// cannot capture structured bindings). NBLOCKS names the per-head block count.
+#define MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, NBLOCKS)                                                              \
+  const int Hq = (int)(ip)[P_QHEADS], Hkv = (int)(ip)[P_KVHEADS], Nq = (int)(ip)[P_QLEN], Nk = (int)(ip)[P_KVLEN]; \
+  const int group = (int)(ip)[P_GROUP], diag = (int)(ip)[P_DIAG];                                                  \
+  const int wleft = (int)(ip)[P_WLEFT], wright = (int)(ip)[P_WRIGHT];                                              \
+  const int NBLOCKS = (int)(ip)[P_NBLOCKS];                                                                         \
+  const float scale = (fp)[0], cap = (fp)[1];                                                                       \
+  const float scale_log2 = scale * 1.4426950408889634f
+
 // The instructions below have CPU stand-ins in kernels/cuda_emulation.cuh (kernel logic tests
 // without a GPU: mlx_flash/backends/cuda_emulator.py).
 #ifndef MLXFLASH_CPU_EMULATION

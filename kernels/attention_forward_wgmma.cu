@@ -80,11 +80,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
-  const int Hq = (int)ip[P_QHEADS], Hkv = (int)ip[P_KVHEADS], Nq = (int)ip[P_QLEN], Nk = (int)ip[P_KVLEN];
-  const int group = (int)ip[P_GROUP], diag = (int)ip[P_DIAG], wleft = (int)ip[P_WLEFT], wright = (int)ip[P_WRIGHT];
-  const int nqb = (int)ip[P_NBLOCKS];
-  const float scale = fp[0], cap = fp[1];
-  const float scale_log2 = scale * 1.4426950408889634f;
+  MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nqb);
 
   int qb;
   i64 bh;
