@@ -77,16 +77,9 @@ __device__ void attention_backward_key_value(
   const T* vg = v + (bkv * Nk + k0) * (i64)HEAD_DIM;
   const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
 
-  // Queries any key of this block is seen by.
   const int k_last = min(k0 + BM, Nk) - 1;
-  int lo = 0, hi = Nq;
-  if (CAUSAL) lo = max(lo, k0 - diag);
-  if (WINDOW) {
-    if (wright >= 0) lo = max(lo, k0 - diag - wright);
-    if (wleft >= 0) hi = min(hi, k_last - diag + wleft + 1);
-  }
-  const int qb_begin = max(lo, 0) / BN;
-  const int qb_count = hi > lo ? (hi + BN - 1) / BN - qb_begin : 0;
+  int qb_begin, qb_count;  // the query blocks any key of this block is seen by
+  query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
   const int items = qb_count * group;  // (query head in group, query block) pairs
 
   float dka[WM][HB / 8][4], dva[WM][HB / 8][4];

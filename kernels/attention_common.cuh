@@ -238,6 +238,21 @@ __device__ __forceinline__ void key_block_range(int q0, int q_last, int Nk, int 
   kb_end = hi > lo ? (hi + BN - 1) / BN : kb_begin;
 }
 
+// Query blocks [qb_begin, qb_begin + qb_count) of BN queries that see any key of [k0, k_last]
+// under the band: the dK / dV kernels' counterpart of key_block_range.
+template <bool CAUSAL, bool WINDOW, int BN>
+__device__ __forceinline__ void query_block_range(int k0, int k_last, int Nq, int diag, int wleft, int wright,
+                                                  int& qb_begin, int& qb_count) {
+  int lo = 0, hi = Nq;
+  if (CAUSAL) lo = max(lo, k0 - diag);
+  if (WINDOW) {
+    if (wright >= 0) lo = max(lo, k0 - diag - wright);
+    if (wleft >= 0) hi = min(hi, k_last - diag + wleft + 1);
+  }
+  qb_begin = max(lo, 0) / BN;
+  qb_count = hi > lo ? (hi + BN - 1) / BN - qb_begin : 0;
+}
+
 // Whether the band lets every query of [q_first, q_last] see every key of [k_first, k_last]
 // (the caller checks the tile lies inside Nq x Nk): such tiles skip the per-element index tests.
 template <bool CAUSAL, bool WINDOW>
