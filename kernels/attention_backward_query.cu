@@ -193,23 +193,7 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
 
 #pragma unroll
   for (int mt = 0; mt < WM; ++mt)
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int i = q0 + wrow + mt * 16 + g + 8 * hf;
-      if (i >= Nq) continue;
-      T* row = dq + (bh * Nq + i) * (i64)HEAD_DIM;
-#pragma unroll
-      for (int n = 0; n < HB / 8; ++n) {
-        const int c = col0 + n * 8 + 2 * tq;
-        const float x = acc[mt][n][2 * hf] * scale, y = acc[mt][n][2 * hf + 1] * scale;
-        if (HEAD_DIM % 2 == 0) {
-          if (c < HEAD_DIM) store2(row + c, x, y);
-        } else {
-          if (c < HEAD_DIM) store1(row + c, x);
-          if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
-        }
-      }
-    }
+    store_gradient_tile<HEAD_DIM>(acc[mt], q0 + wrow + mt * 16 + g, Nq, col0, dq + bh * Nq * (i64)HEAD_DIM, scale, tq);
 }
 
 }  // namespace mlxflash

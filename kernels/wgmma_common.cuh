@@ -243,31 +243,6 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
   cp_async_wait<0>();  // no copy outlives the thread
 }
 
-// A gradient tile's epilogue (dQ, dK or dV) for one warp's 16 rows in the accumulator layout
-// (rows row0 and row0 + 8, columns col0 + 8 n + 2 tq (+1)): factor * acc stored for rows <
-// rows_valid and columns < HEAD_DIM of `base` ([*, HEAD_DIM] row-major, row 0 = tile row 0).
-template <int HEAD_DIM, int NO, typename T>
-__device__ __forceinline__ void store_gradient_tile(const float (&acc)[NO][4], int row0, int rows_valid, int col0,
-                                                    T* base, float factor, int tq) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = row0 + 8 * hf;
-    if (r >= rows_valid) continue;
-    T* row = base + (i64)r * HEAD_DIM;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int c = col0 + n * 8 + 2 * tq;
-      const float x = acc[n][2 * hf] * factor, y = acc[n][2 * hf + 1] * factor;
-      if (HEAD_DIM % 2 == 0) {
-        if (c < HEAD_DIM) store2(row + c, x, y);
-      } else {
-        if (c < HEAD_DIM) store1(row + c, x);
-        if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
-      }
-    }
-  }
-}
-
 }  // namespace mlxflash
 
 // mx.fast.cuda_kernel writes "__global__ void <name>(...)" right after the header and takes no
