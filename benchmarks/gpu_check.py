@@ -22,7 +22,7 @@ Phases:
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
               bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
-              backward kernels alone; causal rows also in the other CTA order; results in
+              backward kernels alone; results in
               DIR/bench.json, a table printed last (--ours-only: backend "cuda" alone).
 Every phase runs even if an earlier one fails; the exit code says whether all passed.
 """
@@ -44,6 +44,28 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def log(*args):
     print(*args, flush=True)
+
+
+def _max_relative_error(ours, reference):
+    """max |ours - reference| / max |reference| over pairs of arrays, the worst pair."""
+    import mlx.core as mx
+    return max((mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() / mx.abs(b.astype(mx.float32)).max()).item()
+               for a, b in zip(ours, reference))
+
+
+# Flops of each kernel alone as a multiple of 4*B*H*N^2*D (dK/dV: two of the backward's 2.5).
+KERNEL_FLOP_MULTIPLES = {"forward": 1.0, "backward_query": 1.0, "backward_key_value": 1.5}
+
+
+def _kernel_alone(kernel, q, k, v, m4, do, lse2, delta, spec):
+    """A call of one backend kernel on inputs prepared once (lse2 / delta from prepare_backward),
+    returning its outputs as a list."""
+    from mlx_flash.backends import cuda
+    if kernel == "forward":
+        return lambda: list(cuda.forward(q, k, v, m4, spec))
+    if kernel == "backward_query":
+        return lambda: [cuda._backward_query(q, k, v, m4, do, lse2, delta, spec)]
+    return lambda: list(cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec))
 
 
 # ----------------------------------------------------------------------------- probe
@@ -71,8 +93,7 @@ def phase_probe(out_dir):
         ours = mx.vjp(lambda a, b, c: flash_attention(a, b, c, mask=mask, backend="cuda"), [q, k, v], [do])[1]
         theirs = mx.vjp(lambda a, b, c: mx.fast.scaled_dot_product_attention(a, b, c, scale=D ** -0.5, mask=mask),
                         [q, k, v], [do])[1]
-        errs = [(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() /
-                 mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(ours, theirs)]
+        errs = [_max_relative_error([a], [b]) for a, b in zip(ours, theirs)]
         ok = ok and max(errs) < 0.05
         log(f"probe backward D={D} causal={causal} N={N} (wgmma: {cuda.use_wgmma('backward_key_value', check_inputs(q, k, v)[0])}): "
             f"max |ours - MLX| / max |MLX| dq {errs[0]:.3g} dk {errs[1]:.3g} dv {errs[2]:.3g}")
@@ -211,10 +232,9 @@ def phase_wgmma(out_dir):
                 spec, m4 = check_inputs(q, k, v, mask="causal" if causal else None)
                 flops = 4 * B * H * N * N * D / (2 if causal else 1)
                 variants = ([("mma", None)] + [("wgmma", s_) for s_ in (shapes if not causal else shapes[:2])]
-                            + ([("wgmma_block_major", None)] if causal else []) + [("mlx_sdpa", None), ("torch_fa2", None)])
+                            + [("mlx_sdpa", None), ("torch_fa2", None)])
                 for name, shape in variants:
                     cuda.WGMMA_FORWARD_OVERRIDE = name.startswith("wgmma")
-                    cuda.BLOCK_MAJOR_OVERRIDE = True if name == "wgmma_block_major" else None  # wgmma default: head-major
                     cuda.BLOCK_OVERRIDES.clear()
                     cuda.WGMMA_PINGPONG = None
                     cuda.WGMMA_STAGES = 2
@@ -254,7 +274,6 @@ def phase_wgmma(out_dir):
         cuda.WGMMA_V_LBO_ALONG_K = False
         cuda.WGMMA_PINGPONG = None
         cuda.WGMMA_STAGES = 2
-        cuda.BLOCK_MAJOR_OVERRIDE = None
         cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "wgmma.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -382,18 +401,6 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10, references=True):
             row[name + "_tflops"] = flops * mult / t / 1e12
         except Exception as e:
             row[name + "_error"] = str(e)[:300]
-    if causal:  # the same calls with CTAs in the other order (the default: _block_major in the backend)
-        from mlx_flash.backends import cuda as cuda_backend
-        default = cuda_backend._block_major(check_inputs(q, k, v, scale=scale, mask=mask)[0])
-        row["other_order"] = "head-major" if default else "block-major"
-        cuda_backend.BLOCK_MAJOR_OVERRIDE = not default
-        try:
-            for name, fn in (("ours_fwd_other_order", ours_fwd), ("ours_fb_other_order", ours_fb)):
-                row[name + "_ms"] = _median_time(fn, reps=reps, sync=sync) * 1e3
-        except Exception as e:
-            row["ours_other_order_error"] = str(e)[:300]
-        finally:
-            cuda_backend.BLOCK_MAJOR_OVERRIDE = None
     # Peak memory of fwd+bwd (after the warm runs above).
     for name, fn in (("ours_fb", ours_fb), ("mlx_fb", mlx_fb)):
         if not references and name.startswith("mlx"):
@@ -532,7 +539,8 @@ def phase_backward(out_dir):
         variants = [("mma", None, False)] + [(name, t, pp) for t in blocks
                                               for name, pp in (("wgmma", False), ("wgmma_pingpong", True))]
         grads = {}
-        for kernel, mult in (("backward_query", 1.0), ("backward_key_value", 1.5)):
+        for kernel in ("backward_query", "backward_key_value"):
+            fn = _kernel_alone(kernel, q, k, v, m4, do, lse2, delta, spec)
             for name, t, pingpong in variants:
                 cuda.WGMMA_BACKWARD_OVERRIDE = name != "mma"
                 cuda.WGMMA_BACKWARD_PINGPONG = pingpong
@@ -542,22 +550,15 @@ def phase_backward(out_dir):
                 r = dict(D=D, causal=causal, kernel=kernel, variant=name,
                          T=cuda.kernel_config(kernel, spec, None).traversal_block)
                 try:
-                    if kernel == "backward_query":
-                        fn = lambda: cuda._backward_query(q, k, v, m4, do, lse2, delta, spec)  # noqa: E731
-                    else:
-                        fn = lambda: cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec)  # noqa: E731
                     result = fn()
                     mx.eval(result)
-                    result = [result] if kernel == "backward_query" else list(result)
                     if name == "mma":
                         grads[kernel] = result
                     else:
-                        r["rel_err_vs_mma"] = max(
-                            (mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max() /
-                             mx.abs(b.astype(mx.float32)).max()).item() for a, b in zip(result, grads[kernel]))
+                        r["rel_err_vs_mma"] = _max_relative_error(result, grads[kernel])
                         ok = ok and r["rel_err_vs_mma"] < 0.02
                     t_s = _median_time(lambda: mx.eval(fn()), reps=10, sync=mx.synchronize)
-                    r.update(ms=t_s * 1e3, tflops=flops * mult / t_s / 1e12)
+                    r.update(ms=t_s * 1e3, tflops=flops * KERNEL_FLOP_MULTIPLES[kernel] / t_s / 1e12)
                 except Exception as e:
                     ok = False
                     r["error"] = str(e)[:400]
@@ -623,12 +624,8 @@ def phase_sweep(out_dir, head_dims=None):
                 cuda.BLOCK_OVERRIDES[kernel] = cfg
                 r = dict(D=D, kernel=kernel, P=cfg[0], T=cfg[1], H=cfg[2], warps=cfg[3])
                 try:
-                    if kernel == "forward":
-                        fn, mult = (lambda: mx.eval(backend.forward(q, k, v, m4, spec))), 1.0
-                    elif kernel == "backward_query":
-                        fn, mult = (lambda: mx.eval(cuda._backward_query(q, k, v, m4, do, lse2, delta, spec))), 1.0
-                    else:
-                        fn, mult = (lambda: mx.eval(cuda._backward_key_value(q, k, v, m4, do, lse2, delta, spec))), 1.5
+                    call = _kernel_alone(kernel, q, k, v, m4, do, lse2, delta, spec)
+                    fn, mult = (lambda: mx.eval(call())), KERNEL_FLOP_MULTIPLES[kernel]
                     t0 = time.time()
                     fn()  # compile
                     r["compile_s"] = time.time() - t0
@@ -828,9 +825,7 @@ def print_table(rows):
             nc = by_key.get((r["B"], r["N"], r["D"], False))
             if nc and "ours_fb_ms" in r and "ours_fb_ms" in nc:
                 log(f"causal/non-causal time N={r['N']} D={r['D']}: fwd {r.get('ours_fwd_ms', 0) / nc.get('ours_fwd_ms', 1):.2f} "
-                    f"f+b {r['ours_fb_ms'] / nc['ours_fb_ms']:.2f} ({r.get('other_order', '?')} CTA order: fwd "
-                    f"{r.get('ours_fwd_other_order_ms', float('nan')) / nc.get('ours_fwd_ms', 1):.2f} "
-                    f"f+b {r.get('ours_fb_other_order_ms', float('nan')) / nc['ours_fb_ms']:.2f})")
+                    f"f+b {r['ours_fb_ms'] / nc['ours_fb_ms']:.2f}")
     errors = [(r["D"], r["causal"], k, v) for r in rows for k, v in r.items() if "error" in k]
     for e in errors:
         log("error:", *e)
