@@ -66,8 +66,7 @@ __device__ void attention_backward_query_wgmma(
 
   int qb;
   i64 bh;
-  block_of(bid, nqb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hq, qb, bh);
-  if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
+  query_block_of<CAUSAL>(bid, nqb, ip, Hq, qb, bh);
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int q0 = qb * BM;

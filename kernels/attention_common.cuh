@@ -282,6 +282,15 @@ __device__ __forceinline__ void block_of(i64 rest, int nblocks, bool block_major
   }
 }
 
+// The (query block, batch * head) of a query-side CTA (forward, dQ) from its index `rest` (without
+// its column slice). Under a causal mask the blocks go in reverse, so the longest rows start first:
+// better tail balance.
+template <bool CAUSAL>
+__device__ __forceinline__ void query_block_of(i64 rest, int nqb, const i64* ip, int Hq, int& qb, i64& bh) {
+  block_of(rest, nqb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hq, qb, bh);
+  if (CAUSAL) qb = nqb - 1 - qb;
+}
+
 }  // namespace mlxflash
 
 namespace mlxflash {

@@ -51,8 +51,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   i64 rest = bid / NSLICE;
   int qb;
   i64 bh;
-  block_of(rest, nqb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hq, qb, bh);
-  if (CAUSAL) qb = nqb - 1 - qb;  // longest rows first: better tail balance
+  query_block_of<CAUSAL>(rest, nqb, ip, Hq, qb, bh);
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // (CG = 1: folded at compile time, the layout of the 4-warp kernels)
