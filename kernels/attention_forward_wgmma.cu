@@ -41,7 +41,6 @@ constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr bool PINGPONG = {{PINGPONG}};
-constexpr bool V_LBO_ALONG_K = {{V_LBO_ALONG_K}};  // false = the PTX ISA's reading (below); true = swapped
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int STAGES = {{STAGES}};  // K and V buffers each (a ring)
 constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per tile row
@@ -141,7 +140,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // V as the B operand (16 keys x DP columns, MN-major): 64-column panels are BN * 128 bytes
     // apart (along N: the leading byte offset), 8-key row groups 1024 bytes apart (along K: the
     // stride byte offset), per the canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)).
-    const u32 v_leading = V_LBO_ALONG_K ? 1024 : BN * 128, v_stride = V_LBO_ALONG_K ? BN * 128 : 1024;
+    const u32 v_leading = BN * 128, v_stride = 1024;
     float s[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&o_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&o[0][0]);

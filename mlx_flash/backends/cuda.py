@@ -91,8 +91,6 @@ class KernelConfig:
             D = 128).
         pingpong: wgmma kernels: the consumer warpgroups take turns issuing their MMAs.
         stages: wgmma kernels: buffers of each streamed tile (K and V, or Q and dO) in the ring.
-        v_lbo_along_k: wgmma forward only: swaps the two byte offsets of V's descriptor
-            (a diagnostic switch for benchmarks/gpu_check.py; False is the PTX ISA's layout).
     """
 
     kernel: str
@@ -112,7 +110,6 @@ class KernelConfig:
     warps: int = DEFAULT_WARPS
     col_groups: int = 1
     instruction: str = "mma"
-    v_lbo_along_k: bool = False
     pingpong: bool = False
     stages: int = 2
 
@@ -158,7 +155,7 @@ class KernelConfig:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("q", self.cache_q), ("t", self.v_lbo_along_k),
+                                         ("q", self.cache_q),
                                          ("p", self.pingpong)) if on)
         kernel = self.kernel + (f"_wgmma{self.stages}" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
@@ -250,7 +247,7 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         traversal_block=keys, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
-        cache_q=False, warps=warps, col_groups=1, instruction="wgmma", v_lbo_along_k=WGMMA_V_LBO_ALONG_K,
+        cache_q=False, warps=warps, col_groups=1, instruction="wgmma",
         pingpong=(WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM)
         if kernel == "forward" else bool(WGMMA_BACKWARD_PINGPONG),
         stages=WGMMA_STAGES)
@@ -267,12 +264,10 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
 
 # Tuning hooks for benchmarks/gpu_check.py only: None = the wgmma forward wherever
 # use_wgmma allows it, False = the mma.sync forward everywhere, True = the wgmma forward
-# for every head_dim <= 256 whatever the GPU (nvcc resource checks); and V's descriptor
-# offsets swapped (a check of the layout reading on new hardware).
+# for every head_dim <= 256 whatever the GPU (nvcc resource checks).
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
 WGMMA_BACKWARD_PINGPONG = False  # the backward kernels' consumer warpgroups take turns issuing MMAs
-WGMMA_V_LBO_ALONG_K = False
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
 # D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
@@ -317,9 +312,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          GROUPS=config.warps // 4, BN=config.traversal_block, CAUSAL=config.causal,
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
                          STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
-        if config.kernel == "forward":
-            constants["V_LBO_ALONG_K"] = config.v_lbo_along_k
-        elif config.kernel == "backward_key_value":
+        if config.kernel == "backward_key_value":
             constants.update(NSLICE=config.slices, DS=config.slice_width)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
