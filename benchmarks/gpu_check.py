@@ -507,12 +507,14 @@ def phase_order(out_dir, rounds=4):
 
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
-BACKWARD_SHAPES = {(64, False): (None,), (64, True): (None,), (128, False): (None,), (128, True): (None,),
-                   (192, False): (None,), (256, False): (None,)}
+BACKWARD_SHAPES = {(64, False): (None,), (128, False): (None,), (160, False): (None, 32), (192, False): (None, 32),
+                   (256, False): (None, 32), (256, True): (None, 32)}
 
 
 def phase_backward(out_dir):
-    """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed."""
+    """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed. Past
+    D = 128 the dK/dV kernel also runs as 128-column CTAs (WGMMA_KEY_VALUE_SLICES) beside the
+    default column groups; MLX_FLASH_BACKWARD_PINGPONG=1 adds the ping-pong variants."""
     import mlx.core as mx
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
@@ -527,15 +529,22 @@ def phase_backward(out_dir):
         delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
         mx.eval(out, lse, delta, lse2)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
-        # (name, T, ping-pong); T None: the table's
-        variants = [("mma", None, False)] + [(name, t, pp) for t in blocks
-                                              for name, pp in (("wgmma", False), ("wgmma_pingpong", True))]
+        # (name, T, ping-pong, dK/dV slices); T None: the table's
+        kinds = [("wgmma", False, False)]
+        if os.environ.get("MLX_FLASH_BACKWARD_PINGPONG") == "1":
+            kinds.append(("wgmma_pingpong", True, False))
+        if D > 128:
+            kinds.append(("wgmma_slices", False, True))
+        variants = [("mma", None, False, False)] + [(name, t, pp, sl) for t in blocks for name, pp, sl in kinds]
         grads = {}
         for kernel in ("backward_query", "backward_key_value"):
             fn = _kernel_alone(kernel, q, k, v, m4, do, lse2, delta, spec)
-            for name, t, pingpong in variants:
+            for name, t, pingpong, slices in variants:
+                if slices and kernel != "backward_key_value":
+                    continue
                 cuda.WGMMA_BACKWARD_OVERRIDE = name != "mma"
                 cuda.WGMMA_BACKWARD_PINGPONG = pingpong
+                cuda.WGMMA_KEY_VALUE_SLICES = slices
                 cuda.BLOCK_OVERRIDES.clear()
                 if t is not None:
                     cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
@@ -559,6 +568,7 @@ def phase_backward(out_dir):
         del q, k, v, do, out, lse, delta, lse2
     cuda.WGMMA_BACKWARD_OVERRIDE = None
     cuda.WGMMA_BACKWARD_PINGPONG = False
+    cuda.WGMMA_KEY_VALUE_SLICES = False
     cuda.BLOCK_OVERRIDES.clear()
     with open(os.path.join(out_dir, "backward.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -9,16 +9,22 @@
 //   dV += P^T dO, dK += dS^T Q                         (wgmma, P^T / dS^T from registers)
 // - A producer warpgroup streams each item's Q and dO tiles (with its lse2 and delta values)
 //   into a ring of STAGES buffers with cp.async; the hardware announces each on an mbarrier.
-// - CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay in shared memory
-//   for the whole loop, their dK and dV accumulators in registers (DS / 2 floats each per
-//   thread).
-// Column slices: the accumulators of D > 128 columns (2 x D / 2 floats per thread) do not fit
-// beside the score tiles, so NSLICE = ceil(D / 128) CTAs share a key block, each computing dK and
-// dV for its DS = 128 columns [128 s, 128 s + 128) (a panel-aligned start: the MN-major B
-// operand cannot begin inside a 128-byte swizzle row). Each recomputes S^T and dP^T over all of
-// D: at D = 256, 1.5x the MMA work of one CTA, in exchange for the tensor cores of wgmma.
-// The Q / dO tiles carry 2 NSLICE panels (columns past D zero-filled) so every slice reads whole
-// panels. GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
+// - CG = 1 (D <= 128): CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay
+//   in shared memory for the whole loop, their dK and dV accumulators (all DS = D columns, DS / 2
+//   floats each per thread) in registers.
+// - CG = 2 (128 < D <= 256, column groups): the accumulators of all D columns (2 x D / 2 floats
+//   per thread) do not fit beside the score tiles, so both consumer warpgroups own the same 64
+//   keys and split the columns: warpgroup w accumulates dK and dV for columns [128 w, 128 w + 128)
+//   of Q / dO tiles zero-filled to 256 columns. (Both take 128: the same instructions in both
+//   warpgroups, see the swap below; the MN-major B operand could not begin inside a 128-byte
+//   swizzle row anyway.) Warpgroup 0 computes S^T = K Q^T, warpgroup 1 dP^T = V dO^T, each over
+//   all of D, and they swap the two tiles through shared memory (fp32, so P^T and dS^T are the
+//   same bits in both): each score product is computed once per CTA. At D = 256 that is 2/3 of
+//   the MMA work of the earlier scheme (NSLICE CTAs of 128 columns, each recomputing S^T and dP^T).
+// - NSLICE > 1 (kept for comparison in gpu_check's backward phase): NSLICE CTAs share a key
+//   block, each computing dK and dV for its 128 columns and recomputing S^T and dP^T; the Q / dO
+//   tiles then carry 2 NSLICE panels (columns past D zero-filled).
+// GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
@@ -31,8 +37,9 @@ typedef {{MASK_T}} MaskT;
 constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
 constexpr int DP = {{DP}};              // D padded to 16: the S^T / dP^T contraction
 constexpr int NSLICE = {{NSLICE}};      // CTAs per key block (column slices)
-constexpr int DS = {{DS}};              // dK / dV columns per CTA (DP if NSLICE == 1, else 128)
-constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 keys each)
+constexpr int DS = {{DS}};              // dK / dV columns per warpgroup (DP if NSLICE == CG == 1, else 128)
+constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA
+constexpr int CG = {{CG}};              // column groups: consumer warpgroups sharing one 64-key block
 constexpr int BN = {{BN}};              // queries per step
 constexpr bool CAUSAL = {{CAUSAL}};
 constexpr bool WINDOW = {{WINDOW}};
@@ -40,12 +47,18 @@ constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
 constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
-constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
+constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
-constexpr int TILE_PANELS = NSLICE > 1 ? 2 * NSLICE : PANELS;  // Q / dO tile panels (whole slices)
-constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;       // one warpgroup's 64 rows of K (or V)
+// Q / dO tile panels: whole 128-column slices or column groups, columns past D zero-filled.
+constexpr int TILE_PANELS = NSLICE > 1 ? 2 * NSLICE : CG == 2 ? 2 * CG : PANELS;
+constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;       // 64 rows of K (or V)
 constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
-constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * KV_GROUP_BYTES + STAGES * (2 * TILE_BYTES + 2 * BN * 4) + 3 * STAGES * 8;
+// CG = 2: S^T and dP^T swapped between the warpgroups through shared memory: double-buffered
+// (one barrier per step) where it fits, at BN <= 32; at BN = 64 one buffer and a second barrier.
+constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
+constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
+constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES +
+                           STAGES * 2 * BN * 4 + 3 * STAGES * 8;
 static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
@@ -57,8 +70,11 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
-static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 ? DS == DP : DS == 128 && 128 * NSLICE >= DP),
-              "dK and dV accumulators of at most 128 columns per CTA");
+static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 && CG == 1 ? DS == DP : DS == 128 && 128 * NSLICE * CG >= DP),
+              "dK and dV accumulators of at most 128 columns per warpgroup");
+static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2 && !PINGPONG),
+              "column groups: two warpgroups, one slice, more than 128 columns, no turns");
+constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // after the warpgroups' (1..) and MmaTurns' barriers
 static_assert(DP <= 256, "D <= 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
@@ -71,11 +87,12 @@ __device__ void attention_backward_key_value_wgmma(
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
-  unsigned char* Ks = base;                                   // [CONSUMERS] x 64 key rows
-  unsigned char* Vs = Ks + CONSUMERS * KV_GROUP_BYTES;        // [CONSUMERS] x 64 key rows
-  unsigned char* Qs = Vs + CONSUMERS * KV_GROUP_BYTES;        // [STAGES] x BN query rows
+  unsigned char* Ks = base;                                   // [KEY_GROUPS] x 64 key rows
+  unsigned char* Vs = Ks + KEY_GROUPS * KV_GROUP_BYTES;       // [KEY_GROUPS] x 64 key rows
+  unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
-  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES);  // [STAGES] x BN lse2
+  float4* swap = reinterpret_cast<float4*>(dOs + STAGES * TILE_BYTES);  // [SWAP_BUFFERS][2 warpgroups]
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer warp.
@@ -87,12 +104,13 @@ __device__ void attention_backward_key_value_wgmma(
   if (bid >= ip[P_TOTAL]) return;
   MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nkb);
 
-  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0, col0 = cslice * 128;  // this CTA's dK / dV columns
+  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0;
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
   i64 bkv;
   block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int col0 = CG == 2 ? (warpgroup % CG) * DS : cslice * 128;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
   const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
 
@@ -135,7 +153,10 @@ __device__ void attention_backward_key_value_wgmma(
   registers_increase<CONSUMER_REGS>();
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
-  const int key_first = k0 + warpgroup * 64;   // this warpgroup's keys: [key_first, key_first + 64)
+  const int key_group = warpgroup / CG;
+  const int key_first = k0 + key_group * 64;   // this warpgroup's keys: [key_first, key_first + 64)
+  // CG = 2: warpgroup 0 computes S^T (reads K and Q), warpgroup 1 dP^T (V and dO).
+  const bool scores_side = CG == 1 || warpgroup == 0;
   const int row0 = key_first + warp * 16 + g;  // this thread's first key row
 
   float dka[DS / 8][4], dva[DS / 8][4];
@@ -145,12 +166,15 @@ __device__ void attention_backward_key_value_wgmma(
     for (int r = 0; r < 4; ++r) dka[n][r] = dva[n][r] = 0.f;
 
   if (items > 0) {
-    // This warpgroup's K and V rows (rows past Nk zero-filled; the address stays in bounds).
-    unsigned char* k_tile = Ks + warpgroup * KV_GROUP_BYTES;
-    unsigned char* v_tile = Vs + warpgroup * KV_GROUP_BYTES;
+    // This warpgroup's K and V rows (rows past Nk zero-filled; the address stays in bounds);
+    // with column groups each warpgroup loads the one it multiplies.
+    unsigned char* k_tile = Ks + key_group * KV_GROUP_BYTES;
+    unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
     const i64 kv_row = bkv * Nk + min(key_first, Nk - 1);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, k + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+    if (scores_side)
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, k + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+    if (CG == 1 || !scores_side)
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
     cp_async_commit();
     cp_async_wait<0>();
     fence_proxy_async();
@@ -181,20 +205,50 @@ __device__ void attention_backward_key_value_wgmma(
 
       // Without turns S^T starts as soon as Q has landed; with turns both tiles are awaited
       // first, so a warpgroup never holds the turn while waiting for data.
-      acquire_tile(full_q(stage), parity);
-      if (PINGPONG) acquire_tile(full_do(stage), parity);
-      turns.take();
-      wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
-      wgmma_commit();
-      if (!PINGPONG) acquire_tile(full_do(stage), parity);
-      wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
-      wgmma_commit();
-      turns.pass();
-      wgmma_wait<0>();
-      fence_registers(s_flat);
-      fence_registers(dp_flat);
+      if (CG == 1) {
+        acquire_tile(full_q(stage), parity);
+        if (PINGPONG) acquire_tile(full_do(stage), parity);
+        turns.take();
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
+        wgmma_commit();
+        if (!PINGPONG) acquire_tile(full_do(stage), parity);
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
+        wgmma_commit();
+        turns.pass();
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        fence_registers(dp_flat);
+      } else {
+        // Column groups: one product each, then the swap. Two buffers: the other warpgroup last
+        // read buffer it % 2 two steps ago, before it arrived at last step's barrier. One
+        // buffer: an extra barrier that it reaches once it has read last step's.
+        const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
+        float4* mine = swap + (buffer * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
+        float4* theirs = swap + (buffer * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
+        // The same instructions in both warpgroups (only the descriptors differ): a wgmma on a
+        // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
+        acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
+        store_fragments(s_flat, mine);
+        named_barrier_sync(SWAP_BARRIER, 256);
+        load_fragments(dp_flat, theirs);
+        if (!scores_side) {  // this warpgroup's product was dP^T
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) {
+            const float x = s_flat[i];
+            s_flat[i] = dp_flat[i];
+            dp_flat[i] = x;
+          }
+        }
+        acquire_tile(scores_side ? full_do(stage) : full_q(stage), parity);  // the gradient product's B
+      }
 
       // P^T into s, dS^T into dp. Thread element (n, hf, e): key row0 + 8 hf, query qs + col.
       const bool full_block = qs + BN <= Nq && key_first + 64 <= Nk &&

@@ -157,6 +157,28 @@ __device__ __forceinline__ void load_floats(float* s, const float* g, int valid,
   for (int c = tid; c < COUNT; c += THREADS) cp_async4(s + c, c < valid ? g + c : g, c < valid);
 }
 
+// A warpgroup's register tile (N floats per thread) to / from shared memory as [N / 4][128]
+// float4s, `at` = the base + the thread's index in its warpgroup: each warp moves 512 contiguous
+// bytes per access (no bank conflicts), and thread t of another warpgroup (same fragment layout)
+// finds its own positions. The dK/dV kernel's column groups swap S^T and dP^T this way.
+template <int N>
+__device__ __forceinline__ void store_fragments(const float (&r)[N], float4* at) {
+  static_assert(N % 4 == 0, "whole float4s");
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) at[i * 128] = make_float4(r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+}
+template <int N>
+__device__ __forceinline__ void load_fragments(float (&r)[N], const float4* at) {
+#pragma unroll
+  for (int i = 0; i < N / 4; ++i) {
+    const float4 x = at[i * 128];
+    r[4 * i] = x.x;
+    r[4 * i + 1] = x.y;
+    r[4 * i + 2] = x.z;
+    r[4 * i + 3] = x.w;
+  }
+}
+
 // FlashAttention-3's scheduler barriers: consumer warpgroup w issues its MMAs only after
 // warpgroup w - 1 (cyclically) has issued its own, so one's softmax / gradient arithmetic
 // overlaps the other's MMAs instead of colliding with them. Named barriers FIRST ..

@@ -229,7 +229,8 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
     spec, _ = check_inputs(q, q, q, mask="causal")
     config = cuda.kernel_config(kernel, spec, None)
-    assert config.instruction == "wgmma" and config.parallel_block == 64 * (config.warps // 4)
+    assert config.instruction == "wgmma"
+    assert config.parallel_block == 64 * (config.warps // 4) // config.col_groups
     assert config.padded_dim % 16 == 0 and config.padded_dim >= head_dim
     assert config.shared_memory <= cuda.SHARED_MEMORY_LIMIT
     header, body, inputs, outputs = cuda.kernel_source(config)
@@ -238,9 +239,17 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{config.slice_width}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
-    # dK/dV splits D past 128 into 128-column slices, one CTA each; the other kernels hold all of D
-    assert config.slices * config.slice_width >= config.padded_dim
-    assert config.slices == (-(-config.padded_dim // 128) if kernel == "backward_key_value" else 1)
+    # dK/dV past D = 128: the two consumer warpgroups share 64 keys and take 128 columns each;
+    # the other kernels hold all of D in each warpgroup
+    wide = kernel == "backward_key_value" and config.padded_dim > 128
+    assert config.slices == 1 and config.col_groups == (2 if wide else 1)
+    assert config.col_groups * config.slice_width >= config.padded_dim
+    assert ("constexpr int CG = 2;" in header) == wide
+    # the earlier scheme (128-column CTAs) stays available for the benchmark's comparison
+    monkeypatch.setattr(cuda, "WGMMA_KEY_VALUE_SLICES", True)
+    sliced = cuda.kernel_config(kernel, spec, None)
+    assert sliced.slices == (-(-sliced.padded_dim // 128) if wide else 1) and sliced.col_groups == 1
+    assert sliced.shared_memory <= cuda.SHARED_MEMORY_LIMIT
 
 
 def test_wgmma_not_chosen_off_hopper(monkeypatch):

@@ -140,9 +140,10 @@ class KernelConfig:
                 return 1024 + row * (bm + 2 * self.stages * bn) + 32 * self.stages
             if self.kernel == "backward_query":  # Q and dO; K and V rings
                 return 1024 + row * (2 * bm + 2 * self.stages * bn) + 32 * self.stages
-            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring
-            tile_row = row if self.slices == 1 else self.slices * self.slice_width * 2
-            return 1024 + row * 2 * bm + 2 * self.stages * bn * tile_row + self.stages * (8 * bn + 24)
+            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
+            tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.slice_width * 2
+            swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
+            return 1024 + row * 2 * bm + 2 * self.stages * bn * tile_row + swap + self.stages * (8 * bn + 24)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.slice_width + 8)) * 2
@@ -240,14 +241,18 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} {kernel} at head_dim="
                          f"{spec.head_dim} must be a multiple of 16 in [16, {most}].")
     padded = _round_up(spec.head_dim, 16)
-    slices = -(-padded // WGMMA_SLICE_WIDTH) if kernel == "backward_key_value" else 1
+    # dK/dV past 128 columns: the two consumer warpgroups split the columns of one 64-key block
+    # (column groups), or (WGMMA_KEY_VALUE_SLICES) separate CTAs take 128 columns each.
+    wide = kernel == "backward_key_value" and padded > WGMMA_SLICE_WIDTH
+    slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and WGMMA_KEY_VALUE_SLICES else 1
+    col_groups = 2 if wide and not WGMMA_KEY_VALUE_SLICES else 1
     config = KernelConfig(
         kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=padded,
-        slice_width=padded if slices == 1 else WGMMA_SLICE_WIDTH, slices=slices, m_tiles=1,
+        slice_width=WGMMA_SLICE_WIDTH if wide else padded, slices=slices, m_tiles=1,
         traversal_block=keys, causal=spec.causal, window=spec.window is not None,
         softcap=spec.softcap is not None, mask_kind=_MASK_KINDS[spec.mask_kind],
         mask_type=_CUDA_TYPES[mask_dtype] if mask_dtype is not None else _CUDA_TYPES[spec.dtype],
-        cache_q=False, warps=warps, col_groups=1, instruction="wgmma",
+        cache_q=False, warps=warps, col_groups=col_groups, instruction="wgmma",
         pingpong=(WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM)
         if kernel == "forward" else bool(WGMMA_BACKWARD_PINGPONG),
         stages=WGMMA_STAGES)
@@ -268,6 +273,7 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
 WGMMA_BACKWARD_PINGPONG = False  # the backward kernels' consumer warpgroups take turns issuing MMAs
+WGMMA_KEY_VALUE_SLICES = False  # dK/dV past D = 128: 128-column CTAs recomputing S^T / dP^T each
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
 # D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
@@ -313,7 +319,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
                          STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "backward_key_value":
-            constants.update(NSLICE=config.slices, DS=config.slice_width)
+            constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
         inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
