@@ -17,8 +17,8 @@ Phases:
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
     order     causal fwd and fwd+bwd in head-major vs block-major CTA order, interleaved rounds
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
-              times under the traversal blocks of BACKWARD_SHAPES, with and without ping-pong
-              (DIR/backward.json)
+              times (interleaved rounds) under the traversal blocks of BACKWARD_SHAPES, and the
+              dK/dV schemes past D = 128 (DIR/backward.json)
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
               bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
@@ -507,14 +507,38 @@ def phase_order(out_dir, rounds=4):
 
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
-BACKWARD_SHAPES = {(64, False): (None,), (128, False): (None,), (160, False): (None, 32), (192, False): (None, 32),
+BACKWARD_SHAPES = {(128, False): (None,), (160, False): (None, 32), (192, False): (None, 32),
                    (256, False): (None, 32), (256, True): (None, 32)}
+BACKWARD_ROUNDS = 4  # interleaved rounds: every variant of a shape timed once per round
+
+
+def _backward_variants(kernel, D, blocks):
+    """(name, T, settings of the cuda module's hooks) to compare for one kernel and head dim."""
+    base = dict(WGMMA_BACKWARD_PINGPONG=False, WGMMA_KEY_VALUE_SLICES=False, WGMMA_KEY_VALUE_OVERLAP=False)
+    kinds = [("wgmma", {})]
+    if os.environ.get("MLX_FLASH_BACKWARD_PINGPONG") == "1":
+        kinds.append(("wgmma_pingpong", dict(WGMMA_BACKWARD_PINGPONG=True)))
+    if kernel == "backward_key_value" and D > 128:
+        kinds += [("wgmma_overlap", dict(WGMMA_KEY_VALUE_OVERLAP=True)), ("wgmma_slices", dict(WGMMA_KEY_VALUE_SLICES=True))]
+    variants = [("mma", None, dict(base, WGMMA_BACKWARD_OVERRIDE=False))]
+    variants += [(name, t, dict(base, WGMMA_BACKWARD_OVERRIDE=True, **hooks)) for t in blocks for name, hooks in kinds]
+    return variants
+
+
+def _apply_hooks(cuda, kernel, D, t, hooks):
+    for name, value in hooks.items():
+        setattr(cuda, name, value)
+    cuda.BLOCK_OVERRIDES.clear()
+    if t is not None:
+        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
 
 
 def phase_backward(out_dir):
-    """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed. Past
-    D = 128 the dK/dV kernel also runs as 128-column CTAs (WGMMA_KEY_VALUE_SLICES) beside the
-    default column groups; MLX_FLASH_BACKWARD_PINGPONG=1 adds the ping-pong variants."""
+    """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed in
+    BACKWARD_ROUNDS interleaved rounds (medians of 5 calls each; the median round is reported),
+    so that clock drift between variants does not favour one. Past D = 128 the dK/dV kernel's
+    column groups run with and without OVERLAP and as 128-column CTAs (WGMMA_KEY_VALUE_SLICES);
+    MLX_FLASH_BACKWARD_PINGPONG=1 adds the ping-pong variants."""
     import mlx.core as mx
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
@@ -529,47 +553,38 @@ def phase_backward(out_dir):
         delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
         mx.eval(out, lse, delta, lse2)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
-        # (name, T, ping-pong, dK/dV slices); T None: the table's
-        kinds = [("wgmma", False, False)]
-        if os.environ.get("MLX_FLASH_BACKWARD_PINGPONG") == "1":
-            kinds.append(("wgmma_pingpong", True, False))
-        if D > 128:
-            kinds.append(("wgmma_slices", False, True))
-        variants = [("mma", None, False, False)] + [(name, t, pp, sl) for t in blocks for name, pp, sl in kinds]
-        grads = {}
         for kernel in ("backward_query", "backward_key_value"):
             fn = _kernel_alone(kernel, q, k, v, m4, do, lse2, delta, spec)
-            for name, t, pingpong, slices in variants:
-                if slices and kernel != "backward_key_value":
-                    continue
-                cuda.WGMMA_BACKWARD_OVERRIDE = name != "mma"
-                cuda.WGMMA_BACKWARD_PINGPONG = pingpong
-                cuda.WGMMA_KEY_VALUE_SLICES = slices
-                cuda.BLOCK_OVERRIDES.clear()
-                if t is not None:
-                    cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
+            timed, reference = [], None
+            for name, t, hooks in _backward_variants(kernel, D, blocks):  # compile and check each
+                _apply_hooks(cuda, kernel, D, t, hooks)
                 r = dict(D=D, causal=causal, kernel=kernel, variant=name,
                          T=cuda.kernel_config(kernel, spec, None).traversal_block)
                 try:
                     result = fn()
                     mx.eval(result)
-                    if name == "mma":
-                        grads[kernel] = result
+                    if reference is None:
+                        reference = result
                     else:
-                        r["rel_err_vs_mma"] = _max_relative_error(result, grads[kernel])
+                        r["rel_err_vs_mma"] = _max_relative_error(result, reference)
                         ok = ok and r["rel_err_vs_mma"] < 0.02
-                    t_s = _median_time(lambda: mx.eval(fn()), reps=10, sync=mx.synchronize)
-                    r.update(ms=t_s * 1e3, tflops=flops * KERNEL_FLOP_MULTIPLES[kernel] / t_s / 1e12)
+                    timed.append((r, t, hooks, []))
                 except Exception as e:
                     ok = False
                     r["error"] = str(e)[:400]
                 rows.append(r)
+            for _ in range(BACKWARD_ROUNDS):
+                for r, t, hooks, samples in timed:
+                    _apply_hooks(cuda, kernel, D, t, hooks)
+                    samples.append(_median_time(lambda: mx.eval(fn()), reps=5, sync=mx.synchronize))
+            for r, t, hooks, samples in timed:
+                t_s = sorted(samples)[len(samples) // 2]
+                r.update(ms=t_s * 1e3, tflops=flops * KERNEL_FLOP_MULTIPLES[kernel] / t_s / 1e12,
+                         ms_rounds=[round(x * 1e3, 3) for x in samples])
                 log("backward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
         del q, k, v, do, out, lse, delta, lse2
-    cuda.WGMMA_BACKWARD_OVERRIDE = None
-    cuda.WGMMA_BACKWARD_PINGPONG = False
-    cuda.WGMMA_KEY_VALUE_SLICES = False
-    cuda.BLOCK_OVERRIDES.clear()
+    _apply_hooks(cuda, "backward_query", 0, None, dict(WGMMA_BACKWARD_OVERRIDE=None, WGMMA_BACKWARD_PINGPONG=False,
+                                                       WGMMA_KEY_VALUE_SLICES=False, WGMMA_KEY_VALUE_OVERLAP=False))
     with open(os.path.join(out_dir, "backward.json"), "w") as f:
         json.dump(rows, f, indent=1)
     log("\n| D | causal | kernel | variant | T | ms | TFLOP/s | rel err vs mma |")

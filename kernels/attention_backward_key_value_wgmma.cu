@@ -46,6 +46,7 @@ constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
+constexpr bool OVERLAP = {{OVERLAP}};       // CG = 2: issue the next step's S^T / dP^T before this step's P^T / dS^T
 constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -72,6 +73,7 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_RE
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
 static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 && CG == 1 ? DS == DP : DS == 128 && 128 * NSLICE * CG >= DP),
               "dK and dV accumulators of at most 128 columns per warpgroup");
+static_assert(!OVERLAP || CG == 2, "OVERLAP is a column-group scheme");
 static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2 && !PINGPONG),
               "column groups: two warpgroups, one slice, more than 128 columns, no turns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // after the warpgroups' (1..) and MmaTurns' barriers
@@ -186,6 +188,7 @@ __device__ void attention_backward_key_value_wgmma(
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
+    float ahead_flat[BN / 2];  // OVERLAP: the next step's S^T or dP^T
     float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
     float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
@@ -229,10 +232,12 @@ __device__ void attention_backward_key_value_wgmma(
         float4* theirs = swap + (buffer * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
         // The same instructions in both warpgroups (only the descriptors differ): a wgmma on a
         // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
-        acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
-        wgmma_fence();
-        wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
-        wgmma_commit();
+        if (!OVERLAP || it == 0) {  // with OVERLAP, later steps' products were issued a step ahead
+          acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
+          wgmma_fence();
+          wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
+          wgmma_commit();
+        }
         wgmma_wait<0>();
         fence_registers(s_flat);
         if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
@@ -246,6 +251,15 @@ __device__ void attention_backward_key_value_wgmma(
             s_flat[i] = dp_flat[i];
             dp_flat[i] = x;
           }
+        }
+        if (OVERLAP && it + 1 < items) {  // next step's product runs beside this step's arithmetic
+          const int next = (it + 1) % STAGES;
+          const u32 next_parity = ((it + 1) / STAGES) & 1;
+          acquire_tile(scores_side ? full_q(next) : full_do(next), next_parity);
+          wgmma_fence();
+          wgmma_shared_shared<BN, DP, 64, T>(ahead_flat, scores_side ? k_addr : v_addr,
+                                             smem_u32((scores_side ? Qs : dOs) + next * TILE_BYTES));
+          wgmma_commit();
         }
         acquire_tile(scores_side ? full_do(stage) : full_q(stage), parity);  // the gradient product's B
       }
@@ -312,6 +326,11 @@ __device__ void attention_backward_key_value_wgmma(
       fence_registers(dv_flat);
       fence_registers(dk_flat);
       if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
+      if (OVERLAP) {  // the next step's product (complete: the wait above covers it)
+        fence_registers(ahead_flat);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s_flat[i] = ahead_flat[i];
+      }
     }
   }
 

@@ -91,6 +91,8 @@ class KernelConfig:
             D = 128).
         pingpong: wgmma kernels: the consumer warpgroups take turns issuing their MMAs.
         stages: wgmma kernels: buffers of each streamed tile (K and V, or Q and dO) in the ring.
+        overlap: wgmma dK/dV with column groups: each step issues the next step's S^T / dP^T
+            before computing its own P^T / dS^T.
     """
 
     kernel: str
@@ -112,6 +114,7 @@ class KernelConfig:
     instruction: str = "mma"
     pingpong: bool = False
     stages: int = 2
+    overlap: bool = False
 
     @property
     def row_groups(self) -> int:
@@ -157,7 +160,7 @@ class KernelConfig:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("q", self.cache_q),
-                                         ("p", self.pingpong)) if on)
+                                         ("p", self.pingpong), ("o", self.overlap)) if on)
         kernel = self.kernel + (f"_wgmma{self.stages}" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
                 f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -255,7 +258,7 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         cache_q=False, warps=warps, col_groups=col_groups, instruction="wgmma",
         pingpong=(WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM)
         if kernel == "forward" else bool(WGMMA_BACKWARD_PINGPONG),
-        stages=WGMMA_STAGES)
+        stages=WGMMA_STAGES, overlap=col_groups == 2 and WGMMA_KEY_VALUE_OVERLAP)
     while config.shared_memory > SHARED_MEMORY_LIMIT and (config.stages > 2 or config.traversal_block >= 32):
         if config.stages > 2:  # fewer buffers first, then narrower tiles
             config = replace(config, stages=config.stages - 1)
@@ -274,6 +277,7 @@ WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
 WGMMA_BACKWARD_PINGPONG = False  # the backward kernels' consumer warpgroups take turns issuing MMAs
 WGMMA_KEY_VALUE_SLICES = False  # dK/dV past D = 128: 128-column CTAs recomputing S^T / dP^T each
+WGMMA_KEY_VALUE_OVERLAP = False  # dK/dV column groups: the next step's S^T / dP^T issued a step ahead
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
 # D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
@@ -319,7 +323,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
                          STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "backward_key_value":
-            constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups)
+            constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups, OVERLAP=config.overlap)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
         inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
