@@ -141,7 +141,7 @@ def sanitize_case():
     import mlx.core as mx
     from mlx_flash import flash_attention
     mx.random.seed(0)
-    for D, mask, N in ((64, "causal", 100), (72, None, 65), (96, "bool", 70), (130, "bool", 40), (320, "causal", 40)):
+    for D, mask, N in ((64, "causal", 100), (72, None, 65), (96, "bool", 70), (130, "bool", 40), (200, "bool", 40), (320, "causal", 40)):
         q = mx.random.normal((1, 2, N, D)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
@@ -513,32 +513,40 @@ BACKWARD_ROUNDS = 4  # interleaved rounds: every variant of a shape timed once p
 
 
 def _backward_variants(kernel, D, blocks):
-    """(name, T, settings of the cuda module's hooks) to compare for one kernel and head dim."""
-    base = dict(WGMMA_BACKWARD_PINGPONG=False, WGMMA_KEY_VALUE_SLICES=False, WGMMA_KEY_VALUE_OVERLAP=False)
-    kinds = [("wgmma", {})]
+    """(name, (P, T) or None for the table's row, settings of the cuda module's hooks) to compare
+    for one kernel and head dim. Past D = 128 the dK/dV kernel runs both of its schemes: P = 64
+    (column groups) and P = 128 (slices)."""
+    base = dict(WGMMA_BACKWARD_PINGPONG=False)
+    kinds = [("wgmma", None, {})]
     if os.environ.get("MLX_FLASH_BACKWARD_PINGPONG") == "1":
-        kinds.append(("wgmma_pingpong", dict(WGMMA_BACKWARD_PINGPONG=True)))
+        kinds.append(("wgmma_pingpong", None, dict(WGMMA_BACKWARD_PINGPONG=True)))
     if kernel == "backward_key_value" and D > 128:
-        kinds += [("wgmma_overlap", dict(WGMMA_KEY_VALUE_OVERLAP=True)), ("wgmma_slices", dict(WGMMA_KEY_VALUE_SLICES=True))]
+        kinds = [("wgmma_column_groups", 64, {}), ("wgmma_slices", 128, {})]
     variants = [("mma", None, dict(base, WGMMA_BACKWARD_OVERRIDE=False))]
-    variants += [(name, t, dict(base, WGMMA_BACKWARD_OVERRIDE=True, **hooks)) for t in blocks for name, hooks in kinds]
+    for t in blocks:
+        for name, p, hooks in kinds:
+            block = None if p is None and t is None else (p or 128, t)
+            variants.append((name, block, dict(base, WGMMA_BACKWARD_OVERRIDE=True, **hooks)))
     return variants
 
 
-def _apply_hooks(cuda, kernel, D, t, hooks):
+def _apply_hooks(cuda, kernel, D, block, hooks):
+    """Sets the hooks; block (P, T), T None = the table's T."""
     for name, value in hooks.items():
         setattr(cuda, name, value)
     cuda.BLOCK_OVERRIDES.clear()
-    if t is not None:
-        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (128, t, D, 8)
+    if block is not None:
+        p, t = block
+        if t is None:
+            t = cuda.planner.plan("cuda", kernel, D, cuda.mx.bfloat16, cuda.WGMMA_FAMILY).traversal_block
+        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t, D, 8)
 
 
 def phase_backward(out_dir):
     """dQ and dK/dV kernels alone, wgmma vs mma.sync: gradients compared, then timed in
     BACKWARD_ROUNDS interleaved rounds (medians of 5 calls each; the median round is reported),
-    so that clock drift between variants does not favour one. Past D = 128 the dK/dV kernel's
-    column groups run with and without OVERLAP and as 128-column CTAs (WGMMA_KEY_VALUE_SLICES);
-    MLX_FLASH_BACKWARD_PINGPONG=1 adds the ping-pong variants."""
+    so that clock drift between variants does not favour one. Past D = 128 the dK/dV kernel runs
+    both schemes (column groups, slices); MLX_FLASH_BACKWARD_PINGPONG=1 adds ping-pong variants."""
     import mlx.core as mx
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
@@ -583,8 +591,7 @@ def phase_backward(out_dir):
                          ms_rounds=[round(x * 1e3, 3) for x in samples])
                 log("backward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
         del q, k, v, do, out, lse, delta, lse2
-    _apply_hooks(cuda, "backward_query", 0, None, dict(WGMMA_BACKWARD_OVERRIDE=None, WGMMA_BACKWARD_PINGPONG=False,
-                                                       WGMMA_KEY_VALUE_SLICES=False, WGMMA_KEY_VALUE_OVERLAP=False))
+    _apply_hooks(cuda, "backward_query", 0, None, dict(WGMMA_BACKWARD_OVERRIDE=None, WGMMA_BACKWARD_PINGPONG=False))
     with open(os.path.join(out_dir, "backward.json"), "w") as f:
         json.dump(rows, f, indent=1)
     log("\n| D | causal | kernel | variant | T | ms | TFLOP/s | rel err vs mma |")

@@ -12,18 +12,23 @@
 // - CG = 1 (D <= 128): CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay
 //   in shared memory for the whole loop, their dK and dV accumulators (all DS = D columns, DS / 2
 //   floats each per thread) in registers.
-// - CG = 2 (128 < D <= 256, column groups): the accumulators of all D columns (2 x D / 2 floats
-//   per thread) do not fit beside the score tiles, so both consumer warpgroups own the same 64
-//   keys and split the columns: warpgroup w accumulates dK and dV for columns [128 w, 128 w + 128)
+// Past D = 128 the accumulators of all D columns (2 x D / 2 floats per thread) do not fit beside
+// the score tiles; blocks_cuda.txt picks one of two schemes by its P (keys per CTA):
+// - CG = 2 (P = 64, column groups): both consumer warpgroups own the same 64 keys and split the
+//   columns: warpgroup w accumulates dK and dV for columns [128 w, 128 w + 128)
 //   of Q / dO tiles zero-filled to 256 columns. (Both take 128: the same instructions in both
 //   warpgroups, see the swap below; the MN-major B operand could not begin inside a 128-byte
 //   swizzle row anyway.) Warpgroup 0 computes S^T = K Q^T, warpgroup 1 dP^T = V dO^T, each over
 //   all of D, and they swap the two tiles through shared memory (fp32, so P^T and dS^T are the
-//   same bits in both): each score product is computed once per CTA. At D = 256 that is 2/3 of
-//   the MMA work of the earlier scheme (NSLICE CTAs of 128 columns, each recomputing S^T and dP^T).
-// - NSLICE > 1 (kept for comparison in gpu_check's backward phase): NSLICE CTAs share a key
-//   block, each computing dK and dV for its 128 columns and recomputing S^T and dP^T; the Q / dO
-//   tiles then carry 2 NSLICE panels (columns past D zero-filled).
+//   same bits in both): each score product is computed once per CTA, 2/3 of the slices' MMA
+//   work at D = 256. But the warpgroups meet at a barrier every step, so neither's arithmetic
+//   hides behind the other's MMAs.
+// - NSLICE > 1 (P = 128, slices): NSLICE CTAs share a key block, each computing dK and dV for
+//   its 128 columns and recomputing S^T and dP^T over all of D; the Q / dO tiles carry 2 NSLICE
+//   panels (columns past D zero-filled).
+// H100, B=1 H=16 N=4096, interleaved rounds, TFLOP/s column groups / slices: D=160 158 / 164,
+// D=192 174 / 189, D=256 237 / 196 (causal 160 / 146). Issuing the next step's S^T / dP^T
+// before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
 // GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
@@ -46,7 +51,6 @@ constexpr bool WINDOW = {{WINDOW}};
 constexpr bool SOFTCAP = {{SOFTCAP}};
 constexpr int MASK_KIND = {{MASK_KIND}};
 constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
-constexpr bool OVERLAP = {{OVERLAP}};       // CG = 2: issue the next step's S^T / dP^T before this step's P^T / dS^T
 constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -73,7 +77,6 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_RE
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
 static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 && CG == 1 ? DS == DP : DS == 128 && 128 * NSLICE * CG >= DP),
               "dK and dV accumulators of at most 128 columns per warpgroup");
-static_assert(!OVERLAP || CG == 2, "OVERLAP is a column-group scheme");
 static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2 && !PINGPONG),
               "column groups: two warpgroups, one slice, more than 128 columns, no turns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // after the warpgroups' (1..) and MmaTurns' barriers
@@ -188,7 +191,6 @@ __device__ void attention_backward_key_value_wgmma(
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
-    float ahead_flat[BN / 2];  // OVERLAP: the next step's S^T or dP^T
     float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
     float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
@@ -232,12 +234,10 @@ __device__ void attention_backward_key_value_wgmma(
         float4* theirs = swap + (buffer * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
         // The same instructions in both warpgroups (only the descriptors differ): a wgmma on a
         // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
-        if (!OVERLAP || it == 0) {  // with OVERLAP, later steps' products were issued a step ahead
-          acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
-          wgmma_fence();
-          wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
-          wgmma_commit();
-        }
+        acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
+        wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s_flat);
         if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
@@ -251,15 +251,6 @@ __device__ void attention_backward_key_value_wgmma(
             s_flat[i] = dp_flat[i];
             dp_flat[i] = x;
           }
-        }
-        if (OVERLAP && it + 1 < items) {  // next step's product runs beside this step's arithmetic
-          const int next = (it + 1) % STAGES;
-          const u32 next_parity = ((it + 1) / STAGES) & 1;
-          acquire_tile(scores_side ? full_q(next) : full_do(next), next_parity);
-          wgmma_fence();
-          wgmma_shared_shared<BN, DP, 64, T>(ahead_flat, scores_side ? k_addr : v_addr,
-                                             smem_u32((scores_side ? Qs : dOs) + next * TILE_BYTES));
-          wgmma_commit();
         }
         acquire_tile(scores_side ? full_do(stage) : full_q(stage), parity);  // the gradient product's B
       }
@@ -326,11 +317,6 @@ __device__ void attention_backward_key_value_wgmma(
       fence_registers(dv_flat);
       fence_registers(dk_flat);
       if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
-      if (OVERLAP) {  // the next step's product (complete: the wait above covers it)
-        fence_registers(ahead_flat);
-#pragma unroll
-        for (int i = 0; i < BN / 2; ++i) s_flat[i] = ahead_flat[i];
-      }
     }
   }
 

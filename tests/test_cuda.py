@@ -239,17 +239,21 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{config.slice_width}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
-    # dK/dV past D = 128: the two consumer warpgroups share 64 keys and take 128 columns each;
-    # the other kernels hold all of D in each warpgroup
+    # dK/dV past D = 128: 128-column CTAs (slices, P = 128) or both consumer warpgroups on 64
+    # keys, 128 columns each (column groups, P = 64), as the table says; the other kernels hold
+    # all of D in each warpgroup
     wide = kernel == "backward_key_value" and config.padded_dim > 128
-    assert config.slices == 1 and config.col_groups == (2 if wide else 1)
-    assert config.col_groups * config.slice_width >= config.padded_dim
-    assert ("constexpr int CG = 2;" in header) == wide
-    # the earlier scheme (128-column CTAs) stays available for the benchmark's comparison
-    monkeypatch.setattr(cuda, "WGMMA_KEY_VALUE_SLICES", True)
-    sliced = cuda.kernel_config(kernel, spec, None)
-    assert sliced.slices == (-(-sliced.padded_dim // 128) if wide else 1) and sliced.col_groups == 1
-    assert sliced.shared_memory <= cuda.SHARED_MEMORY_LIMIT
+    assert config.slices * config.col_groups * config.slice_width >= config.padded_dim
+    assert ("constexpr int CG = 2;" in header) == (config.col_groups == 2)
+    if not wide:
+        assert config.slices == config.col_groups == 1
+        return
+    for block, slices, col_groups in ((128, -(-config.padded_dim // 128), 1), (64, 1, 2)):
+        monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (block, 64, head_dim, 8))
+        scheme = cuda.kernel_config(kernel, spec, None)
+        assert (scheme.parallel_block, scheme.slices, scheme.col_groups) == (block, slices, col_groups)
+        assert scheme.shared_memory <= cuda.SHARED_MEMORY_LIMIT
+        assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda.kernel_source(scheme)[0]
 
 
 def test_wgmma_not_chosen_off_hopper(monkeypatch):

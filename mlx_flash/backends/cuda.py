@@ -87,12 +87,10 @@ class KernelConfig:
         instruction: "mma" (mma.sync kernels, sm_80+) or "wgmma" (the Hopper kernels: one
             consumer warpgroup per 64 rows (queries; keys for dK/dV), m_tiles = 1, warps = 4 *
             consumer warpgroups, plus a producer warpgroup; slice_width = the columns of O / dQ /
-            dK and dV each CTA computes, slices = CTAs per block: more than 1 only for dK/dV past
-            D = 128).
+            dK and dV each warpgroup computes; past D = 128 dK/dV has slices > 1 (CTAs per key
+            block) or col_groups = 2 (both warpgroups on the same 64 keys, 128 columns each)).
         pingpong: wgmma kernels: the consumer warpgroups take turns issuing their MMAs.
         stages: wgmma kernels: buffers of each streamed tile (K and V, or Q and dO) in the ring.
-        overlap: wgmma dK/dV with column groups: each step issues the next step's S^T / dP^T
-            before computing its own P^T / dS^T.
     """
 
     kernel: str
@@ -114,7 +112,6 @@ class KernelConfig:
     instruction: str = "mma"
     pingpong: bool = False
     stages: int = 2
-    overlap: bool = False
 
     @property
     def row_groups(self) -> int:
@@ -160,7 +157,7 @@ class KernelConfig:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("q", self.cache_q),
-                                         ("p", self.pingpong), ("o", self.overlap)) if on)
+                                         ("p", self.pingpong)) if on)
         kernel = self.kernel + (f"_wgmma{self.stages}" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
                 f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -235,20 +232,21 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         block, keys, _, *rest = BLOCK_OVERRIDES[kernel + "_wgmma"]
         warps = rest[0] if rest else block // 16
     consumers = (8, 12) if kernel == "forward" else (8,)  # the backward kernels' register split needs 2
-    if warps not in consumers or block != 16 * warps:
+    padded = _round_up(spec.head_dim, 16)
+    # dK/dV past 128 columns: P = 128 keys (64 per warpgroup) splits D into 128-column CTAs
+    # (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
+    wide = kernel == "backward_key_value" and padded > WGMMA_SLICE_WIDTH
+    col_groups = 2 if wide and block == 8 * warps else 1
+    if warps not in consumers or block * col_groups != 16 * warps:
         raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} {kernel} at head_dim={spec.head_dim} needs "
                          f"P = 64 rows per consumer warpgroup of 4 warps, {' or '.join(str(w // 4) for w in consumers)}"
-                         f" of them; got P={block} with {warps} warps.")
+                         f" of them{' (or 64 shared by both past D = 128)' if wide else ''}; got P={block} with "
+                         f"{warps} warps.")
     most = 256 if kernel == "forward" else 128
     if keys % 16 or not 16 <= keys <= most:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for the {WGMMA_FAMILY} {kernel} at head_dim="
                          f"{spec.head_dim} must be a multiple of 16 in [16, {most}].")
-    padded = _round_up(spec.head_dim, 16)
-    # dK/dV past 128 columns: the two consumer warpgroups split the columns of one 64-key block
-    # (column groups), or (WGMMA_KEY_VALUE_SLICES) separate CTAs take 128 columns each.
-    wide = kernel == "backward_key_value" and padded > WGMMA_SLICE_WIDTH
-    slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and WGMMA_KEY_VALUE_SLICES else 1
-    col_groups = 2 if wide and not WGMMA_KEY_VALUE_SLICES else 1
+    slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and col_groups == 1 else 1
     config = KernelConfig(
         kernel=kernel, dtype=_CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=padded,
         slice_width=WGMMA_SLICE_WIDTH if wide else padded, slices=slices, m_tiles=1,
@@ -258,7 +256,7 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
         cache_q=False, warps=warps, col_groups=col_groups, instruction="wgmma",
         pingpong=(WGMMA_PINGPONG if WGMMA_PINGPONG is not None else spec.head_dim <= WGMMA_PINGPONG_MAX_HEAD_DIM)
         if kernel == "forward" else bool(WGMMA_BACKWARD_PINGPONG),
-        stages=WGMMA_STAGES, overlap=col_groups == 2 and WGMMA_KEY_VALUE_OVERLAP)
+        stages=WGMMA_STAGES)
     while config.shared_memory > SHARED_MEMORY_LIMIT and (config.stages > 2 or config.traversal_block >= 32):
         if config.stages > 2:  # fewer buffers first, then narrower tiles
             config = replace(config, stages=config.stages - 1)
@@ -276,8 +274,6 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
 WGMMA_FORWARD_OVERRIDE: Optional[bool] = None
 WGMMA_BACKWARD_OVERRIDE: Optional[bool] = None  # the same for the dQ and dK/dV kernels
 WGMMA_BACKWARD_PINGPONG = False  # the backward kernels' consumer warpgroups take turns issuing MMAs
-WGMMA_KEY_VALUE_SLICES = False  # dK/dV past D = 128: 128-column CTAs recomputing S^T / dP^T each
-WGMMA_KEY_VALUE_OVERLAP = False  # dK/dV column groups: the next step's S^T / dP^T issued a step ahead
 WGMMA_PINGPONG: Optional[bool] = None  # None = by head dim (WGMMA_PINGPONG_MAX_HEAD_DIM)
 # K / V buffers each in the producer's ring. H100, one run, TFLOP/s per call 2 / 3 stages:
 # D=64 250 / 233, D=128 412 / 388 (3 won, 315 / 289, while the producer waited for its own
@@ -323,7 +319,7 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          WINDOW=config.window, SOFTCAP=config.softcap, MASK_KIND=config.mask_kind,
                          STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "backward_key_value":
-            constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups, OVERLAP=config.overlap)
+            constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups)
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
         inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
