@@ -730,10 +730,23 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
 
 
 def profile_case(kind="all"):
-    """One call of each kernel at D=128 (for ncu); kind "wgmma": three wgmma forward calls only."""
+    """One call of each kernel at D=128 (for ncu); kind "wgmma": three wgmma forward calls only;
+    "wgmma_dkdv": three calls of the wgmma dK/dV kernel alone at D=256 (B=1, H=16, N=4096)."""
     import mlx.core as mx
     from mlx_flash import flash_attention
     B, H, N, D = 4, 16, 4096, 128
+    if kind == "wgmma_dkdv":
+        from mlx_flash.backends import cuda
+        from mlx_flash.spec import check_inputs
+        B, D = 1, 256
+        q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+        spec, m4 = check_inputs(q, k, v)
+        out, lse = cuda.forward(q, k, v, m4, spec)
+        delta, lse2 = cuda.prepare_backward(out, lse, do, None, spec)
+        fn = _kernel_alone("backward_key_value", q, k, v, m4, do, lse2, delta, spec)
+        for _ in range(3):
+            mx.eval(fn())
+        return
     if kind == "wgmma":
         from mlx_flash.backends import cuda
         from mlx_flash.spec import check_inputs
@@ -766,15 +779,18 @@ def phase_profile(out_dir):
 
 
 def phase_profile_wgmma(out_dir):
-    """ncu of the wgmma forward at D=128 (B=4, H=16, N=4096): the sections' text in ncu_wgmma.txt,
-    the report in ncu_wgmma.ncu-rep and its per-SASS-instruction stall samples in ncu_wgmma_sass.csv."""
+    """ncu of the wgmma forward at D=128 (B=4, H=16, N=4096), or with MLX_FLASH_PROFILE_WGMMA=dkdv
+    of the wgmma dK/dV kernel at D=256 (B=1): the sections' text in ncu_wgmma.txt, the report in
+    ncu_wgmma.ncu-rep and its per-SASS-instruction stall samples in ncu_wgmma_sass.csv."""
     report = os.path.join(out_dir, "ncu_wgmma")
-    cmd = ["ncu", "--clock-control", "none", "--kernel-name", "regex:mlxflash_forward_wgmma", "--launch-skip", "1",
+    dkdv = os.environ.get("MLX_FLASH_PROFILE_WGMMA") == "dkdv"
+    kernel = "backward_key_value_wgmma" if dkdv else "forward_wgmma"
+    cmd = ["ncu", "--clock-control", "none", "--kernel-name", f"regex:mlxflash_{kernel}", "--launch-skip", "1",
            "--launch-count", "1", "--import-source", "no", "-f", "-o", report]
     for section in ("SpeedOfLight", "WarpStateStats", "SchedulerStats", "ComputeWorkloadAnalysis",
                     "MemoryWorkloadAnalysis", "SourceCounters", "LaunchStats", "Occupancy"):
         cmd += ["--section", section]
-    cmd += [sys.executable, os.path.abspath(__file__), "--profile-case", "--profile-kind", "wgmma"]
+    cmd += [sys.executable, os.path.abspath(__file__), "--profile-case", "--profile-kind", "wgmma_dkdv" if dkdv else "wgmma"]
     with open(report + "_run.txt", "w") as f:
         r = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, timeout=400)
     with open(report + ".txt", "w") as f:
