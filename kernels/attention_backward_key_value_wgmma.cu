@@ -180,10 +180,7 @@ __device__ void attention_backward_key_value_wgmma(
       load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, k + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
       load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    named_barrier_sync(1 + warpgroup, 128);
+    resident_rows_ready(warpgroup);
     const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
     turns.start();
 

@@ -118,10 +118,7 @@ __device__ void attention_backward_query_wgmma(
     const i64 q_row = bh * Nq + min(query_first, Nq - 1);
     load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
     load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, d_out + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    named_barrier_sync(1 + warpgroup, 128);
+    resident_rows_ready(warpgroup);
     const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
     turns.start();
 

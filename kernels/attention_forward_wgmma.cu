@@ -131,10 +131,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     const int q_row = q0 + warpgroup * 64;
     load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + (bh * Nq + q_row) * (i64)HEAD_DIM, Nq - q_row, vec,
                                              tid % 128);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    named_barrier_sync(1 + warpgroup, 128);
+    resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile);
     // V as the B operand (16 keys x DP columns, MN-major): 64-column panels are BN * 128 bytes

@@ -157,6 +157,16 @@ __device__ __forceinline__ void load_floats(float* s, const float* g, int valid,
   for (int c = tid; c < COUNT; c += THREADS) cp_async4(s + c, c < valid ? g + c : g, c < valid);
 }
 
+// After a consumer warpgroup's cp.async copies of its resident rows (Q / dO, or K / V): waits for
+// them, orders them before wgmma's reads (async proxy) and for every thread of the warpgroup
+// (its own named barrier, 1 + warpgroup; the other warpgroups keep going).
+__device__ __forceinline__ void resident_rows_ready(int warpgroup) {
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  named_barrier_sync(1 + warpgroup, 128);
+}
+
 // A warpgroup's register tile (N floats per thread) to / from shared memory as [N / 4][128]
 // float4s, `at` = the base + the thread's index in its warpgroup: each warp moves 512 contiguous
 // bytes per access (no bank conflicts), and thread t of another warpgroup (same fragment layout)
