@@ -538,7 +538,9 @@ def _apply_hooks(cuda, kernel, D, block, hooks):
     if block is not None:
         p, t = block
         if t is None:
-            t = cuda.planner.plan("cuda", kernel, D, cuda.mx.bfloat16, cuda.WGMMA_FAMILY).traversal_block
+            import mlx.core as mx
+            from mlx_flash import planner
+            t = planner.plan("cuda", kernel, D, mx.bfloat16, cuda.WGMMA_FAMILY).traversal_block
         cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t, D, 8)
 
 
