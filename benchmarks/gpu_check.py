@@ -15,6 +15,9 @@ Phases:
     profile_wgmma  ncu of the wgmma forward at D=128 (sections and per-instruction stalls)
     overhead  one forward's time through each layer (kernel call, flash_attention, MLX), per call
     sweep     each kernel alone under several block shapes (SWEEP), to choose blocks_cuda.txt rows
+    forward   the forward alone under the table's and FORWARD_SHAPES' block shapes, through
+              flash_attention, MLX and FlashAttention-2: per call (with and without
+              mx.synchronize) and 8 per evaluation, interleaved rounds (DIR/forward.json)
     order     causal fwd and fwd+bwd in head-major vs block-major CTA order, interleaved rounds
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
               times (interleaved rounds) under the traversal blocks of BACKWARD_SHAPES, and the
@@ -624,6 +627,98 @@ SWEEP = {
           "backward_key_value": [(32, 32, 128, 8)]},
 }
 
+# The wgmma forward under other block shapes, against the table's: shape (B, H, N, D, causal) ->
+# (P, T, warps) variants (12 warps = three consumer warpgroups of 64 query rows).
+FORWARD_SHAPES = {(4, 16, 4096, 64, False): ((192, 96, 12), (192, 64, 12), (192, 112, 12)),
+                  (4, 16, 4096, 64, True): ((192, 96, 12), (192, 64, 12)),
+                  (4, 16, 4096, 128, False): ((192, 64, 12),),
+                  (4, 16, 4096, 128, True): ((192, 64, 12),)}
+FORWARD_ROUNDS = 4
+
+
+def phase_forward(out_dir):
+    """The forward alone: the table's wgmma configuration, FORWARD_SHAPES' variants, the same
+    call through flash_attention, MLX's attention and torch's FlashAttention-2, timed in
+    FORWARD_ROUNDS interleaved rounds three ways: one call per evaluation ("eval": mx.eval
+    returns once the result is computed), the same followed by mx.synchronize ("sync": also waits
+    for MLX's completion handlers, what the bench times) and BATCH calls per evaluation
+    ("batched", per call). Outputs are compared with the table configuration's."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    from mlx_flash.backends import cuda
+    from mlx_flash.spec import check_inputs
+    rows, ok = [], True
+    warm_up_gpu(1.0)
+    for (B, H, N, D, causal), shapes in FORWARD_SHAPES.items():
+        mx.random.seed(D)
+        q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
+        mx.eval(q, k, v)
+        mask = "causal" if causal else None
+        spec, m4 = check_inputs(q, k, v, mask=mask)
+        flops = 4 * B * H * N * N * D / (2 if causal else 1)
+        kernel_call = lambda: cuda.forward(q, k, v, m4, spec)[0]
+        variants = [("table", None, kernel_call)] + [(f"P{p}_T{t}_w{w}", (p, t, D, w), kernel_call)
+                                                     for p, t, w in shapes]
+        variants += [("flash_attention", None, lambda: flash_attention(q, k, v, mask=mask, backend="cuda")),
+                     ("mlx_sdpa", None, lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
+                                                                                      mask=mask))]
+        timed, reference = [], None
+        for name, override, call in variants:  # compile and check
+            cuda.BLOCK_OVERRIDES.clear()
+            if override:
+                cuda.BLOCK_OVERRIDES["forward_wgmma"] = override
+            r = dict(B=B, H=H, N=N, D=D, causal=causal, variant=name)
+            try:
+                result = call()
+                mx.eval(result)
+                if reference is None:
+                    reference = result
+                elif name != "mlx_sdpa":
+                    r["rel_err_vs_table"] = _max_relative_error([result], [reference])
+                    ok = ok and r["rel_err_vs_table"] < 0.02
+                timed.append((r, override, call, {}))
+            except Exception as e:
+                ok = ok and name == "mlx_sdpa"
+                r["error"] = str(e)[:400]
+            rows.append(r)
+        fa2 = dict(B=B, H=H, N=N, D=D, causal=causal, variant="torch_fa2")
+        rows.append(fa2)
+        warm_up_gpu(0.5)
+        for _ in range(FORWARD_ROUNDS):
+            for r, override, call, samples in timed:
+                cuda.BLOCK_OVERRIDES.clear()
+                if override:
+                    cuda.BLOCK_OVERRIDES["forward_wgmma"] = override
+                one = lambda: mx.eval(call())
+                samples.setdefault("eval", []).append(_median_time(one, warmup=2, reps=7, sync=lambda: None))
+                samples.setdefault("sync", []).append(_median_time(one, warmup=2, reps=7, sync=mx.synchronize))
+                samples.setdefault("batched", []).append(_median_time(
+                    lambda: mx.eval([call() for _ in range(BATCH)]), warmup=1, reps=3, sync=mx.synchronize) / BATCH)
+            try:
+                one, batched = _torch_forward_time(B, H, N, D, causal, reps=7)
+                fa2.setdefault("samples", {}).setdefault("sync", []).append(one)
+                fa2["samples"].setdefault("batched", []).append(batched)
+            except Exception as e:
+                fa2["error"] = str(e)[:300]
+        cuda.BLOCK_OVERRIDES.clear()
+        for r, samples in [(r, s_) for r, _, _, s_ in timed] + [(fa2, fa2.get("samples", {}))]:
+            for mode, values in samples.items():
+                t = sorted(values)[len(values) // 2]
+                r[f"{mode}_ms"] = t * 1e3
+                r[f"{mode}_tflops"] = flops / t / 1e12
+            r.pop("samples", None)
+            log("forward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
+        del q, k, v, reference
+    with open(os.path.join(out_dir, "forward.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    nan = float("nan")
+    log(f"\n| B,H,N,D | causal | variant | TFLOP/s eval | sync | {BATCH} per eval | rel err vs table |")
+    for r in rows:
+        log(f"| {r['B']},{r['H']},{r['N']},{r['D']} | {'y' if r['causal'] else 'n'} | {r['variant']} | "
+            f"{r.get('eval_tflops', nan):.0f} | {r.get('sync_tflops', nan):.0f} | {r.get('batched_tflops', nan):.0f} | "
+            f"{r.get('rel_err_vs_table', nan):.2g} |" + (" ERR " + r["error"][:200] if "error" in r else ""))
+    return ok
+
 
 def phase_sweep(out_dir, head_dims=None):
     """Time each kernel alone under several block shapes (SWEEP), bf16, non-causal."""
@@ -732,7 +827,8 @@ def phase_resources(out_dir, head_dims=(64, 128, 160, 192, 256, 512)):
 
 
 def profile_case(kind="all"):
-    """One call of each kernel at D=128 (for ncu); kind "wgmma": three wgmma forward calls only;
+    """One call of each kernel at D=128 (for ncu); kind "wgmma": three wgmma forward calls only
+    (D from MLX_FLASH_PROFILE_HEAD_DIM, default 128);
     "wgmma_dkdv": three calls of the wgmma dK/dV kernel alone at D=256 (B=1, H=16, N=4096)."""
     import mlx.core as mx
     from mlx_flash import flash_attention
@@ -753,6 +849,7 @@ def profile_case(kind="all"):
         from mlx_flash.backends import cuda
         from mlx_flash.spec import check_inputs
         cuda.WGMMA_FORWARD_OVERRIDE = True
+        D = int(os.environ.get("MLX_FLASH_PROFILE_HEAD_DIM", D))
         q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
         spec, m4 = check_inputs(q, k, v)
         for _ in range(3):
@@ -913,6 +1010,8 @@ def main():
                 results[phase] = phase_sweep(args.out)
             elif phase == "backward":
                 results[phase] = phase_backward(args.out)
+            elif phase == "forward":
+                results[phase] = phase_forward(args.out)
             elif phase == "order":
                 results[phase] = phase_order(args.out)
             elif phase == "profile":
