@@ -24,7 +24,8 @@ Phases:
               dK/dV schemes past D = 128 (DIR/backward.json)
     resources nvcc --resource-usage of every kernel at the table's shapes (needs nvcc, no GPU)
     bench     backend "cuda" vs mx.fast.scaled_dot_product_attention vs torch FlashAttention-2,
-              bf16, fwd and fwd+bwd, medians of CUDA-synchronized timings; peak memory; the
+              bf16, fwd and fwd+bwd, medians of per-call timings (until mx.eval returns; torch:
+              until torch.cuda.synchronize returns); peak memory; the
               backward kernels alone; results in
               DIR/bench.json, a table printed last (--ours-only: backend "cuda" alone).
 Every phase runs even if an earlier one fails; the exit code says whether all passed.
@@ -360,7 +361,11 @@ def bench_one(B, H, N, D, causal, with_torch=True, reps=10, references=True):
     scale = D ** -0.5
     flops = 4 * B * H * N * N * D / (2 if causal else 1)
     row = dict(B=B, H=H, N=N, D=D, causal=causal)
-    sync = mx.synchronize
+    # A call's time ends when mx.eval returns: it blocks until the outputs are computed (the
+    # counterpart of torch's call + torch.cuda.synchronize below). Tables up to session 6 also
+    # waited for mx.synchronize, which adds MLX's completion-handler round trip on its worker
+    # thread (0-0.1 ms per call in the forward phase, for MLX's attention and ours alike).
+    sync = lambda: None
 
     def ours_fwd():
         mx.eval(flash_attention(q, k, v, scale=scale, mask=mask, backend="cuda"))
@@ -627,12 +632,14 @@ SWEEP = {
           "backward_key_value": [(32, 32, 128, 8)]},
 }
 
-# The wgmma forward under other block shapes, against the table's: shape (B, H, N, D, causal) ->
-# (P, T, warps) variants (12 warps = three consumer warpgroups of 64 query rows).
-FORWARD_SHAPES = {(4, 16, 4096, 64, False): ((192, 96, 12), (192, 64, 12), (192, 112, 12)),
-                  (4, 16, 4096, 64, True): ((192, 96, 12), (192, 64, 12)),
-                  (4, 16, 4096, 128, False): ((192, 64, 12),),
-                  (4, 16, 4096, 128, True): ((192, 64, 12),)}
+# The wgmma forward under other block shapes, against the table's: (B, H, N, D, what the call
+# adds: None, "causal", "softcap" or "bool") -> (P, T, warps) variants (12 warps = three consumer
+# warpgroups of 64 query rows, 8 = two).
+FORWARD_SHAPES = {(4, 16, 4096, 64, None): ((128, 128, 8), (192, 64, 12), (192, 112, 12)),
+                  (4, 16, 4096, 64, "causal"): ((128, 128, 8), (192, 64, 12)),
+                  (4, 16, 4096, 64, "softcap"): ((128, 128, 8), (192, 64, 12)),
+                  (4, 16, 4096, 64, "bool"): ((128, 128, 8), (192, 64, 12)),
+                  (4, 16, 4096, 128, None): ((192, 64, 12),)}
 FORWARD_ROUNDS = 4
 
 
@@ -649,25 +656,28 @@ def phase_forward(out_dir):
     from mlx_flash.spec import check_inputs
     rows, ok = [], True
     warm_up_gpu(1.0)
-    for (B, H, N, D, causal), shapes in FORWARD_SHAPES.items():
+    for (B, H, N, D, adds), shapes in FORWARD_SHAPES.items():
         mx.random.seed(D)
         q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
-        mx.eval(q, k, v)
-        mask = "causal" if causal else None
-        spec, m4 = check_inputs(q, k, v, mask=mask)
+        causal, softcap = adds == "causal", 30.0 if adds == "softcap" else None
+        mask = "causal" if causal else (mx.random.uniform(shape=(1, 1, N, N)) < 0.9 if adds == "bool" else None)
+        mx.eval(q, k, v, *([mask] if adds == "bool" else []))
+        spec, m4 = check_inputs(q, k, v, mask=mask, softcap=softcap)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
         kernel_call = lambda: cuda.forward(q, k, v, m4, spec)[0]
         variants = [("table", None, kernel_call)] + [(f"P{p}_T{t}_w{w}", (p, t, D, w), kernel_call)
                                                      for p, t, w in shapes]
-        variants += [("flash_attention", None, lambda: flash_attention(q, k, v, mask=mask, backend="cuda")),
-                     ("mlx_sdpa", None, lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
-                                                                                      mask=mask))]
+        variants += [("flash_attention", None, lambda: flash_attention(q, k, v, mask=mask, softcap=softcap,
+                                                                        backend="cuda"))]
+        if softcap is None:
+            variants += [("mlx_sdpa", None, lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
+                                                                                          mask=mask))]
         timed, reference = [], None
         for name, override, call in variants:  # compile and check
             cuda.BLOCK_OVERRIDES.clear()
             if override:
                 cuda.BLOCK_OVERRIDES["forward_wgmma"] = override
-            r = dict(B=B, H=H, N=N, D=D, causal=causal, variant=name)
+            r = dict(B=B, H=H, N=N, D=D, adds=adds, variant=name)
             try:
                 result = call()
                 mx.eval(result)
@@ -681,8 +691,10 @@ def phase_forward(out_dir):
                 ok = ok and name == "mlx_sdpa"
                 r["error"] = str(e)[:400]
             rows.append(r)
-        fa2 = dict(B=B, H=H, N=N, D=D, causal=causal, variant="torch_fa2")
-        rows.append(fa2)
+        fa2 = dict(B=B, H=H, N=N, D=D, adds=adds, variant="torch_fa2")
+        with_fa2 = adds in (None, "causal")  # torch's FlashAttention-2 has no softcap or array mask
+        if with_fa2:
+            rows.append(fa2)
         warm_up_gpu(0.5)
         for _ in range(FORWARD_ROUNDS):
             for r, override, call, samples in timed:
@@ -694,6 +706,8 @@ def phase_forward(out_dir):
                 samples.setdefault("sync", []).append(_median_time(one, warmup=2, reps=7, sync=mx.synchronize))
                 samples.setdefault("batched", []).append(_median_time(
                     lambda: mx.eval([call() for _ in range(BATCH)]), warmup=1, reps=3, sync=mx.synchronize) / BATCH)
+            if not with_fa2:
+                continue
             try:
                 one, batched = _torch_forward_time(B, H, N, D, causal, reps=7)
                 fa2.setdefault("samples", {}).setdefault("sync", []).append(one)
@@ -701,7 +715,7 @@ def phase_forward(out_dir):
             except Exception as e:
                 fa2["error"] = str(e)[:300]
         cuda.BLOCK_OVERRIDES.clear()
-        for r, samples in [(r, s_) for r, _, _, s_ in timed] + [(fa2, fa2.get("samples", {}))]:
+        for r, samples in [(r, s_) for r, _, _, s_ in timed] + [(fa2, fa2.get("samples", {}))] * with_fa2:
             for mode, values in samples.items():
                 t = sorted(values)[len(values) // 2]
                 r[f"{mode}_ms"] = t * 1e3
@@ -712,9 +726,9 @@ def phase_forward(out_dir):
     with open(os.path.join(out_dir, "forward.json"), "w") as f:
         json.dump(rows, f, indent=1)
     nan = float("nan")
-    log(f"\n| B,H,N,D | causal | variant | TFLOP/s eval | sync | {BATCH} per eval | rel err vs table |")
+    log(f"\n| B,H,N,D | adds | variant | TFLOP/s eval | sync | {BATCH} per eval | rel err vs table |")
     for r in rows:
-        log(f"| {r['B']},{r['H']},{r['N']},{r['D']} | {'y' if r['causal'] else 'n'} | {r['variant']} | "
+        log(f"| {r['B']},{r['H']},{r['N']},{r['D']} | {r['adds'] or '-'} | {r['variant']} | "
             f"{r.get('eval_tflops', nan):.0f} | {r.get('sync_tflops', nan):.0f} | {r.get('batched_tflops', nan):.0f} | "
             f"{r.get('rel_err_vs_table', nan):.2g} |" + (" ERR " + r["error"][:200] if "error" in r else ""))
     return ok
