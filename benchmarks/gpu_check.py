@@ -18,6 +18,8 @@ Phases:
     forward   the forward alone under the table's and FORWARD_SHAPES' block shapes, through
               flash_attention, MLX and FlashAttention-2: per call (with and without
               mx.synchronize) and 8 per evaluation, interleaved rounds (DIR/forward.json)
+    softcap   softcap's cost: plain vs softcap (tanh.approx) vs softcap through tanhf, fwd and
+              fwd+bwd, interleaved rounds (DIR/softcap.json)
     order     causal fwd and fwd+bwd in head-major vs block-major CTA order, interleaved rounds
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
               times (interleaved rounds) under the traversal blocks of BACKWARD_SHAPES, and the
@@ -459,6 +461,70 @@ def bench_torch(B, H, N, D, causal, flops, reps):
     except Exception as e:
         res["fa2_error"] = str(e)[:300]
     return res
+
+
+# Softcap calls (B, H, N, D, cap): plain, softcap with tanh.approx (fast_tanh) and softcap with
+# tanhf (the kernels before session 7), fwd and fwd+bwd through flash_attention.
+SOFTCAP_SHAPES = ((4, 16, 4096, 64, 30.0), (1, 16, 4096, 256, 50.0))
+
+
+def phase_softcap(out_dir, rounds=4):
+    """Softcap's cost: the same call without softcap, with it, and with it through tanhf (the
+    kernel text rewritten at render time), fwd and fwd+bwd timed in interleaved rounds (per call,
+    until mx.eval returns)."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention, render
+    from mlx_flash.backends import cuda
+    fast_line = "t = fast_tanh(raw * (scale / cap));"
+    original = cuda.template_text
+
+    def use_tanhf(on):
+        cuda.template_text = (lambda name: original(name).replace(fast_line, "t = tanhf(raw * (scale / cap));")) \
+            if on else original
+        cuda._kernel.cache_clear()
+    assert fast_line in render.template_text("attention_common.cuh")
+    rows = []
+    warm_up_gpu(1.0)
+    try:
+        for B, H, N, D, cap in SOFTCAP_SHAPES:
+            mx.random.seed(D)
+            q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+            mx.eval(q, k, v, do)
+            flops = 4 * B * H * N * N * D
+            variants = (("plain", None, False), ("softcap", cap, False), ("softcap_tanhf", cap, True))
+            times, outs = {}, {}
+            for _ in range(rounds):
+                for name, softcap, tanhf in variants:
+                    use_tanhf(tanhf)
+                    fwd = lambda: mx.eval(flash_attention(q, k, v, softcap=softcap, backend="cuda"))
+                    fb = lambda: mx.eval(mx.vjp(lambda a, b, c: flash_attention(a, b, c, softcap=softcap, backend="cuda"),
+                                                [q, k, v], [do]))
+                    if name not in outs:  # compile, and keep the outputs for the comparison
+                        outs[name] = mx.vjp(lambda a, b, c: flash_attention(a, b, c, softcap=softcap, backend="cuda"),
+                                            [q, k, v], [do])
+                        mx.eval(outs[name])
+                    times.setdefault(name + "_fwd", []).append(_median_time(fwd, warmup=2, reps=5, sync=lambda: None))
+                    times.setdefault(name + "_fb", []).append(_median_time(fb, warmup=1, reps=5, sync=lambda: None))
+            row = dict(B=B, H=H, N=N, D=D, cap=cap)
+            for key, values in times.items():
+                t = sorted(values)[len(values) // 2]
+                row[key + "_ms"] = t * 1e3
+                row[key + "_tflops"] = flops * (3.5 if key.endswith("_fb") else 1.0) / t / 1e12
+            (o1, g1), (o2, g2) = outs["softcap"], outs["softcap_tanhf"]
+            row["rel_err_fast_vs_tanhf"] = _max_relative_error(o1 + g1, o2 + g2)
+            rows.append(row)
+            log("softcap", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in row.items()}))
+            del q, k, v, do, outs
+    finally:
+        use_tanhf(False)
+    with open(os.path.join(out_dir, "softcap.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    log("\n| B,H,N,D | cap | TFLOP/s fwd plain / softcap / tanhf | fwd+bwd plain / softcap / tanhf | rel err fast vs tanhf |")
+    for r in rows:
+        log(f"| {r['B']},{r['H']},{r['N']},{r['D']} | {r['cap']} | {r['plain_fwd_tflops']:.0f} / {r['softcap_fwd_tflops']:.0f} / "
+            f"{r['softcap_tanhf_fwd_tflops']:.0f} | {r['plain_fb_tflops']:.0f} / {r['softcap_fb_tflops']:.0f} / "
+            f"{r['softcap_tanhf_fb_tflops']:.0f} | {r['rel_err_fast_vs_tanhf']:.2g} |")
+    return all(r["rel_err_fast_vs_tanhf"] < 0.02 for r in rows)
 
 
 # Causal shapes (B, H, N, D) for the CTA-order A/B test.
@@ -1026,6 +1092,8 @@ def main():
                 results[phase] = phase_backward(args.out)
             elif phase == "forward":
                 results[phase] = phase_forward(args.out)
+            elif phase == "softcap":
+                results[phase] = phase_softcap(args.out)
             elif phase == "order":
                 results[phase] = phase_order(args.out)
             elif phase == "profile":

@@ -309,6 +309,7 @@ inline void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16)
 inline void mma(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1, __half) { mma_impl(c, a, b0, b1, emu::OP_MMA_F16); }
 
 inline float fast_exp2(float x) { return std::exp2(x); }
+inline float fast_tanh(float x) { return std::tanh(x); }
 }  // namespace mlxflash
 
 // ---------------------------------------------------------------- launch
