@@ -6,8 +6,8 @@
 //     with cp.async and announces each tile on an mbarrier ("full"); it runs on 48 registers
 //     (setmaxnreg) since it holds no tiles;
 //   - CONSUMERS consumer warpgroups (64 query rows each, all DP output columns) run the MMAs
-//     and the online softmax on 224 registers, and hand each buffer back on its "empty" mbarrier
-//     as soon as their MMAs have read it.
+//     and the online softmax on 224 registers (152 with three, the D <= 64 table row), and
+//     hand each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
 // the tensor cores idled (H100: 247 TFLOP/s at D=128 against 251 for the mma.sync forward).
