@@ -279,8 +279,8 @@ def test_wgmma_not_chosen_off_hopper(monkeypatch):
     Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=72, q_len=100, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
     Case(head_dim=256, q_len=200, kv_len=150, dtype="bfloat16", mask="window", window=(30, 30)),
-    # D <= 64: three consumer warpgroups (P = 192); row blocks with one or two warpgroups' rows
-    # past Nq, bool masks and softcap (which spill there).
+    # D <= 64: three consumer warpgroups (P = 192); last row blocks with one or two warpgroups
+    # wholly past Nq; a bool mask (the kernel spills there) with softcap and GQA; a causal window.
     Case(head_dim=64, q_len=450, kv_len=391, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
     Case(head_dim=40, q_len=200, kv_len=260, dtype="float16", mask="causal_window", window=(50, -1)),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}")
