@@ -581,8 +581,11 @@ def phase_order(out_dir, rounds=4):
 
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
-BACKWARD_SHAPES = {(128, False): (None,), (160, False): (None, 32), (192, False): (None, 32),
-                   (256, False): (None, 32), (256, True): (None, 32)}
+BACKWARD_SHAPES = {(64, False): (None,), (64, True): (None,), (128, False): (None,), (160, False): (None, 32),
+                   (192, False): (None, 32), (256, False): (None, 32), (256, True): (None, 32)}
+# dQ with three consumer warpgroups (P = 192, 12 warps): head dim -> traversal blocks T to time
+# (the widest that neither spill nor serialize, nvcc 13.0).
+BACKWARD_QUERY_THREE_WARPGROUPS = {64: (64, 80), 128: (32, 48)}
 BACKWARD_ROUNDS = 4  # interleaved rounds: every variant of a shape timed once per round
 
 
@@ -601,21 +604,24 @@ def _backward_variants(kernel, D, blocks):
         for name, p, hooks in kinds:
             block = None if p is None and t is None else (p or 128, t)
             variants.append((name, block, dict(base, WGMMA_BACKWARD_OVERRIDE=True, **hooks)))
+    if kernel == "backward_query":
+        for t in BACKWARD_QUERY_THREE_WARPGROUPS.get(D, ()):
+            variants.append(("wgmma_three_warpgroups", (192, t, 12), dict(base, WGMMA_BACKWARD_OVERRIDE=True)))
     return variants
 
 
 def _apply_hooks(cuda, kernel, D, block, hooks):
-    """Sets the hooks; block (P, T), T None = the table's T."""
+    """Sets the hooks; block (P, T[, consumer warps, default 8]), T None = the table's T."""
     for name, value in hooks.items():
         setattr(cuda, name, value)
     cuda.BLOCK_OVERRIDES.clear()
     if block is not None:
-        p, t = block
+        p, t, *warps = block
         if t is None:
             import mlx.core as mx
             from mlx_flash import planner
             t = planner.plan("cuda", kernel, D, mx.bfloat16, cuda.WGMMA_FAMILY).traversal_block
-        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t, D, 8)
+        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t, D, warps[0] if warps else 8)
 
 
 def phase_backward(out_dir):

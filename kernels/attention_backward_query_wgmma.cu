@@ -41,7 +41,7 @@ constexpr int PRODUCER_REGS = 48;  // the forward's (40 spills a few bytes at D 
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
-static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
+static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups (the register split)");
 static_assert(DP % 16 == 0 && DP <= 256, "wgmma N (the dQ tile width) is at most 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdqwg

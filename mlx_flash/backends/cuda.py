@@ -231,7 +231,8 @@ def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtyp
     if kernel + "_wgmma" in BLOCK_OVERRIDES:
         block, keys, _, *rest = BLOCK_OVERRIDES[kernel + "_wgmma"]
         warps = rest[0] if rest else block // 16
-    consumers = (8, 12) if kernel == "forward" else (8,)  # the backward kernels' register split needs 2
+    # Consumer warps (4 per warpgroup): the dK/dV kernel's register split needs exactly two.
+    consumers = (8,) if kernel == "backward_key_value" else (8, 12)
     padded = _round_up(spec.head_dim, 16)
     # dK/dV past 128 columns: P = 128 keys (64 per warpgroup) splits D into 128-column CTAs
     # (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
