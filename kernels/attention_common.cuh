@@ -412,6 +412,24 @@ __device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o
   rescale_output(o, corr);
 }
 
+// One accumulator row (half hf of a 16-row m-tile: row0 + 8 hf) times factor into `row`, columns
+// col0 + 8 n + 2 tq (+1) < HEAD_DIM; the gradient and output epilogues below share it.
+template <int HEAD_DIM, int NO, typename T>
+__device__ __forceinline__ void store_scaled_row(const float (&acc)[NO][4], int hf, T* row, int col0, float factor,
+                                                 int tq) {
+#pragma unroll
+  for (int n = 0; n < NO; ++n) {
+    const int c = col0 + n * 8 + 2 * tq;
+    const float x = acc[n][2 * hf] * factor, y = acc[n][2 * hf + 1] * factor;
+    if (HEAD_DIM % 2 == 0) {
+      if (c < HEAD_DIM) store2(row + c, x, y);
+    } else {
+      if (c < HEAD_DIM) store1(row + c, x);
+      if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
+    }
+  }
+}
+
 // A gradient tile's epilogue (dQ, dK or dV) for one 16-row m-tile in the accumulator layout
 // (rows row0 and row0 + 8, columns col0 + 8 n + 2 tq (+1)): factor * acc stored for rows <
 // rows_valid and columns < HEAD_DIM of `base` ([*, HEAD_DIM] row-major, row 0 = tile row 0).
@@ -422,18 +440,7 @@ __device__ __forceinline__ void store_gradient_tile(const float (&acc)[NO][4], i
   for (int hf = 0; hf < 2; ++hf) {
     const int r = row0 + 8 * hf;
     if (r >= rows_valid) continue;
-    T* row = base + (i64)r * HEAD_DIM;
-#pragma unroll
-    for (int n = 0; n < NO; ++n) {
-      const int c = col0 + n * 8 + 2 * tq;
-      const float x = acc[n][2 * hf] * factor, y = acc[n][2 * hf + 1] * factor;
-      if (HEAD_DIM % 2 == 0) {
-        if (c < HEAD_DIM) store2(row + c, x, y);
-      } else {
-        if (c < HEAD_DIM) store1(row + c, x);
-        if (c + 1 < HEAD_DIM) store1(row + c + 1, y);
-      }
-    }
+    store_scaled_row<HEAD_DIM>(acc, hf, base + (i64)r * HEAD_DIM, col0, factor, tq);
   }
 }
 
@@ -450,18 +457,7 @@ __device__ __forceinline__ void store_output_tile(const float (&o)[NO][4], const
     const float l = quad_sum(row_sum[hf]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (i < Nq) {
-      T* orow = out + (i64)i * HEAD_DIM;
-#pragma unroll
-      for (int n = 0; n < NO; ++n) {
-        const int c = col0 + n * 8 + 2 * tq;
-        const float x = o[n][2 * hf] * inv, y = o[n][2 * hf + 1] * inv;
-        if (HEAD_DIM % 2 == 0) {
-          if (c < HEAD_DIM) store2(orow + c, x, y);
-        } else {
-          if (c < HEAD_DIM) store1(orow + c, x);
-          if (c + 1 < HEAD_DIM) store1(orow + c + 1, y);
-        }
-      }
+      store_scaled_row<HEAD_DIM>(o, hf, out + (i64)i * HEAD_DIM, col0, inv, tq);
       if (lse != nullptr && tq == 0) lse[i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
     }
   }
