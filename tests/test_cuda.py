@@ -272,6 +272,22 @@ def test_wgmma_not_chosen_off_hopper(monkeypatch):
             assert cuda.use_wgmma(kernel, spec) is expected, (kernel, head_dim)
 
 
+def test_kernel_config_cache_follows_gpu_and_hooks(monkeypatch):
+    """kernel_config is cached per call; the GPU and the tuning hooks are part of the key."""
+    q = mx.zeros((1, 2, 8, 64), mx.bfloat16)
+    spec, _ = check_inputs(q, q, q)
+    seen = []
+    for capability, override in ((90, None), (80, None), (90, None), (90, False), (90, None)):
+        monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
+        monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", override)
+        seen.append(cuda.kernel_config("forward", spec, None).instruction)
+    assert seen == ["wgmma", "mma", "wgmma", "mma", "wgmma"]
+    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, "forward_wgmma", (128, 64, 64, 8))
+    assert cuda.kernel_config("forward", spec, None).traversal_block == 64
+    monkeypatch.delitem(cuda.BLOCK_OVERRIDES, "forward_wgmma")
+    assert cuda.kernel_config("forward", spec, None).traversal_block == 96  # blocks_cuda.txt, D <= 64
+
+
 @gpu
 @pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
                     reason="the wgmma forward needs a Hopper GPU (sm_90)")

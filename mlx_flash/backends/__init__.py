@@ -12,6 +12,7 @@ Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `i
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 
@@ -24,6 +25,7 @@ _MODULES = {"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.me
 BACKEND_NAMES = ("auto",) + tuple(_MODULES)
 
 
+@functools.lru_cache(maxsize=None)
 def get_backend(name: str):
     """The backend object for `name` ("mlx", "metal" or "cuda")."""
     try:

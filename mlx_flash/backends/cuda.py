@@ -188,6 +188,20 @@ BLOCK_OVERRIDES: dict = {}
 
 def kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     """The compile-time configuration of `kernel` for a call (block sizes from blocks_cuda.txt)."""
+    return _kernel_config(kernel, spec, mask_dtype, _tuning_key())
+
+
+def _tuning_key() -> tuple:
+    """Everything besides the call that kernel_config reads: the GPU and the tuning hooks below
+    (their defaults in normal use), so that a hook set by gpu_check or a test is never answered
+    from the cache."""
+    return (compute_capability(), WGMMA_FORWARD_OVERRIDE, WGMMA_BACKWARD_OVERRIDE, WGMMA_PINGPONG,
+            WGMMA_BACKWARD_PINGPONG, WGMMA_STAGES, tuple(sorted(BLOCK_OVERRIDES.items())))
+
+
+# Cached: working the table out took 8 us of the call's ~50 us host time (CI machine, D=64).
+@functools.lru_cache(maxsize=1024)
+def _kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], tuning: tuple) -> KernelConfig:
     if use_wgmma(kernel, spec):
         return _wgmma_config(kernel, spec, mask_dtype)
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
