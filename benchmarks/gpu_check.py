@@ -20,6 +20,8 @@ Phases:
               mx.synchronize) and 8 per evaluation, interleaved rounds (DIR/forward.json)
     softcap   softcap's cost: plain vs softcap (tanh.approx) vs softcap through tanhf, fwd and
               fwd+bwd, interleaved rounds (DIR/softcap.json)
+    copy      load_swizzled's copy path at three 64-column panels (D = 160, 192) against the old
+              one, fwd and fwd+bwd, interleaved rounds (DIR/copy.json)
     order     causal fwd and fwd+bwd in head-major vs block-major CTA order, interleaved rounds
     backward  the wgmma dQ and dK/dV kernels alone against the mma.sync ones: gradients compared,
               times (interleaved rounds) under the traversal blocks of BACKWARD_SHAPES, and the
@@ -468,21 +470,87 @@ def bench_torch(B, H, N, D, causal, flops, reps):
 SOFTCAP_SHAPES = ((4, 16, 4096, 64, 30.0), (1, 16, 4096, 256, 50.0))
 
 
+def _kernel_text_rewrite(cuda, template, old, new):
+    """A switch between the kernels as they are (off) and with `old` replaced by `new` in the
+    template file `template` at render time (on), for A/B timings of one change in one run."""
+    from mlx_flash import render
+    original = render.template_text
+    assert old in original(template), f"{old!r} not in {template}"
+
+    def use(on):
+        cuda.template_text = (lambda name: original(name).replace(old, new) if name == template else original(name)) \
+            if on else original
+        cuda._kernel.cache_clear()
+    return use
+
+
+# (B, H, N, D) for the copy phase: three 64-column panels (D = 160, 192) and four (256, control).
+COPY_SHAPES = ((1, 16, 4096, 160), (1, 16, 4096, 192), (1, 16, 4096, 256))
+
+
+def phase_copy(out_dir, rounds=4):
+    """load_swizzled's fast path where 16-byte chunks per row do not divide the copying threads
+    (three panels) against the old element-index path (kernel text rewritten at render time):
+    forward per call and 8 per evaluation, fwd+bwd per call, interleaved rounds."""
+    import mlx.core as mx
+    from mlx_flash import flash_attention
+    from mlx_flash.backends import cuda
+    use_old = _kernel_text_rewrite(cuda, "wgmma_common.cuh", "if (vec && CHUNKS <= THREADS) {",
+                                   "if (vec && THREADS % CHUNKS == 0) {")
+    rows = []
+    warm_up_gpu(1.0)
+    try:
+        for B, H, N, D in COPY_SHAPES:
+            mx.random.seed(D)
+            q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
+            mx.eval(q, k, v, do)
+            flops = 4 * B * H * N * N * D
+            call = lambda: flash_attention(q, k, v, backend="cuda")
+            grads = lambda: mx.vjp(lambda a, b, c: flash_attention(a, b, c, backend="cuda"), [q, k, v], [do])
+            times, outs = {}, {}
+            for _ in range(rounds):
+                for name, old in (("new", False), ("old", True)):
+                    use_old(old)
+                    if name not in outs:  # compile, and keep the outputs for the comparison
+                        outs[name] = grads()
+                        mx.eval(outs[name])
+                    times.setdefault(name + "_fwd", []).append(
+                        _median_time(lambda: mx.eval(call()), warmup=2, reps=5, sync=lambda: None))
+                    times.setdefault(name + "_fwd8", []).append(_median_time(
+                        lambda: mx.eval([call() for _ in range(BATCH)]), warmup=1, reps=3, sync=lambda: None) / BATCH)
+                    times.setdefault(name + "_fb", []).append(
+                        _median_time(lambda: mx.eval(grads()), warmup=1, reps=5, sync=lambda: None))
+            row = dict(B=B, H=H, N=N, D=D)
+            for key, values in times.items():
+                t = sorted(values)[len(values) // 2]
+                row[key + "_ms"] = t * 1e3
+                row[key + "_tflops"] = flops * (3.5 if key.endswith("_fb") else 1.0) / t / 1e12
+            (o1, g1), (o2, g2) = outs["new"], outs["old"]
+            row["max_abs_diff_new_vs_old"] = max(mx.abs(a - b).max().item() for a, b in zip(o1 + g1, o2 + g2))
+            rows.append(row)
+            log("copy", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in row.items()}))
+            del q, k, v, do, outs
+    finally:
+        use_old(False)
+    with open(os.path.join(out_dir, "copy.json"), "w") as f:
+        json.dump(rows, f, indent=1)
+    log(f"\n| B,H,N,D | TFLOP/s fwd new / old | fwd {BATCH} per eval new / old | fwd+bwd new / old | max diff |")
+    for r in rows:
+        log(f"| {r['B']},{r['H']},{r['N']},{r['D']} | {r['new_fwd_tflops']:.0f} / {r['old_fwd_tflops']:.0f} | "
+            f"{r['new_fwd8_tflops']:.0f} / {r['old_fwd8_tflops']:.0f} | {r['new_fb_tflops']:.0f} / "
+            f"{r['old_fb_tflops']:.0f} | {r['max_abs_diff_new_vs_old']:.2g} |")
+    return all(r["max_abs_diff_new_vs_old"] == 0 for r in rows)
+
+
 def phase_softcap(out_dir, rounds=4):
     """Softcap's cost: the same call without softcap, with it, and with it through tanhf (the
     kernel text rewritten at render time), fwd and fwd+bwd timed in interleaved rounds (per call,
     until mx.eval returns)."""
     import mlx.core as mx
-    from mlx_flash import flash_attention, render
+    from mlx_flash import flash_attention
     from mlx_flash.backends import cuda
     fast_line = "t = fast_tanh(raw * (scale / cap));"
-    original = cuda.template_text
-
-    def use_tanhf(on):
-        cuda.template_text = (lambda name: original(name).replace(fast_line, "t = tanhf(raw * (scale / cap));")) \
-            if on else original
-        cuda._kernel.cache_clear()
-    assert fast_line in render.template_text("attention_common.cuh")
+    use_tanhf = _kernel_text_rewrite(cuda, "attention_common.cuh", fast_line, "t = tanhf(raw * (scale / cap));")
     rows = []
     warm_up_gpu(1.0)
     try:
@@ -634,7 +702,10 @@ def phase_backward(out_dir):
     from mlx_flash.spec import check_inputs
     rows, ok = [], True
     warm_up_gpu(1.0)
+    keep = os.environ.get("MLX_FLASH_BACKWARD_HEAD_DIMS")  # e.g. 160,192: only those head dims
     for (D, causal), blocks in BACKWARD_SHAPES.items():
+        if keep and str(D) not in keep.split(","):
+            continue
         B, H, N = (4 if D <= 128 else 1), 16, 4096
         mx.random.seed(D)
         q, k, v, do = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(4))
@@ -705,13 +776,19 @@ SWEEP = {
 }
 
 # The wgmma forward under other block shapes, against the table's: (B, H, N, D, what the call
-# adds: None, "causal", "softcap" or "bool") -> (P, T, warps) variants (12 warps = three consumer
-# warpgroups of 64 query rows, 8 = two).
+# adds: None, "causal", "softcap" or "bool") -> (P, T, warps[, pingpong]) variants (12 warps = three
+# consumer warpgroups of 64 query rows, 8 = two; pingpong forces WGMMA_PINGPONG on or off).
+# MLX_FLASH_FORWARD_HEAD_DIMS=160,192 keeps only those head dims.
 FORWARD_SHAPES = {(4, 16, 4096, 64, None): ((128, 128, 8), (192, 64, 12), (192, 112, 12)),
                   (4, 16, 4096, 64, "causal"): ((128, 128, 8), (192, 64, 12)),
                   (4, 16, 4096, 64, "softcap"): ((128, 128, 8), (192, 64, 12)),
                   (4, 16, 4096, 64, "bool"): ((128, 128, 8), (192, 64, 12)),
-                  (4, 16, 4096, 128, None): ((192, 64, 12),)}
+                  (4, 16, 4096, 128, None): ((192, 64, 12),),
+                  # D = 160 / 192 measured slower per call than D = 256 (193 / 202 against 342
+                  # TFLOP/s, session 7's table) with the same row: pingpong, wider key tiles.
+                  (1, 16, 4096, 160, None): ((128, 64, 8, True), (128, 96, 8)),
+                  (1, 16, 4096, 192, None): ((128, 64, 8, True), (128, 96, 8)),
+                  (1, 16, 4096, 256, None): ((128, 64, 8, True),)}
 FORWARD_ROUNDS = 4
 
 
@@ -728,7 +805,10 @@ def phase_forward(out_dir):
     from mlx_flash.spec import check_inputs
     rows, ok = [], True
     warm_up_gpu(1.0)
+    keep = os.environ.get("MLX_FLASH_FORWARD_HEAD_DIMS")
     for (B, H, N, D, adds), shapes in FORWARD_SHAPES.items():
+        if keep and str(D) not in keep.split(","):
+            continue
         mx.random.seed(D)
         q, k, v = (mx.random.normal((B, H, N, D)).astype(mx.bfloat16) for _ in range(3))
         causal, softcap = adds == "causal", 30.0 if adds == "softcap" else None
@@ -737,18 +817,24 @@ def phase_forward(out_dir):
         spec, m4 = check_inputs(q, k, v, mask=mask, softcap=softcap)
         flops = 4 * B * H * N * N * D / (2 if causal else 1)
         kernel_call = lambda: cuda.forward(q, k, v, m4, spec)[0]
-        variants = [("table", None, kernel_call)] + [(f"P{p}_T{t}_w{w}", (p, t, D, w), kernel_call)
-                                                     for p, t, w in shapes]
+        variants = [("table", None, kernel_call)] + [
+            (f"P{p}_T{t}_w{w}" + ("" if not pp else "_pingpong" if pp[0] else "_no_pingpong"), (p, t, D, w, *pp),
+             kernel_call) for p, t, w, *pp in shapes]
         variants += [("flash_attention", None, lambda: flash_attention(q, k, v, mask=mask, softcap=softcap,
                                                                         backend="cuda"))]
         if softcap is None:
             variants += [("mlx_sdpa", None, lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=D ** -0.5,
                                                                                           mask=mask))]
         timed, reference = [], None
-        for name, override, call in variants:  # compile and check
+        def apply(override):
             cuda.BLOCK_OVERRIDES.clear()
+            cuda.WGMMA_PINGPONG = None
             if override:
-                cuda.BLOCK_OVERRIDES["forward_wgmma"] = override
+                cuda.BLOCK_OVERRIDES["forward_wgmma"] = override[:4]
+                cuda.WGMMA_PINGPONG = override[4] if len(override) > 4 else None
+
+        for name, override, call in variants:  # compile and check
+            apply(override)
             r = dict(B=B, H=H, N=N, D=D, adds=adds, variant=name)
             try:
                 result = call()
@@ -770,9 +856,7 @@ def phase_forward(out_dir):
         warm_up_gpu(0.5)
         for _ in range(FORWARD_ROUNDS):
             for r, override, call, samples in timed:
-                cuda.BLOCK_OVERRIDES.clear()
-                if override:
-                    cuda.BLOCK_OVERRIDES["forward_wgmma"] = override
+                apply(override)
                 one = lambda: mx.eval(call())
                 samples.setdefault("eval", []).append(_median_time(one, warmup=2, reps=7, sync=lambda: None))
                 samples.setdefault("sync", []).append(_median_time(one, warmup=2, reps=7, sync=mx.synchronize))
@@ -786,7 +870,7 @@ def phase_forward(out_dir):
                 fa2["samples"].setdefault("batched", []).append(batched)
             except Exception as e:
                 fa2["error"] = str(e)[:300]
-        cuda.BLOCK_OVERRIDES.clear()
+        apply(None)
         for r, samples in [(r, s_) for r, _, _, s_ in timed] + [(fa2, fa2.get("samples", {}))] * with_fa2:
             for mode, values in samples.items():
                 t = sorted(values)[len(values) // 2]
@@ -1100,6 +1184,8 @@ def main():
                 results[phase] = phase_forward(args.out)
             elif phase == "softcap":
                 results[phase] = phase_softcap(args.out)
+            elif phase == "copy":
+                results[phase] = phase_copy(args.out)
             elif phase == "order":
                 results[phase] = phase_order(args.out)
             elif phase == "profile":

@@ -109,17 +109,20 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 
 // Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
 // ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
-// Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS)
-// when CHUNKS divides THREADS: its shared and global offsets then advance by constants, so each
-// copy costs a few instructions (the general index arithmetic cost ~25 per 16-byte copy and made
-// the producer warpgroup too slow to feed the tensor cores: H100, D=128).
+// Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
+// its shared and global offsets then advance by constants, so each copy costs a few instructions
+// (the general index arithmetic cost ~25 per 16-byte copy and made the producer warpgroup too
+// slow to feed the tensor cores: H100, D=128). Where CHUNKS does not divide THREADS (three
+// panels, D = 129..192: 24 chunks) the last THREADS % CHUNKS threads sit out: 120 of 128 copy.
+// That path used to take the general arithmetic and measured slower per call than D = 256
+// (H100, B=1 H=16 N=4096: D=192 266 against 361 TFLOP/s; ncu: the producer's copy loop).
 template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, bool vec, int tid) {
   constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
   static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
-  if (vec && THREADS % CHUNKS == 0) {
-    constexpr int ROW_STEP = THREADS / CHUNKS;
-    const int r0 = tid / CHUNKS, c = (tid % CHUNKS) * 8;
+  if (vec && CHUNKS <= THREADS) {
+    constexpr int ROW_STEP = THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
+    const int r0 = (ACTIVE == THREADS || tid < ACTIVE) ? tid / CHUNKS : ROWS, c = (tid % CHUNKS) * 8;
     const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
     const T* src = g + (i64)r0 * HEAD_DIM + c;
     // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).

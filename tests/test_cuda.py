@@ -299,6 +299,10 @@ def test_kernel_config_cache_follows_gpu_and_hooks(monkeypatch):
     # wholly past Nq; a bool mask (the kernel spills there) with softcap and GQA; a causal window.
     Case(head_dim=64, q_len=450, kv_len=391, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
     Case(head_dim=40, q_len=200, kv_len=260, dtype="float16", mask="causal_window", window=(50, -1)),
+    # Three 64-column panels (D = 129..192): 24 copy chunks per row, which do not divide the 128
+    # copying threads (load_swizzled's partial fast path); D = 150 takes the element-wise path.
+    Case(head_dim=176, q_len=270, kv_len=333, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=150, q_len=90, kv_len=130, dtype="float16", mask="additive"),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}")
 def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
     check_case(case, backend="cuda", gradients=False)
@@ -324,6 +328,7 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
     Case(head_dim=37, q_len=130, kv_len=129, dtype="float16", mask="causal_window", window=(40, 5), group=3),
     Case(head_dim=200, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=256, q_len=100, kv_len=140, dtype="float16", mask="bool", softcap=20.0),
+    Case(head_dim=160, q_len=210, kv_len=300, dtype="bfloat16", mask="window", window=(70, 20)),  # three panels
 ], ids=lambda c: f"d{c.head_dim}")
 def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""
