@@ -650,10 +650,14 @@ def phase_order(out_dir, rounds=4):
 # The wgmma backward kernels against the mma.sync ones, alone (bf16, H=16, N=4096, B=4 for D <= 128
 # else 1): (D, causal) -> traversal blocks T to time for each wgmma kernel (None = the table's).
 BACKWARD_SHAPES = {(64, False): (None,), (64, True): (None,), (128, False): (None,), (160, False): (None, 32),
+                   (160, True): (None,),
                    (192, False): (None, 32), (256, False): (None, 32), (256, True): (None, 32)}
 # dQ with three consumer warpgroups (P = 192, 12 warps): head dim -> traversal blocks T to time
 # (the widest that neither spill nor serialize, nvcc 13.0).
 BACKWARD_QUERY_THREE_WARPGROUPS = {64: (64, 80), 128: (32, 48)}
+# dK/dV with all of D in each consumer warpgroup past D = 128 (up to 160 fits the registers):
+# head dim -> traversal blocks T to time (nvcc 13.0: 12 bytes spilled at T <= 32, T = 48 serializes).
+BACKWARD_KEY_VALUE_WHOLE = {160: (16, 32)}
 BACKWARD_ROUNDS = 4  # interleaved rounds: every variant of a shape timed once per round
 
 
@@ -670,8 +674,11 @@ def _backward_variants(kernel, D, blocks):
     variants = [("mma", None, dict(base, WGMMA_BACKWARD_OVERRIDE=False))]
     for t in blocks:
         for name, p, hooks in kinds:
-            block = None if p is None and t is None else (p or 128, t)
+            block = None if p is None and t is None else (p or 128, t, 8, 128) if D > 128 else (p or 128, t)
             variants.append((name, block, dict(base, WGMMA_BACKWARD_OVERRIDE=True, **hooks)))
+    if kernel == "backward_key_value":
+        for t in BACKWARD_KEY_VALUE_WHOLE.get(D, ()):  # all of D in each warpgroup
+            variants.append(("wgmma_whole", (128, t, 8, D), dict(base, WGMMA_BACKWARD_OVERRIDE=True)))
     if kernel == "backward_query":
         for t in BACKWARD_QUERY_THREE_WARPGROUPS.get(D, ()):
             variants.append(("wgmma_three_warpgroups", (192, t, 12), dict(base, WGMMA_BACKWARD_OVERRIDE=True)))
@@ -679,17 +686,18 @@ def _backward_variants(kernel, D, blocks):
 
 
 def _apply_hooks(cuda, kernel, D, block, hooks):
-    """Sets the hooks; block (P, T[, consumer warps, default 8]), T None = the table's T."""
+    """Sets the hooks; block (P, T[, consumer warps, default 8[, H]]), T None = the table's T,
+    H (dK/dV columns per warpgroup) by default the table's."""
     for name, value in hooks.items():
         setattr(cuda, name, value)
     cuda.BLOCK_OVERRIDES.clear()
     if block is not None:
-        p, t, *warps = block
-        if t is None:
-            import mlx.core as mx
-            from mlx_flash import planner
-            t = planner.plan("cuda", kernel, D, mx.bfloat16, cuda.WGMMA_FAMILY).traversal_block
-        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t, D, warps[0] if warps else 8)
+        import mlx.core as mx
+        from mlx_flash import planner
+        p, t, warps, *columns = tuple(block) + (8,) * (len(block) == 2)
+        row = planner.plan("cuda", kernel, D, mx.bfloat16, cuda.WGMMA_FAMILY)
+        cuda.BLOCK_OVERRIDES[kernel + "_wgmma"] = (p, t if t is not None else row.traversal_block,
+                                                   columns[0] if columns else row.head_block, warps)
 
 
 def phase_backward(out_dir):

@@ -9,11 +9,13 @@
 //   dV += P^T dO, dK += dS^T Q                         (wgmma, P^T / dS^T from registers)
 // - A producer warpgroup streams each item's Q and dO tiles (with its lse2 and delta values)
 //   into a ring of STAGES buffers with cp.async; the hardware announces each on an mbarrier.
-// - CG = 1 (D <= 128): CONSUMERS consumer warpgroups own 64 keys each: their K and V rows stay
-//   in shared memory for the whole loop, their dK and dV accumulators (all DS = D columns, DS / 2
-//   floats each per thread) in registers.
-// Past D = 128 the accumulators of all D columns (2 x D / 2 floats per thread) do not fit beside
-// the score tiles; blocks_cuda.txt picks one of two schemes by its P (keys per CTA):
+// - CG = 1, NSLICE = 1 (D <= blocks_cuda.txt's H): CONSUMERS consumer warpgroups own 64 keys
+//   each: their K and V rows stay in shared memory for the whole loop, their dK and dV
+//   accumulators (all DS = D columns, DS / 2 floats each per thread) in registers. Up to D = 160
+//   they fit beside the score tiles at BN <= 32 (nvcc 13.0: 12 bytes spilled at D = 160; D = 192
+//   spills 576 and serializes the wgmmas).
+// Past H the accumulators of all D columns do not fit beside the score tiles; blocks_cuda.txt
+// picks one of two schemes by its P (keys per CTA), with H = 128:
 // - CG = 2 (P = 64, column groups): both consumer warpgroups own the same 64 keys and split the
 //   columns: warpgroup w accumulates dK and dV for columns [128 w, 128 w + 128)
 //   of Q / dO tiles zero-filled to 256 columns. (Both take 128: the same instructions in both
@@ -42,7 +44,7 @@ typedef {{MASK_T}} MaskT;
 constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
 constexpr int DP = {{DP}};              // D padded to 16: the S^T / dP^T contraction
 constexpr int NSLICE = {{NSLICE}};      // CTAs per key block (column slices)
-constexpr int DS = {{DS}};              // dK / dV columns per warpgroup (DP if NSLICE == CG == 1, else 128)
+constexpr int DS = {{DS}};              // dK / dV columns per warpgroup (DP <= 160 if NSLICE == CG == 1, else 128)
 constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA
 constexpr int CG = {{CG}};              // column groups: consumer warpgroups sharing one 64-key block
 constexpr int BN = {{BN}};              // queries per step
@@ -75,8 +77,8 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
-static_assert(DS % 16 == 0 && DS <= 128 && (NSLICE == 1 && CG == 1 ? DS == DP : DS == 128 && 128 * NSLICE * CG >= DP),
-              "dK and dV accumulators of at most 128 columns per warpgroup");
+static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : DS == 128 && 128 * NSLICE * CG >= DP),
+              "dK and dV accumulators: all of D up to 160 columns per warpgroup, or 128-column slices / groups");
 static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2 && !PINGPONG),
               "column groups: two warpgroups, one slice, more than 128 columns, no turns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // after the warpgroups' (1..) and MmaTurns' barriers

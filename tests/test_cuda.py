@@ -19,7 +19,7 @@ from hypothesis import given, settings
 
 from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
 
-from mlx_flash import fallback_counts, flash_attention, reset_fallback_counts  # noqa: E402
+from mlx_flash import fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
 from mlx_flash.backends import cuda, cuda_emulator, get_backend  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
 
@@ -219,7 +219,7 @@ def test_wgmma_ops_header_matches_its_generator():
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
     ("forward", [1, 37, 64, 80, 128, 160, 200, 256]),
     ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
-    ("backward_key_value", [1, 37, 64, 80, 128, 144, 200, 256])) for head_dim in dims]
+    ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256])) for head_dim in dims]
 
 
 @pytest.mark.parametrize("kernel,head_dim", WGMMA_RENDER_CASES, ids=lambda x: str(x))
@@ -239,21 +239,36 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{config.slice_width}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
-    # dK/dV past D = 128: 128-column CTAs (slices, P = 128) or both consumer warpgroups on 64
-    # keys, 128 columns each (column groups, P = 64), as the table says; the other kernels hold
-    # all of D in each warpgroup
-    wide = kernel == "backward_key_value" and config.padded_dim > 128
+    # dK/dV past the table row's H (<= 160): 128-column CTAs (slices, P = 128) or both consumer
+    # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
+    # other kernels hold all of D in each warpgroup
+    row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, cuda.WGMMA_FAMILY)
+    wide = kernel == "backward_key_value" and config.padded_dim > -(-row.head_block // 16) * 16
+    assert wide == (config.slices * config.col_groups > 1)
     assert config.slices * config.col_groups * config.slice_width >= config.padded_dim
     assert ("constexpr int CG = 2;" in header) == (config.col_groups == 2)
     if not wide:
-        assert config.slices == config.col_groups == 1
+        assert config.slices == config.col_groups == 1 and config.slice_width == config.padded_dim
+        assert config.padded_dim <= (cuda.WGMMA_WHOLE_MAX_COLUMNS if kernel == "backward_key_value" else 256)
         return
     for block, slices, col_groups in ((128, -(-config.padded_dim // 128), 1), (64, 1, 2)):
-        monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (block, 64, head_dim, 8))
+        monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (block, 64, 128, 8))
         scheme = cuda.kernel_config(kernel, spec, None)
         assert (scheme.parallel_block, scheme.slices, scheme.col_groups) == (block, slices, col_groups)
         assert scheme.shared_memory <= cuda.SHARED_MEMORY_LIMIT
         assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda.kernel_source(scheme)[0]
+    # All of D in one warpgroup (H >= D) holds up to WGMMA_WHOLE_MAX_COLUMNS; past it a clear error.
+    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (128, 32, config.padded_dim, 8))
+    if config.padded_dim <= cuda.WGMMA_WHOLE_MAX_COLUMNS:
+        whole = cuda.kernel_config(kernel, spec, None)
+        assert (whole.slices, whole.col_groups, whole.slice_width) == (1, 1, config.padded_dim)
+        assert f"static_assert(SMEM_BYTES <= {whole.shared_memory}," in cuda.kernel_source(whole)[0]
+    else:
+        with pytest.raises(ValueError, match="all of D up to 160"):
+            cuda.kernel_config(kernel, spec, None)
+    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (128, 32, 96, 8))  # a split needs H = 128
+    with pytest.raises(ValueError, match="H must be 128"):
+        cuda.kernel_config(kernel, spec, None)
 
 
 def test_wgmma_not_chosen_off_hopper(monkeypatch):
@@ -340,3 +355,29 @@ def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
         grads.append(_out_and_grads(case)[1:])
     for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
         assert relative_error(g_wgmma, g_mma) < 2e-2, name
+
+
+
+@gpu
+@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
+                    reason="the wgmma backward needs a Hopper GPU (sm_90)")
+@pytest.mark.parametrize("scheme", [(128, 32, 160, 8), (128, 16, 160, 8), (128, 64, 128, 8), (64, 64, 128, 8)],
+                         ids=["whole-T32", "whole-T16", "slices", "column-groups"])
+def test_wgmma_key_value_schemes(scheme, monkeypatch):
+    """Past D = 128 the dK/dV kernel holds all of D per warpgroup (H >= D, up to 160), or splits
+    it into 128-column CTAs (P = 128) or column groups (P = 64): each against float64 and mma.sync."""
+    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
+    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, "backward_key_value_wgmma", scheme)
+    for case in (Case(head_dim=160, q_len=230, kv_len=200, dtype="bfloat16", mask="causal", group=2),
+                 Case(head_dim=136, q_len=90, kv_len=170, dtype="float16", mask="bool", softcap=15.0)):
+        a = make_arrays(case)
+        config = cuda.kernel_config("backward_key_value", check_inputs(a.q, a.k, a.v)[0], None)
+        assert (config.slices * config.col_groups == 1) == (scheme[2] >= config.padded_dim)
+        check_case(case, backend="cuda")
+        grads = []
+        for wgmma in (True, False):
+            monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", wgmma)
+            grads.append(_out_and_grads(case)[1:])
+        monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
+        for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
+            assert relative_error(g_wgmma, g_mma) < 2e-2, (case.head_dim, name)

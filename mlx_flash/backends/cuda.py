@@ -51,10 +51,12 @@ _WGMMA_TEMPLATES = {"forward": "attention_forward_wgmma.cu", "backward_query": "
                     "backward_key_value": "attention_backward_key_value_wgmma.cu"}
 # Head dims each wgmma kernel covers: wgmma's N (the O / dQ tile width) is at most 256. dK/dV: the
 # dK and dV accumulators of a 64-row warpgroup hold D / 2 floats each per thread, which beside the
-# score tiles fit the consumers' 232 registers up to D = 128; past that the kernel splits D into
-# column slices of 128 (WGMMA_SLICE_WIDTH), one CTA each.
+# score tiles fit the consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); the table
+# row's H says how many columns one warpgroup takes: past H the kernel splits D into 128-column
+# parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each (column groups).
 WGMMA_MAX_HEAD_DIMS = {"forward": 256, "backward_query": 256, "backward_key_value": 256}
 WGMMA_SLICE_WIDTH = 128
+WGMMA_WHOLE_MAX_COLUMNS = 160
 # The warp-specialized wgmma forward is the faster one at every head dim it covers (H100, one
 # run, 2026-11-22, TFLOP/s per call mma.sync / wgmma: D=64 196 / 250, D=128 240 / 412, D=160
 # 163 / 211, D=256 168 / 344; causal D=128 214 / 289, D=256 149 / 237).
@@ -196,7 +198,8 @@ def _tuning_key() -> tuple:
     (their defaults in normal use), so that a hook set by gpu_check or a test is never answered
     from the cache."""
     return (compute_capability(), WGMMA_FORWARD_OVERRIDE, WGMMA_BACKWARD_OVERRIDE, WGMMA_PINGPONG,
-            WGMMA_BACKWARD_PINGPONG, WGMMA_STAGES, tuple(sorted(BLOCK_OVERRIDES.items())))
+            WGMMA_BACKWARD_PINGPONG, WGMMA_STAGES, WGMMA_SLICE_WIDTH, WGMMA_WHOLE_MAX_COLUMNS,
+            tuple(sorted(BLOCK_OVERRIDES.items())))
 
 
 # Cached: working the table out took 8 us of the call's ~50 us host time (CI machine, D=64).
@@ -241,16 +244,20 @@ def _kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dty
 
 def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, WGMMA_FAMILY)
-    block, keys, warps = plan.parallel_block, plan.traversal_block, plan.warps or 8
+    block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
     if kernel + "_wgmma" in BLOCK_OVERRIDES:
-        block, keys, _, *rest = BLOCK_OVERRIDES[kernel + "_wgmma"]
+        block, keys, columns, *rest = BLOCK_OVERRIDES[kernel + "_wgmma"]
         warps = rest[0] if rest else block // 16
     # Consumer warps (4 per warpgroup): the dK/dV kernel's register split needs exactly two.
     consumers = (8,) if kernel == "backward_key_value" else (8, 12)
     padded = _round_up(spec.head_dim, 16)
-    # dK/dV past 128 columns: P = 128 keys (64 per warpgroup) splits D into 128-column CTAs
-    # (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
-    wide = kernel == "backward_key_value" and padded > WGMMA_SLICE_WIDTH
+    # dK/dV past the row's H columns: P = 128 keys (64 per warpgroup) splits D into 128-column
+    # CTAs (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
+    wide = kernel == "backward_key_value" and padded > _round_up(columns, 16)
+    if kernel == "backward_key_value" and (padded > WGMMA_WHOLE_MAX_COLUMNS if not wide else columns != WGMMA_SLICE_WIDTH):
+        raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} backward_key_value at head_dim={spec.head_dim} "
+                         f"has H={columns}: a warpgroup holds dK / dV for all of D up to {WGMMA_WHOLE_MAX_COLUMNS} "
+                         f"columns, past that H must be {WGMMA_SLICE_WIDTH} (slices or column groups).")
     col_groups = 2 if wide and block == 8 * warps else 1
     if warps not in consumers or block * col_groups != 16 * warps:
         raise ValueError(f"[cuda] blocks_cuda.txt: the {WGMMA_FAMILY} {kernel} at head_dim={spec.head_dim} needs "
