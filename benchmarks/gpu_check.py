@@ -149,7 +149,8 @@ def sanitize_case():
     import mlx.core as mx
     from mlx_flash import flash_attention
     mx.random.seed(0)
-    for D, mask, N in ((64, "causal", 100), (72, None, 65), (96, "bool", 70), (130, "bool", 40), (200, "bool", 40), (320, "causal", 40)):
+    for D, mask, N in ((64, "causal", 100), (72, None, 65), (96, "bool", 70), (130, "bool", 40), (160, "causal", 50),
+                       (200, "bool", 40), (320, "causal", 40)):
         q = mx.random.normal((1, 2, N, D)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
         v = mx.random.normal((1, 1, N + 3, D)).astype(mx.bfloat16)
