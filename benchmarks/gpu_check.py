@@ -338,6 +338,16 @@ def phase_overhead(out_dir):
 
 
 # ----------------------------------------------------------------------------- bench
+def _record_medians(row, times, flops):
+    """row[key + "_ms"] and row[key + "_tflops"] from the median of each key's samples (seconds);
+    keys ending in "_fb" (forward + backward) count 3.5x the forward's flops. Returns row."""
+    for key, values in times.items():
+        t = sorted(values)[len(values) // 2]
+        row[key + "_ms"] = t * 1e3
+        row[key + "_tflops"] = flops * (3.5 if key.endswith("_fb") else 1.0) / t / 1e12
+    return row
+
+
 def _median_time(fn, warmup=3, reps=10, sync=None):
     for _ in range(warmup):
         fn()
@@ -521,11 +531,7 @@ def phase_copy(out_dir, rounds=4):
                         lambda: mx.eval([call() for _ in range(BATCH)]), warmup=1, reps=3, sync=lambda: None) / BATCH)
                     times.setdefault(name + "_fb", []).append(
                         _median_time(lambda: mx.eval(grads()), warmup=1, reps=5, sync=lambda: None))
-            row = dict(B=B, H=H, N=N, D=D)
-            for key, values in times.items():
-                t = sorted(values)[len(values) // 2]
-                row[key + "_ms"] = t * 1e3
-                row[key + "_tflops"] = flops * (3.5 if key.endswith("_fb") else 1.0) / t / 1e12
+            row = _record_medians(dict(B=B, H=H, N=N, D=D), times, flops)
             (o1, g1), (o2, g2) = outs["new"], outs["old"]
             row["max_abs_diff_new_vs_old"] = max(mx.abs(a - b).max().item() for a, b in zip(o1 + g1, o2 + g2))
             rows.append(row)
@@ -574,11 +580,7 @@ def phase_softcap(out_dir, rounds=4):
                         mx.eval(outs[name])
                     times.setdefault(name + "_fwd", []).append(_median_time(fwd, warmup=2, reps=5, sync=lambda: None))
                     times.setdefault(name + "_fb", []).append(_median_time(fb, warmup=1, reps=5, sync=lambda: None))
-            row = dict(B=B, H=H, N=N, D=D, cap=cap)
-            for key, values in times.items():
-                t = sorted(values)[len(values) // 2]
-                row[key + "_ms"] = t * 1e3
-                row[key + "_tflops"] = flops * (3.5 if key.endswith("_fb") else 1.0) / t / 1e12
+            row = _record_medians(dict(B=B, H=H, N=N, D=D, cap=cap), times, flops)
             (o1, g1), (o2, g2) = outs["softcap"], outs["softcap_tanhf"]
             row["rel_err_fast_vs_tanhf"] = _max_relative_error(o1 + g1, o2 + g2)
             rows.append(row)
@@ -881,10 +883,7 @@ def phase_forward(out_dir):
                 fa2["error"] = str(e)[:300]
         apply(None)
         for r, samples in [(r, s_) for r, _, _, s_ in timed] + [(fa2, fa2.get("samples", {}))] * with_fa2:
-            for mode, values in samples.items():
-                t = sorted(values)[len(values) // 2]
-                r[f"{mode}_ms"] = t * 1e3
-                r[f"{mode}_tflops"] = flops / t / 1e12
+            _record_medians(r, samples, flops)
             r.pop("samples", None)
             log("forward", json.dumps({k_: round(v_, 4) if isinstance(v_, float) else v_ for k_, v_ in r.items()}))
         del q, k, v, reference

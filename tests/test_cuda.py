@@ -243,7 +243,7 @@ def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
     # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
     # other kernels hold all of D in each warpgroup
     row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, cuda.WGMMA_FAMILY)
-    wide = kernel == "backward_key_value" and config.padded_dim > -(-row.head_block // 16) * 16
+    wide = kernel == "backward_key_value" and config.padded_dim > cuda._round_up(row.head_block, 16)
     assert wide == (config.slices * config.col_groups > 1)
     assert config.slices * config.col_groups * config.slice_width >= config.padded_dim
     assert ("constexpr int CG = 2;" in header) == (config.col_groups == 2)
@@ -347,15 +347,20 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
 ], ids=lambda c: f"d{c.head_dim}")
 def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""
+    _check_wgmma_backward(case, monkeypatch)
+
+
+def _check_wgmma_backward(case, monkeypatch):
+    """check_case with the wgmma backward, then its gradients against the mma.sync kernels'."""
     monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
     check_case(case, backend="cuda")
     grads = []
     for wgmma in (True, False):
         monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", wgmma)
         grads.append(_out_and_grads(case)[1:])
+    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
     for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
-        assert relative_error(g_wgmma, g_mma) < 2e-2, name
-
+        assert relative_error(g_wgmma, g_mma) < 2e-2, (case.head_dim, name)
 
 
 @gpu
@@ -373,11 +378,4 @@ def test_wgmma_key_value_schemes(scheme, monkeypatch):
         a = make_arrays(case)
         config = cuda.kernel_config("backward_key_value", check_inputs(a.q, a.k, a.v)[0], None)
         assert (config.slices * config.col_groups == 1) == (scheme[2] >= config.padded_dim)
-        check_case(case, backend="cuda")
-        grads = []
-        for wgmma in (True, False):
-            monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", wgmma)
-            grads.append(_out_and_grads(case)[1:])
-        monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
-        for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
-            assert relative_error(g_wgmma, g_mma) < 2e-2, (case.head_dim, name)
+        _check_wgmma_backward(case, monkeypatch)
