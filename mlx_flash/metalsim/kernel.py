@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import compiler
+from . import compiler, includes
 from .rewrite import UnsupportedError, rewrite
 from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
                         metal_source)
@@ -157,7 +157,8 @@ class MetalKernel:
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  atomic_outputs: bool = False, compile_options: dict | None = None,
-                 thread_order: str | None = None, check: str | bool | None = None):
+                 thread_order: str | None = None, check: str | bool | None = None,
+                 function_constants: dict | None = None):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name = name
@@ -170,6 +171,7 @@ class MetalKernel:
         self.compile_options = _parse_compile_options(compile_options)
         self.thread_order = thread_order
         self.check = check
+        self.function_constants = dict(function_constants or {})
         _reversed_order(thread_order)  # validate early
         # MLX's rules: substring search in the body only.
         self._shape_info = [(n + "_shape" in source, n + "_strides" in source, n + "_ndim" in source)
@@ -177,23 +179,36 @@ class MetalKernel:
         self._attributes = tuple((a, t) for a, t in METAL_ATTRIBUTES if a in source)
         self._variants: dict[tuple, _Variant] = {}
         self._lock = threading.Lock()
-        self._rewritten: dict[bool, tuple[str, str, list[str]]] = {}
+        self._rewritten: dict[bool, tuple[str, str, list[str], bool]] = {}
 
     # -- compilation ---------------------------------------------------------
-    def _rewrite(self, check: bool) -> tuple[str, str, list[str]]:
+    def _rewrite(self, check: bool) -> tuple[str, str, list[str], bool]:
+        """(header C++, body C++, threadgroup site names, whether MLX's utils.h
+        was included)."""
         r = self._rewritten.get(check)
         if r is None:
-            try:
-                h = rewrite(self.header, check=check, site_base=0)
-            except UnsupportedError as e:
-                raise MetalSimUnsupportedError(
-                    f"metalsim: kernel '{self.name}' header line {e.line}: {e.msg}") from None
-            try:
-                b = rewrite(self.source, check=check, site_base=len(h.tg_sites))
-            except UnsupportedError as e:
-                raise MetalSimUnsupportedError(
-                    f"metalsim: kernel '{self.name}' source line {e.line}: {e.msg}") from None
-            r = (h.text, b.text, h.tg_sites + b.tg_sites)
+            seen: set[str] = set()
+            parts = []
+            site_base = 0
+            for label, what, src in (("kernel_header", "header", self.header),
+                                     ("kernel_source", "source", self.source)):
+                try:
+                    text, org = includes.expand(src, label, seen)
+                except includes.IncludeError as e:
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {what} line {e.line}: {e.msg}") from None
+                try:
+                    res = rewrite(text, check=check, site_base=site_base,
+                                  function_constants=self.function_constants)
+                except UnsupportedError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e.msg}") from None
+                site_base += len(res.tg_sites)
+                parts.append(res)
+            h, b = parts
+            r = (h.text, b.text, h.tg_sites + b.tg_sites, includes.UTILS in seen)
             self._rewritten[check] = r
         return r
 
@@ -204,8 +219,8 @@ class MetalKernel:
         with self._lock:
             v = self._variants.get(key)
             if v is None:
-                header_cpp, body_cpp, tg_names = self._rewrite(spec.check)
-                cpp = generate(spec, body_cpp, header_cpp, tg_names)
+                header_cpp, body_cpp, tg_names, mlx_utils = self._rewrite(spec.check)
+                cpp = generate(spec, body_cpp, header_cpp, tg_names, mlx_utils=mlx_utils)
                 lib = compiler.compile_kernel(cpp, self.name, self.source, self.header)
                 thunk = ctypes.cast(lib.msim_thunk, ctypes.c_void_p).value
                 names = ctypes.addressof(ctypes.c_void_p.in_dll(lib, "msim_tg_names"))
@@ -346,7 +361,8 @@ class MetalKernel:
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
                  compile_options: dict | None = None, *, thread_order: str | None = None,
-                 check: str | bool | None = None) -> MetalKernel:
+                 check: str | bool | None = None,
+                 function_constants: dict | None = None) -> MetalKernel:
     """Same arguments as ``mx.fast.metal_kernel`` plus metalsim options:
 
     thread_order: ``"forward"`` (default) or ``"reversed"``: the order in
@@ -356,6 +372,12 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
     check: ``"bounds"`` compiles device pointers and threadgroup arrays as
         bounds-checked wrappers; an out-of-bounds access raises
         :class:`MetalSimError`. Default from ``MLX_FLASH_METALSIM_CHECK``.
+    function_constants: values of the program-scope function constants
+        (``constant bool name [[function_constant(i)]];``) that the kernel's
+        header declares, by name (Metal sets them on the pipeline, which
+        ``mx.fast.metal_kernel`` does not expose; Apple's kernels from MLX's
+        headers use them).
     """
     return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                       atomic_outputs, compile_options, thread_order=thread_order, check=check)
+                       atomic_outputs, compile_options, thread_order=thread_order, check=check,
+                       function_constants=function_constants)

@@ -254,6 +254,64 @@ MSIM_FLOAT_LIMITS(bfloat, 0x1p-126f, 0x1.fep+127f, 0x1p-7f, 0x1p-133f)
 #undef MSIM_FLOAT_LIMITS
 
 // ---------------------------------------------------------------------------
+// <metal_type_traits> (the subset MLX's headers use), on clang's builtins.
+// ---------------------------------------------------------------------------
+// Metal's types are also reachable as metal::float4, metal::vec<T, N>, ...
+using ::vec; using ::half; using ::bfloat; using ::uint; using ::ushort; using ::uchar;
+using ::ulong;
+#define MSIM_VEC_USING(T) using ::T##2; using ::T##3; using ::T##4;
+MSIM_VEC_USING(float) MSIM_VEC_USING(half) MSIM_VEC_USING(bfloat) MSIM_VEC_USING(int)
+MSIM_VEC_USING(uint) MSIM_VEC_USING(short) MSIM_VEC_USING(ushort) MSIM_VEC_USING(char)
+MSIM_VEC_USING(uchar) MSIM_VEC_USING(long) MSIM_VEC_USING(ulong) MSIM_VEC_USING(bool)
+#undef MSIM_VEC_USING
+
+template <class T, T v> struct integral_constant {
+  static constexpr T value = v;
+  typedef T value_type;
+  constexpr operator T() const { return v; }
+};
+template <bool B> using bool_constant = integral_constant<bool, B>;
+// Metal's internal (`#pragma METAL internals`) logical traits, used by MLX's atomic.h.
+template <class... B> struct _disjunction : integral_constant<bool, (B::value || ...)> {};
+template <class... B> struct _conjunction : integral_constant<bool, (B::value && ...)> {};
+// One address space on the CPU: nothing to remove.
+template <class T> struct remove_addrspace { typedef T type; };
+template <class T> using remove_addrspace_t = T;
+typedef integral_constant<bool, true> true_type;
+typedef integral_constant<bool, false> false_type;
+using msim::enable_if;
+using msim::enable_if_t;
+using msim::is_same;
+template <class A, class B> constexpr bool is_same_v = msim::is_same<A, B>::value;
+template <bool B, class T, class F> struct conditional { typedef T type; };
+template <class T, class F> struct conditional<false, T, F> { typedef F type; };
+template <bool B, class T, class F> using conditional_t = typename conditional<B, T, F>::type;
+template <class T> using remove_cv_t = typename msim::remove_cv<T>::type;
+template <class T> struct remove_reference { typedef typename msim::remove_ref<T>::type type; };
+template <class T> using remove_reference_t = typename msim::remove_ref<T>::type;
+template <class T> struct remove_cv : msim::remove_cv<T> {};
+template <class F, class T> struct is_convertible : integral_constant<bool, __is_convertible_to(F, T)> {};
+template <class F, class T> constexpr bool is_convertible_v = __is_convertible_to(F, T);
+template <class T> struct is_floating_point
+    : integral_constant<bool, msim::is_float_scalar<typename msim::remove_cv<T>::type>::value> {};
+template <class T> constexpr bool is_floating_point_v = is_floating_point<T>::value;
+template <class T> struct is_integral : integral_constant<bool, __is_integral(T)> {};
+template <class T> constexpr bool is_integral_v = __is_integral(T);
+template <class T> struct is_signed : integral_constant<bool, __is_signed(T)> {};
+template <class T> constexpr bool is_signed_v = __is_signed(T);
+template <class T> struct is_unsigned : integral_constant<bool, __is_unsigned(T)> {};
+template <class T> constexpr bool is_unsigned_v = __is_unsigned(T);
+template <class T> constexpr bool is_arithmetic_v = __is_arithmetic(T) || msim::is_float_scalar<T>::value;
+template <class T> constexpr bool is_pointer_v = __is_pointer(T);
+template <class T> constexpr bool is_scalar_v = __is_scalar(T);
+template <class T> struct make_unsigned { typedef __make_unsigned(T) type; };
+template <class T> using make_unsigned_t = __make_unsigned(T);
+template <class T> struct make_signed { typedef __make_signed(T) type; };
+template <class T> using make_signed_t = __make_signed(T);
+template <class T> struct is_vector : integral_constant<bool, msim::is_vec_v<T>> {};
+template <class T> constexpr bool is_vector_v = msim::is_vec_v<T>;
+
+// ---------------------------------------------------------------------------
 // Bit casts
 // ---------------------------------------------------------------------------
 template <class T, class U>
@@ -280,11 +338,9 @@ MSIM_INL T as_type(const U& x) {
 MSIM_F1(exp, __builtin_expf(x))
 MSIM_F1(exp2, __builtin_exp2f(x))
 MSIM_F1(exp10, __builtin_powf(10.0f, x))
-MSIM_F1(expm1, __builtin_expm1f(x))
 MSIM_F1(log, __builtin_logf(x))
 MSIM_F1(log2, __builtin_log2f(x))
 MSIM_F1(log10, __builtin_log10f(x))
-MSIM_F1(log1p, __builtin_log1pf(x))
 MSIM_F1(sqrt, __builtin_sqrtf(x))
 MSIM_F1(rsqrt, 1.0f / __builtin_sqrtf(x))
 MSIM_F1(cbrt, __builtin_cbrtf(x))
@@ -562,7 +618,7 @@ using metal::saturate; using metal::sign; using metal::sin; using metal::sinh; u
 using metal::tan; using metal::tanh; using metal::trunc; using metal::max3; using metal::min3;
 using metal::fmax3; using metal::fmin3; using metal::recip; using metal::normalize;
 using metal::length; using metal::distance; using metal::sinpi; using metal::cospi;
-using metal::tanpi; using metal::median3; using metal::exp2; using metal::log1p;
+using metal::tanpi; using metal::median3;
 }  // namespace fast
 namespace precise {
 using namespace metal::fast;
@@ -748,6 +804,47 @@ MSIM_SHUF(simd_shuffle_up, SH_UP, 32)
 MSIM_SHUF(simd_shuffle_down, SH_DOWN, 32)
 MSIM_SHUF(simd_shuffle_rotate_down, SH_ROT_DOWN, 32)
 MSIM_SHUF(simd_shuffle_rotate_up, SH_ROT_UP, 32)
+// simd_shuffle_and_fill_{up,down}(data, filling, delta[, modulo]): lanes whose
+// source falls outside their group of `modulo` lanes read `filling` from the
+// lane delta positions away instead.
+namespace detail {
+template <class T, bool Up>
+void coll_shuffle_fill(msim_coll* const* s, unsigned mask) {
+  T tmp[32];
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    long delta = (long)s[l]->u[0], mod = (long)s[l]->u[1];
+    long g = l - l % mod, i = l % mod;
+    long src = Up ? i - delta : i + delta;
+    bool fill = src < 0 || src >= mod;
+    long lane = fill ? (Up ? g + src + mod : g + src - mod) : g + src;
+    if (lane < 0 || lane >= 32 || !((mask >> lane) & 1)) tmp[l] = T{};
+    else tmp[l] = fill ? *(T*)s[lane]->p[2] : in_of<T>(s, (int)lane);
+  }
+  for (unsigned m = mask; m; m &= m - 1) out_of<T>(s, __builtin_ctz(m)) = tmp[__builtin_ctz(m)];
+}
+template <class T, bool Up>
+MSIM_INL T shuffle_fill(T x, T filling, ushort delta, ushort modulo) {
+  T r;
+  msim_coll c;
+  c.fn = &coll_shuffle_fill<T, Up>;
+  c.p[0] = &x;
+  c.p[1] = &r;
+  c.p[2] = &filling;
+  c.u[0] = delta;
+  c.u[1] = modulo;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+  return r;
+}
+}  // namespace detail
+template <class T> MSIM_INL T simd_shuffle_and_fill_up(T x, T filling, ushort delta, ushort modulo = 32) {
+  return detail::shuffle_fill<T, true>(x, filling, delta, modulo);
+}
+template <class T> MSIM_INL T simd_shuffle_and_fill_down(T x, T filling, ushort delta, ushort modulo = 32) {
+  return detail::shuffle_fill<T, false>(x, filling, delta, modulo);
+}
 MSIM_SHUF(quad_shuffle, SH_IDX, 4)
 MSIM_SHUF(quad_broadcast, SH_IDX, 4)
 MSIM_SHUF(quad_shuffle_xor, SH_XOR, 4)
@@ -1226,6 +1323,18 @@ MSIM_INL void* tg_alloc(int site, unsigned long size, unsigned long align) {
 }  // namespace msim
 
 // ---------------------------------------------------------------------------
+// What MLX's bf16_math.h and logging.h declare (includes.py skips them: they
+// wrap Metal compiler intrinsics and address-space overloads).
+// ---------------------------------------------------------------------------
+namespace mlx {
+struct os_log {
+  constexpr os_log(const char*, const char*) {}
+  template <typename... Args> void log_debug(const char*, Args...) const {}
+};
+}  // namespace mlx
+
+#ifndef MSIM_MLX_UTILS
+// ---------------------------------------------------------------------------
 // Subset of MLX's kernels/utils.h that custom kernels commonly use.
 // ---------------------------------------------------------------------------
 template <typename U>
@@ -1260,3 +1369,4 @@ METAL_FUNC IdxT elem_to_loc(IdxT elem, S shape, St strides, int ndim) {
   }
   return loc;
 }
+#endif  // MSIM_MLX_UTILS
