@@ -80,12 +80,14 @@ validated but all math modes behave like ``safe``.
 """
 
 from .compiler import CompileError
-from .kernel import MetalKernel, MetalSimError, MetalSimUnsupportedError, metal_kernel
+from .kernel import (MetalKernel, MetalSimError, MetalSimLanguageError, MetalSimUnsupportedError,
+                     metal_kernel)
 
 __all__ = [
     "metal_kernel",
     "MetalKernel",
     "MetalSimError",
     "MetalSimUnsupportedError",
+    "MetalSimLanguageError",
     "CompileError",
 ]

@@ -17,12 +17,13 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import compiler, includes
-from .rewrite import UnsupportedError, rewrite
+from . import compiler, includes, rules
+from .rewrite import UnsupportedError, lex, rewrite
 from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
                         metal_source)
 
-__all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError"]
+__all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError",
+           "MetalSimLanguageError"]
 
 MAX_THREADS_PER_THREADGROUP = 1024
 MAX_THREADGROUP_MEMORY = 32768
@@ -35,6 +36,11 @@ class MetalSimError(RuntimeError):
 
 class MetalSimUnsupportedError(compiler.CompileError):
     """The kernel uses MSL that metalsim does not support."""
+
+
+class MetalSimLanguageError(compiler.CompileError):
+    """The kernel breaks a rule of the Metal Shading Language that Apple's compiler enforces
+    (rules.py): it would not compile on a Mac."""
 
 
 # mx dtype -> (MLX type string, numpy storage dtype)
@@ -198,8 +204,21 @@ class MetalKernel:
                     raise MetalSimUnsupportedError(
                         f"metalsim: kernel '{self.name}' {what} line {e.line}: {e.msg}") from None
                 try:
+                    toks = lex(text)
+                    rules.check(text, kernel_scope=label == "kernel_source", tokens=toks)
+                except UnsupportedError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e.msg}") from None
+                except rules.MSLRuleError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimLanguageError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e}") from None
+                try:
                     res = rewrite(text, check=check, site_base=site_base,
-                                  function_constants=self.function_constants)
+                                  function_constants=self.function_constants, tokens=toks)
                 except UnsupportedError as e:
                     f, ln = org.of(e.line)
                     where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)

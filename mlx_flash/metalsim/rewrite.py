@@ -103,21 +103,28 @@ class RewriteResult:
 
 
 def rewrite(src: str, *, check: bool = False, site_base: int = 0,
-            function_constants: dict | None = None) -> RewriteResult:
+            function_constants: dict | None = None,
+            tokens: list[Token] | None = None) -> RewriteResult:
     """Rewrites MSL source (a kernel body or header) into metalsim C++.
 
     `site_base` numbers the threadgroup declarations (body and header share
-    one numbering). `function_constants` gives the values of program-scope
+    one numbering). `tokens`: `lex(src)` when already lexed. `function_constants` gives the values of program-scope
     ``constant T name [[function_constant(i)]];`` declarations, by name.
     Raises UnsupportedError for unsupported constructs.
     """
-    try:
-        toks = split_shift(tokenize(src))
-    except TokenizeError as e:
-        raise UnsupportedError(f"cannot tokenize: {e}", e.line) from None
+    toks = tokens if tokens is not None else lex(src)
     rw = _Rewriter(toks, check, site_base, function_constants or {})
     rw.run()
     return RewriteResult("".join(t.out for t in toks), rw.tg_sites)
+
+
+def lex(src: str) -> list[Token]:
+    """The token list `rewrite` works on (pass it as `tokens` to lex once for the MSL rules
+    and the rewrite)."""
+    try:
+        return split_shift(tokenize(src))
+    except TokenizeError as e:
+        raise UnsupportedError(f"cannot tokenize: {e}", e.line) from None
 
 
 class _Rewriter:
