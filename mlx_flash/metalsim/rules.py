@@ -21,6 +21,8 @@ Rules (section numbers of the MSL 3.2 specification):
   compiler: "pointer type must have explicit address space qualifier".
 * a ``threadgroup`` variable declared inside a function that is not a kernel: §4.4
   (threadgroup Address Space).
+* compiling for Metal 3.0 (macOS 13): the native ``bfloat`` types (``bfloat``, ``bfloat4``,
+  ``simdgroup_bfloat8x8``): §2.1, new in Metal 3.1. ``bfloat16_t`` (MLX's type) is fine.
 
 Not checked (version-dependent or not decidable on tokens): lambdas (Metal 4's kernels in
 MLX's headers use them), derived classes (allowed since Metal 2), the ``noexcept`` operator
@@ -28,6 +30,8 @@ MLX's headers use them), derived classes (allowed since Metal 2), the ``noexcept
 """
 
 from __future__ import annotations
+
+import re
 
 from .rewrite import _Rewriter
 from .tokenizer import Token, TokenizeError, split_shift, tokenize
@@ -48,6 +52,8 @@ RULES = {
     "recursion": ("recursive function calls", "§1.5.4 Metal Restrictions"),
     "address_space": ("a pointer type without an address space (device, constant, threadgroup, "
                       "thread)", "§1.5.4 Metal Restrictions, §4 Address Spaces"),
+    "bfloat": ("the native bfloat type before Metal 3.1 (macOS 14); MLX's bfloat16_t is "
+               "portable", "§2.1 Scalar Data Types"),
     "threadgroup_scope": ("a threadgroup variable outside a kernel function",
                           "§4.4 threadgroup Address Space"),
 }
@@ -57,6 +63,7 @@ _SPACES = {"device", "constant", "threadgroup", "thread", "threadgroup_imagebloc
 _KEYWORD_RULES = {"virtual": "virtual", "try": "exceptions", "catch": "exceptions",
                   "throw": "exceptions", "goto": "goto", "dynamic_cast": "rtti", "typeid": "rtti",
                   "thread_local": "storage", "register": "storage", "double": "double"}
+_NATIVE_BFLOAT = re.compile(r"^(packed_)?bfloat[234]?$|^simdgroup_bfloat8x8$")
 _ALLOC_CALLS = {"malloc", "calloc", "realloc", "free", "aligned_alloc"}
 _NOT_TYPES = {"return", "else", "case", "throw", "new", "delete", "sizeof", "co_return", "goto",
               "do", "if", "while", "for", "switch", "operator", "typedef", "using", "template",
@@ -75,22 +82,25 @@ class MSLRuleError(ValueError):
         self.line = line
 
 
-def check(src: str, *, kernel_scope: bool, tokens: list[Token] | None = None) -> None:
+def check(src: str, *, kernel_scope: bool, tokens: list[Token] | None = None,
+          metal_version: int = 310) -> None:
     """Checks MSL source (a kernel header, or a body when `kernel_scope`: the body is the
-    kernel function's own scope). `tokens`: rewrite.lex(src) when already lexed (read only).
-    Raises MSLRuleError at the first violation."""
+    kernel function's own scope) for Metal `metal_version` (310 = 3.1). `tokens`:
+    rewrite.lex(src) when already lexed (read only). Raises MSLRuleError at the first
+    violation."""
     if tokens is None:
         try:
             tokens = split_shift(tokenize(src))
         except TokenizeError:
             return  # the rewriter reports it
-    _Checker(tokens, kernel_scope).run_rules()
+    _Checker(tokens, kernel_scope, metal_version).run_rules()
 
 
 class _Checker(_Rewriter):
-    def __init__(self, toks, kernel_scope: bool):
+    def __init__(self, toks, kernel_scope: bool, metal_version: int = 310):
         super().__init__(toks, False, 0, {})
         self.kernel_scope = kernel_scope
+        self.metal_version = metal_version
         self.body_ranges: list[tuple[int, int]] = []
         self._enclosing: list[int] | None = None
         self._paren_memo: dict[int, bool] = {}
@@ -110,6 +120,9 @@ class _Checker(_Rewriter):
             if t.kind != "ident":
                 continue
             w = t.text
+            if self.metal_version < 310 and _NATIVE_BFLOAT.match(w):
+                self.fail("bfloat", k, f"'{w}' (compiling for Metal "
+                                       f"{self.metal_version // 100}.{self.metal_version % 100 // 10})")
             if w in _KEYWORD_RULES:
                 self.fail(_KEYWORD_RULES[w], k, f"'{w}'")
             if w == "long" and (self.is_id(k + 1, "long") or self.is_id(k + 1, "double")):

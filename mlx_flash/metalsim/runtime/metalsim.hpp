@@ -20,7 +20,17 @@
 typedef _Float16 half;
 typedef __bf16 bfloat;
 typedef half float16_t;
+// The Metal language version the kernel is compiled for (310 = Metal 3.1, macOS 14). Before
+// Metal 3.1 there is no native bfloat: bfloat16_t is then MLX's portable 16-bit struct (MLX up
+// to 0.29, the last release for macOS 13.5), emulated by msim::bf16 below.
+#ifndef MSIM_METAL_VERSION
+#define MSIM_METAL_VERSION 310
+#endif
+#define __METAL_VERSION__ MSIM_METAL_VERSION
+#if MSIM_METAL_VERSION >= 310
+#define __HAVE_BFLOAT__ 1
 typedef bfloat bfloat16_t;
+#endif
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
@@ -606,6 +616,93 @@ template <class T> MSIM_INL T ctz(T x) {
 }
 MSIM_INL int mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
 MSIM_INL uint mulhi(uint a, uint b) { return (uint)(((unsigned long long)a * b) >> 32); }
+
+#if MSIM_METAL_VERSION < 310
+}  // namespace metal
+// ---------------------------------------------------------------------------
+// bfloat16_t before Metal 3.1: a 16-bit struct holding the upper half of a
+// float, as MLX's bf16.h defined it for macOS 13 (MLX <= 0.29). Conversions
+// round to nearest even; bf16 op bf16 computes in float and rounds back;
+// bf16 op float/half gives float; bf16 op integer gives bf16.
+// ---------------------------------------------------------------------------
+namespace msim {
+struct bf16 {
+  unsigned short bits_;
+  struct from_bits_t {};
+  bf16() = default;
+  constexpr bf16(unsigned short b, from_bits_t) : bits_(b) {}
+  template <class T, class = enable_if_t<!is_same<T, bf16>::value && __is_convertible_to(T, float)>>
+  bf16(T x) : bits_(msim_rtlib::f2bf(static_cast<float>(x))) {}
+  template <class T, class = enable_if_t<!is_same<T, bf16>::value && __is_convertible_to(float, T)>>
+  operator T() const { return static_cast<T>(msim_rtlib::u2f((unsigned)bits_ << 16)); }
+};
+MSIM_INL float bf2f(bf16 x) { return msim_rtlib::u2f((unsigned)x.bits_ << 16); }
+// The operators live in msim so that argument-dependent lookup finds them from templates.
+constexpr msim::bf16 operator-(msim::bf16 x) {  // flips the sign bit, as float negation does
+  return msim::bf16((unsigned short)(x.bits_ ^ 0x8000u), msim::bf16::from_bits_t{});
+}
+#define MSIM_BF_BIN(op)                                                                            \
+  MSIM_INL msim::bf16 operator op(msim::bf16 a, msim::bf16 b) { return msim::bf16(msim::bf2f(a) op msim::bf2f(b)); } \
+  MSIM_INL float operator op(msim::bf16 a, float b) { return msim::bf2f(a) op b; }                 \
+  MSIM_INL float operator op(float a, msim::bf16 b) { return a op msim::bf2f(b); }                 \
+  MSIM_INL float operator op(msim::bf16 a, half b) { return msim::bf2f(a) op (float)b; }           \
+  MSIM_INL float operator op(half a, msim::bf16 b) { return (float)a op msim::bf2f(b); }           \
+  MSIM_BF_INT(op, int) MSIM_BF_INT(op, uint) MSIM_BF_INT(op, long) MSIM_BF_INT(op, ulong)
+#define MSIM_BF_INT(op, I)                                                                         \
+  MSIM_INL msim::bf16 operator op(msim::bf16 a, I b) { return msim::bf16(msim::bf2f(a) op (float)b); } \
+  MSIM_INL msim::bf16 operator op(I a, msim::bf16 b) { return msim::bf16((float)a op msim::bf2f(b)); }
+MSIM_BF_BIN(+) MSIM_BF_BIN(-) MSIM_BF_BIN(*) MSIM_BF_BIN(/)
+#undef MSIM_BF_INT
+#define MSIM_BF_INT(op, I)                                                                         \
+  MSIM_INL bool operator op(msim::bf16 a, I b) { return msim::bf2f(a) op (float)b; }               \
+  MSIM_INL bool operator op(I a, msim::bf16 b) { return (float)a op msim::bf2f(b); }
+#define MSIM_BF_CMP(op)                                                                            \
+  MSIM_INL bool operator op(msim::bf16 a, msim::bf16 b) { return msim::bf2f(a) op msim::bf2f(b); } \
+  MSIM_BF_INT(op, float) MSIM_BF_INT(op, half) MSIM_BF_INT(op, int) MSIM_BF_INT(op, uint)          \
+  MSIM_BF_INT(op, long) MSIM_BF_INT(op, ulong)
+MSIM_BF_CMP(<) MSIM_BF_CMP(>) MSIM_BF_CMP(<=) MSIM_BF_CMP(>=) MSIM_BF_CMP(==) MSIM_BF_CMP(!=)
+#undef MSIM_BF_INT
+#undef MSIM_BF_CMP
+#undef MSIM_BF_BIN
+#define MSIM_BF_ASSIGN1(op, I)                                                                     \
+  MSIM_INL msim::bf16& operator op##=(msim::bf16& a, I b) { a = msim::bf16(msim::bf2f(a) op (float)b); return a; } \
+  MSIM_INL I& operator op##=(I& a, msim::bf16 b) { a = (I)((float)a op msim::bf2f(b)); return a; }
+#define MSIM_BF_ASSIGN(op)                                                                         \
+  MSIM_INL msim::bf16& operator op##=(msim::bf16& a, msim::bf16 b) { a = msim::bf16(msim::bf2f(a) op msim::bf2f(b)); return a; } \
+  MSIM_BF_ASSIGN1(op, float) MSIM_BF_ASSIGN1(op, half) MSIM_BF_ASSIGN1(op, short)                  \
+  MSIM_BF_ASSIGN1(op, int) MSIM_BF_ASSIGN1(op, long) MSIM_BF_ASSIGN1(op, ushort)                   \
+  MSIM_BF_ASSIGN1(op, uint) MSIM_BF_ASSIGN1(op, ulong)
+MSIM_BF_ASSIGN(+) MSIM_BF_ASSIGN(-) MSIM_BF_ASSIGN(*) MSIM_BF_ASSIGN(/)
+#undef MSIM_BF_ASSIGN
+#undef MSIM_BF_ASSIGN1
+}  // namespace msim
+typedef msim::bf16 bfloat16_t;
+namespace metal {
+template <> struct numeric_limits<msim::bf16> {
+  static constexpr bool is_specialized = true;
+  static constexpr bool is_integer = false;
+  static constexpr bool has_infinity = true;
+  static constexpr bool has_quiet_NaN = true;
+#define MSIM_BF_BITS(name, b) \
+  static constexpr msim::bf16 name() { return msim::bf16((unsigned short)(b), msim::bf16::from_bits_t{}); }
+  MSIM_BF_BITS(min, 0x0080) MSIM_BF_BITS(max, 0x7F7F) MSIM_BF_BITS(lowest, 0xFF7F)
+  MSIM_BF_BITS(epsilon, 0x3C00) MSIM_BF_BITS(denorm_min, 0x0001) MSIM_BF_BITS(infinity, 0x7F80)
+  MSIM_BF_BITS(quiet_NaN, 0x7FC0) MSIM_BF_BITS(signaling_NaN, 0x7F81)
+#undef MSIM_BF_BITS
+};
+// Math on bfloat16_t: computed in float, rounded back (what MLX's bf16_math.h provides).
+#define MSIM_BF_F1(name) MSIM_INL bfloat16_t name(bfloat16_t x) { return bfloat16_t(name(msim::bf2f(x))); }
+MSIM_BF_F1(exp) MSIM_BF_F1(exp2) MSIM_BF_F1(exp10) MSIM_BF_F1(log) MSIM_BF_F1(log2)
+MSIM_BF_F1(log10) MSIM_BF_F1(sqrt) MSIM_BF_F1(rsqrt) MSIM_BF_F1(cbrt) MSIM_BF_F1(sin) MSIM_BF_F1(cos)
+MSIM_BF_F1(tan) MSIM_BF_F1(asin) MSIM_BF_F1(acos) MSIM_BF_F1(atan) MSIM_BF_F1(sinh) MSIM_BF_F1(cosh)
+MSIM_BF_F1(tanh) MSIM_BF_F1(asinh) MSIM_BF_F1(acosh) MSIM_BF_F1(atanh) MSIM_BF_F1(erf) MSIM_BF_F1(erfc)
+MSIM_BF_F1(floor) MSIM_BF_F1(ceil) MSIM_BF_F1(round) MSIM_BF_F1(rint) MSIM_BF_F1(trunc)
+MSIM_BF_F1(fract) MSIM_BF_F1(fabs) MSIM_BF_F1(abs) MSIM_BF_F1(saturate) MSIM_BF_F1(sign)
+#undef MSIM_BF_F1
+MSIM_INL bool isnan(bfloat16_t x) { return x != x; }
+MSIM_INL bool isinf(bfloat16_t x) { return __builtin_isinf(msim::bf2f(x)); }
+MSIM_INL bool isfinite(bfloat16_t x) { return __builtin_isfinite(msim::bf2f(x)); }
+#endif  // MSIM_METAL_VERSION < 310
 
 namespace fast {
 using metal::abs; using metal::acos; using metal::asin; using metal::atan; using metal::atan2;
@@ -1354,6 +1451,9 @@ struct Limits {
 MSIM_FLOAT_LIMIT(float)
 MSIM_FLOAT_LIMIT(half)
 MSIM_FLOAT_LIMIT(bfloat)
+#if MSIM_METAL_VERSION < 310
+MSIM_FLOAT_LIMIT(bfloat16_t)
+#endif
 #undef MSIM_FLOAT_LIMIT
 
 template <typename T, typename U>
