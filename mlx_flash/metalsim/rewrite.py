@@ -17,8 +17,12 @@ token output texts in place, so line numbers are preserved. Rewrites:
   ``msim::vctor<float4>(...)``;
 * ``#include <metal_*>`` and ``#pragma METAL`` lines are dropped.
 
-Unsupported MSL (textures, samplers, imageblocks, raster order groups,
-function constants, Metal ``[[attributes]]``, matrix types) raise
+* kernel and parameter attributes (``[[kernel]]``, ``[[buffer(0)]]``, ...) are
+  dropped; ``constant T x [[function_constant(i)]];`` becomes a constexpr with
+  the given value; overloads by address space collapse to the ``thread`` one.
+
+Unsupported MSL (textures, samplers, imageblocks, raster order groups, other
+Metal ``[[attributes]]``, matrix types) raise
 :class:`UnsupportedError` naming the line.
 """
 
