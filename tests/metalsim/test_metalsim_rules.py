@@ -96,11 +96,15 @@ def test_apples_kernels_pass_the_rules(headers):
 
 
 @pytest.mark.parametrize("kernel", sorted(metal_source.TEMPLATES))
-@pytest.mark.parametrize("head_dim,dtype", [(64, mx.float16), (128, mx.bfloat16),
-                                            (96, mx.float32), (256, mx.float16)])
-def test_our_kernels_pass_the_rules(kernel, head_dim, dtype):
-    spec = SimpleNamespace(head_dim=head_dim, dtype=dtype, mask_kind="additive", causal=True,
-                           window=4, softcap=30.0)
-    body, header = metal_source.source(metal_source.make_variant(kernel, spec, "m3"))
-    rules.check(header, kernel_scope=False)
-    rules.check(body, kernel_scope=True)
+@pytest.mark.parametrize("head_dim,dtype,family", [(64, mx.float16, "m3"), (128, mx.bfloat16, "m1"),
+                                                   (96, mx.float32, "m3"), (256, mx.float16, "m1")])
+@pytest.mark.parametrize("features", [dict(mask_kind="additive", causal=True, window=4,
+                                           softcap=30.0),
+                                      dict(mask_kind="bool", causal=False, window=None,
+                                           softcap=None)], ids=["additive", "bool"])
+def test_our_kernels_pass_the_rules(kernel, head_dim, dtype, family, features):
+    spec = SimpleNamespace(head_dim=head_dim, dtype=dtype, **features)
+    body, header = metal_source.source(metal_source.make_variant(kernel, spec, family))
+    for version in (300, 310):  # bf16 too: only MLX's bfloat16_t, never native bfloat
+        rules.check(header, kernel_scope=False, metal_version=version)
+        rules.check(body, kernel_scope=True, metal_version=version)
