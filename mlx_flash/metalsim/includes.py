@@ -29,8 +29,9 @@ _KERNELS = "mlx/backend/metal/kernels/"
 UTILS = _KERNELS + "utils.h"
 # Headers whose content metalsim.hpp provides, and why.
 PROVIDED = {
-    _KERNELS + "bf16_math.h": "bfloat overloads of the math and SIMD functions through Metal "
-                              "compiler intrinsics (__metal_*); metalsim.hpp defines them for bfloat",
+    _KERNELS + "bf16_math.h": "bfloat overloads of the math and SIMD functions through "
+                              "Metal compiler intrinsics (__metal_*); metalsim.hpp defines "
+                              "them for bfloat",
     _KERNELS + "logging.h": "mlx::os_log (address-space-qualified member functions); "
                             "metalsim.hpp defines a no-op mlx::os_log",
 }

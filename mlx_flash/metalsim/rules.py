@@ -121,8 +121,8 @@ class _Checker(_Rewriter):
                 continue
             w = t.text
             if self.metal_version < 310 and _NATIVE_BFLOAT.match(w):
-                self.fail("bfloat", k, f"'{w}' (compiling for Metal "
-                                       f"{self.metal_version // 100}.{self.metal_version % 100 // 10})")
+                v = self.metal_version
+                self.fail("bfloat", k, f"'{w}' (compiling for Metal {v // 100}.{v % 100 // 10})")
             if w in _KEYWORD_RULES:
                 self.fail(_KEYWORD_RULES[w], k, f"'{w}'")
             if w == "long" and (self.is_id(k + 1, "long") or self.is_id(k + 1, "double")):
@@ -149,7 +149,7 @@ class _Checker(_Rewriter):
         if not self.is_p(j, ")"):
             # constructor initializer list `) : a(x), b(y) {`
             d = j
-            while d >= 0 and not self.is_p(d, ";") and not self.is_p(d, "{") and not self.is_p(d, "}"):
+            while d >= 0 and not any(self.is_p(d, c) for c in (";", "{", "}")):
                 if self.is_p(d, ":") and self.is_p(d - 1, ")"):
                     j = d - 1
                     break

@@ -72,9 +72,10 @@ def all_reduce_sum(x: mx.array, out_dtype, *, threads: int = 96, **opts) -> mx.a
     kern = metalsim.metal_kernel(
         name="apple_all_reduce", input_names=["inp", "in_size", "row_size"], output_names=["out"],
         header=_include("utils.h", "reduce_utils.h", "reduce.h"),
-        source="""all_reduce<T, U, Sum<U>>(inp, out, in_size, row_size, threadgroup_position_in_grid,
-            thread_position_in_threadgroup, threads_per_threadgroup, simdgroups_per_threadgroup,
-            thread_index_in_simdgroup, simdgroup_index_in_threadgroup);""", **opts)
+        source="""all_reduce<T, U, Sum<U>>(inp, out, in_size, row_size,
+            threadgroup_position_in_grid, thread_position_in_threadgroup, threads_per_threadgroup,
+            simdgroups_per_threadgroup, thread_index_in_simdgroup,
+            simdgroup_index_in_threadgroup);""", **opts)
     return kern(inputs=[x, mx.array(x.size, mx.uint64), mx.array(n, mx.uint64)],
                 template=[("T", x.dtype), ("U", out_dtype)], grid=(threads, rows, 1),
                 threadgroup=(threads, 1, 1), output_shapes=[(rows,)], output_dtypes=[out_dtype])[0]

@@ -98,7 +98,8 @@ def test_unknown_include_names_kernel_and_line():
     k = metalsim.metal_kernel(name="inc", input_names=["a"], output_names=["o"],
                               header='\n#include "mlx/backend/metal/kernels/nope.h"\n',
                               source="o[0] = a[0];")
-    with pytest.raises(metalsim.MetalSimUnsupportedError, match=r"'inc' header line 2: cannot find"):
+    with pytest.raises(metalsim.MetalSimUnsupportedError,
+                       match=r"'inc' header line 2: cannot find"):
         k(inputs=[mx.zeros(1)], grid=(1, 1, 1), threadgroup=(1, 1, 1), output_shapes=[(1,)],
           output_dtypes=[mx.float32])
 

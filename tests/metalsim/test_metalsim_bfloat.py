@@ -26,7 +26,8 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 T acc = T(0);
 acc += tile[31 - i];
 acc *= 2;
-out[i] = T(float(acc) + f) + m * e - r / T(32) + Limits<T>::finite_min * T(0) + (a > b ? T(1) : T(0));
+out[i] = T(float(acc) + f) + m * e - r / T(32) + Limits<T>::finite_min * T(0)
+         + (a > b ? T(1) : T(0));
 """
 
 
@@ -41,7 +42,8 @@ def test_portable_bfloat16_matches_native_bitwise():
         k.metal_version = v
         outs[v] = k(inputs=[x, y], template=[("T", mx.bfloat16)], grid=(32, 1, 1),
                     threadgroup=(32, 1, 1), output_shapes=[(32,)], output_dtypes=[mx.bfloat16])[0]
-    assert np.array_equal(np.array(outs["3.0"].view(mx.uint16)), np.array(outs["3.1"].view(mx.uint16)))
+    bits = {v: np.array(o.view(mx.uint16)) for v, o in outs.items()}
+    assert np.array_equal(bits["3.0"], bits["3.1"])
 
 
 @pytest.mark.parametrize("name", ["bfloat", "bfloat4", "simdgroup_bfloat8x8"])
