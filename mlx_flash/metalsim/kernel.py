@@ -251,6 +251,13 @@ class MetalKernel:
                 site_base += len(res.tg_sites)
                 parts.append(res)
             h, b = parts
+            bound = set(h.function_constants + b.function_constants)
+            unknown = set(self.function_constants) - bound
+            if unknown:
+                raise ValueError(
+                    f"metalsim: kernel '{self.name}': function_constants {sorted(unknown)} are "
+                    "not declared (`constant T name [[function_constant(i)]];`) in its header "
+                    "or source")
             r = (h.text, b.text, h.tg_sites + b.tg_sites, includes.UTILS in seen)
             self._rewritten[(check, version)] = r
         return r

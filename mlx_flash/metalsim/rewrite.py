@@ -104,6 +104,7 @@ _KEYWORDS_BEFORE_EXPR = {"return", "case", "else", "do", "co_return", "throw"}
 class RewriteResult:
     text: str
     tg_sites: list[str] = field(default_factory=list)  # names, indexed by site id
+    function_constants: list[str] = field(default_factory=list)  # names bound to a value
 
 
 def rewrite(src: str, *, check: bool = False, site_base: int = 0,
@@ -119,7 +120,7 @@ def rewrite(src: str, *, check: bool = False, site_base: int = 0,
     toks = tokens if tokens is not None else lex(src)
     rw = _Rewriter(toks, check, site_base, function_constants or {})
     rw.run()
-    return RewriteResult("".join(t.out for t in toks), rw.tg_sites)
+    return RewriteResult("".join(t.out for t in toks), rw.tg_sites, rw.fc_bound)
 
 
 def lex(src: str) -> list[Token]:
@@ -135,6 +136,7 @@ class _Rewriter:
     def __init__(self, toks: list[Token], check: bool, site_base: int,
                  function_constants: dict):
         self.function_constants = function_constants
+        self.fc_bound: list[str] = []
         self.toks = toks
         self.sig = [i for i, t in enumerate(toks) if t.kind not in ("ws", "comment")]
         self.check = check
@@ -544,6 +546,7 @@ class _Rewriter:
                                    "bool, int or float", name_tok.line)
         kw = self.t(j)
         kw.text = kw.out = "constexpr"
+        self.fc_bound.append(name)
         name_tok.out = f"{name} = {text}"
 
     def fix_literals(self) -> None:

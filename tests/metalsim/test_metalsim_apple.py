@@ -109,3 +109,8 @@ def test_missing_function_constant_names_it():
                        match=r"sdpa_vector.h line \d+: function constant 'has_mask' has no value"):
         ak.sdpa_vector(mx.zeros((1, 1, 1, 32)), mx.zeros((1, 1, 4, 32)), mx.zeros((1, 1, 4, 32)),
                        1.0, function_constants={})
+
+
+def test_unknown_function_constant_is_an_error():
+    with pytest.raises(ValueError, match=r"function_constants \['nope'\] are not declared"):
+        ak.softmax(mx.zeros((1, 32)), function_constants={"nope": True})
