@@ -29,7 +29,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -123,6 +123,7 @@ class FirstContact:
         self._verdicts: Dict[Hashable, Optional[str]] = {}
         self._lock = threading.Lock()
         self.probe_seconds: Dict[Hashable, float] = {}
+        self._labels: Dict[Hashable, str] = {}
 
     def verdict(self, backend, spec, mask_dtype: Optional[mx.Dtype] = None) -> Optional[str]:
         """None when the variants serving `spec` on `backend` work here, else why not.
@@ -143,13 +144,22 @@ class FirstContact:
             reason = self._probe(backend, spec, mask_dtype)
             self.probe_seconds[key] = time.perf_counter() - start
             self._verdicts[key] = reason
+            self._labels[key] = _variant_set_label(backend, spec, mask_dtype)
             return reason
+
+    def records(self) -> List[Dict[str, object]]:
+        """Every verdict of this process: backend, variants (readable), probe seconds (build, run
+        and self-check), verdict (None = works), in the order they were reached."""
+        with self._lock:
+            return [{"backend": key[0], "variants": self._labels[key], "seconds": self.probe_seconds[key],
+                     "verdict": reason} for key, reason in self._verdicts.items()]
 
     def forget(self) -> None:
         """Drop every verdict (tests use this)."""
         with self._lock:
             self._verdicts.clear()
             self.probe_seconds.clear()
+            self._labels.clear()
 
     def _probe(self, backend, spec, mask_dtype) -> Optional[str]:
         small = probe_spec(spec)
@@ -171,6 +181,9 @@ class FirstContact:
             message = " ".join(str(e).split())
             if len(message) > 600:
                 message = message[:600] + " ..."
+            if stage == "backward":  # both kernels were built in one call: the message may say which
+                stage = next((kernel for kernel in ("backward_query", "backward_key_value")
+                              if _names_kernel(backend, kernel, spec, mask_dtype, message)), stage)
             return (f"{backend.name} {_variant_name(backend, stage, spec, mask_dtype)} failed to compile or "
                     f"run on this device: {type(e).__name__}: {message}")
         if not self_check_enabled(backend.name):
@@ -202,6 +215,26 @@ class FirstContact:
                         f"first-use self-check: {name} differs from the 'mlx' backend by relative error "
                         f"{error:.3g} (limit {limit:g} for {dtype}); {REPORT_HINT}")
         return None
+
+
+def _variant_set_label(backend, spec, mask_dtype) -> str:
+    """The variant names of one call's kernels, or a description of the call when the backend
+    cannot name them."""
+    namer: Optional[Callable] = getattr(backend, "variant_name", None)
+    if namer is not None:
+        try:
+            return ", ".join(namer(kernel, spec, mask_dtype)
+                             for kernel in ("forward", "backward_query", "backward_key_value"))
+        except Exception:  # a backend whose kernels are not these three: describe the call instead
+            pass
+    return (f"D={spec.head_dim} {str(spec.dtype).split('.')[-1]} mask={spec.mask_kind} causal={spec.causal} "
+            f"mask_dtype={mask_dtype}")
+
+
+def _names_kernel(backend, kernel: str, spec, mask_dtype, message: str) -> bool:
+    """Whether an error message names `kernel`'s variant (compilers name the function)."""
+    namer: Optional[Callable] = getattr(backend, "variant_name", None)
+    return namer is not None and namer(kernel, spec, mask_dtype) in message
 
 
 def _variant_name(backend, stage: str, spec, mask_dtype) -> str:
