@@ -285,7 +285,7 @@ def render_markdown(report: Dict[str, Any]) -> str:
               f"{summary.get('failed', 0)} fail, {summary.get('error', 0)} error of {summary.get('cases', 0)} cases; "
               f"{'complete' if report.get('complete') else 'INCOMPLETE: the run stopped early'})", ""]
     facts = [("device", f"{env.get('device_name')} ({env.get('device')})"),
-             ("GPU architecture", env.get("gpu_architecture")),
+             ("architecture (MLX)", env.get("gpu_architecture")),
              ("GPU cores", env.get("gpu_core_count") or "not reported by MLX"),
              ("memory", bm.format_bytes(env.get("device_memory_bytes"))),
              ("OS", env.get("os")), ("Python", env.get("python")),
@@ -339,7 +339,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
                 return "-" if value is None else fmt(value)
 
             ratio = lambda x: f"{x:.2f}x"  # noqa: E731
-            notes = "; ".join(f"{name}: {r['error']}" for name, r in by_name.items() if r.get("error"))
+            notes = "; ".join([f"{name}: {r['error']}" for name, r in by_name.items() if r.get("error")]
+                              + [f"mlx-flash served by the FALLBACK ({r['fallback']})"
+                                 for name, r in by_name.items() if r.get("fallback")])
             rows.append([n, "yes" if causal else "no", bm.PASS_LABELS.get(pass_name, pass_name),
                          " / ".join(get(name, "median_ms", bm.format_ms) for name in IMPLEMENTATIONS),
                          get("mx.fast", "time_ratio", ratio), get("unfused", "time_ratio", ratio),
@@ -443,8 +445,14 @@ def run_report(args: argparse.Namespace) -> int:
         for n in plan.sizes:
             case = bm.BenchCase(batch=1, q_heads=plan.heads, kv_heads=plan.heads, q_len=n, kv_len=n,
                                 head_dim=plan.head_dim, dtype=plan.dtype, causal=causal)
+            before = fallback_counts()
             try:
-                report["performance"] += time_size(resolved, case, plan.settings)
+                rows = time_size(resolved, case, plan.settings)
+                for reason in _new_fallbacks(before):  # then mlx-flash's times are the fallback's
+                    for row in rows:
+                        if row["implementation"] == "mlx-flash":
+                            row["fallback"] = reason
+                report["performance"] += rows
             except Exception as error:  # keep the correctness results and the other sizes
                 report["performance"].append({"N": n, "causal": causal, "pass": "forward", "implementation": "all",
                                               "error": f"{type(error).__name__}: {str(error)[:300]}"})

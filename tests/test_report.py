@@ -99,6 +99,8 @@ def test_report_shows_a_broken_kernel_as_fallback(tmp_path, monkeypatch, fault):
     assert data["summary"]["verdict"] == "PASS with fallbacks"
     assert any(c["verdict"] and kernel in c["verdict"] for c in data["first_contact"])
     assert sum(data["fallbacks"].values()) >= 1
+    # The timing's variant set (another D) breaks the same way: mlx-flash's times are marked.
+    assert all(kernel in r["fallback"] for r in data["performance"] if r["implementation"] == "mlx-flash")
     markdown = (tmp_path / "report.md").read_text()
     header, rows = _tables(markdown)[-1]  # the fallbacks table
     assert header == ["calls", "reason"] and kernel in rows[0][1]
