@@ -308,10 +308,12 @@ def render_markdown(report: Dict[str, Any]) -> str:
     rows = []
     for r in report["correctness"]:
         e = r.get("errors", {})
-        shape = "" if (r["q_len"], r["kv_len"]) == (CheckCase.q_len, CheckCase.kv_len) else f" Nq={r['q_len']} Nk={r['kv_len']}"
+        standard = (r["q_len"], r["kv_len"]) == (CheckCase.q_len, CheckCase.kv_len)
+        shape = "" if standard else f" Nq={r['q_len']} Nk={r['kv_len']}"
+        tolerance = r.get("tolerance")
         rows.append([r["head_dim"], r["dtype"], r["mask"] + shape, f"{r['q_heads']}/{r['kv_heads']}"]
                     + [_error_text(e[n]) if n in e else "-" for n in ("out", "lse", "dq", "dk", "dv")]
-                    + [f"{r['tolerance']['forward']:.0e} / {r['tolerance']['gradient']:.0e}" if "tolerance" in r else "-",
+                    + [f"{tolerance['forward']:.0e} / {tolerance['gradient']:.0e}" if tolerance else "-",
                        f"**{r['status']}**" if r["status"] != "PASS" else r["status"]])
     lines += [markdown_table(["D", "dtype", "mask", "H/Hkv", "out", "lse", "dq", "dk", "dv", "tol fwd / grad",
                               "result"], rows), ""]
@@ -349,7 +351,8 @@ def render_markdown(report: Dict[str, Any]) -> str:
                          " / ".join(get(name, "peak_memory_bytes", bm.format_bytes) for name in IMPLEMENTATIONS),
                          get("mx.fast", "memory_ratio", ratio), get("unfused", "memory_ratio", ratio), notes])
         lines += [markdown_table(["N", "causal", "pass", "ms: mlx-flash / mx.fast / unfused", "time vs mx.fast",
-                                  "time vs unfused", "mlx-flash GINSTRS/s", "peak memory: mlx-flash / mx.fast / unfused",
+                                  "time vs unfused", "mlx-flash GINSTRS/s",
+                                  "peak memory: mlx-flash / mx.fast / unfused",
                                   "memory vs mx.fast", "memory vs unfused", "note"], rows), ""]
 
     lines += ["## First contact (kernel variants built, run and self-checked once per process)", ""]
@@ -439,7 +442,8 @@ def run_report(args: argparse.Namespace) -> int:
     for i, case in enumerate(plan.cases):
         record = check_case(case, resolved, seed=i)
         report["correctness"].append(record)
-        print(f"  [{i + 1}/{len(plan.cases)}] {case.label()}: {record['status']} ({record['seconds']:.1f} s)", flush=True)
+        print(f"  [{i + 1}/{len(plan.cases)}] {case.label()}: {record['status']} ({record['seconds']:.1f} s)",
+              flush=True)
         save()
     for causal in plan.causal:
         for n in plan.sizes:
