@@ -143,9 +143,10 @@ def _case_arrays(case: CheckCase, seed: int):
 
 
 def check_case(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]:
-    """Run one case forward and backward; errors against the float64 reference and the verdict."""
+    """Run one case forward and backward through flash_attention; errors against the float64
+    reference and the verdict. A case the backend handed to its fallback also gets its kernels'
+    own errors (`kernel_check`): what the first contact saw, in full."""
     from .api import flash_attention
-    from .spec import check_inputs
 
     q, k, v, d_out, kwargs = _case_arrays(case, seed)
     before = fallback_counts()
@@ -159,9 +160,45 @@ def check_case(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]:
                                           [d_out, mx.zeros(q.shape[:3], mx.float32)])
         mx.eval(out, lse, dq, dk, dv)
     except Exception as error:  # a crash of the kernels is what this report is for: keep going
-        record.update(status="ERROR", error=f"{type(error).__name__}: {' '.join(str(error).split())[:600]}",
-                      fallbacks=_new_fallbacks(before), seconds=time.perf_counter() - started)
+        record.update(status="ERROR", error=_error_message(error), fallbacks=_new_fallbacks(before),
+                      seconds=time.perf_counter() - started)
         return record
+    errors = _reference_errors((q, k, v, d_out), kwargs, (out, lse, dq, dk, dv))
+    limits = {"forward": reference.FORWARD_TOLERANCE[case.dtype], "gradient": reference.GRADIENT_TOLERANCE[case.dtype]}
+    fallbacks = _new_fallbacks(before)
+    status = "FAIL" if not _passed(errors, limits) else "FALLBACK" if fallbacks else "PASS"
+    record.update(status=status, errors=errors, tolerance=limits, fallbacks=fallbacks)
+    if fallbacks and hasattr(get_backend(backend), "variant_key"):
+        record["kernel"] = kernel_check(case, backend, seed)
+        record["kernel"]["passed"] = "errors" in record["kernel"] and _passed(record["kernel"]["errors"], limits)
+    record["seconds"] = time.perf_counter() - started
+    return record
+
+
+def kernel_check(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]:
+    """The backend's kernels called directly on the case (no guard, no fallback): {"errors": ...}
+    against the float64 reference, or {"error": message} when they fail to build or run."""
+    from .spec import check_inputs
+
+    kernels = get_backend(backend)
+    q, k, v, d_out, kwargs = _case_arrays(case, seed)
+    spec, mask = check_inputs(q, k, v, **kwargs)
+    try:
+        out, lse = kernels.forward(q, k, v, mask, spec)
+        mx.eval(out, lse)
+        dq, dk, dv = kernels.backward(q, k, v, mask, out, lse, d_out, None, spec)
+        mx.eval(dq, dk, dv)
+    except Exception as error:
+        return {"error": _error_message(error)}
+    return {"errors": _reference_errors((q, k, v, d_out), kwargs, (out, lse, dq, dk, dv))}
+
+
+def _reference_errors(inputs, kwargs, results) -> Dict[str, float]:
+    """Relative errors of (out, lse, dq, dk, dv) against the float64 reference."""
+    from .spec import check_inputs
+
+    q, k, v, d_out = inputs
+    out, lse, dq, dk, dv = results
     spec, mask4 = check_inputs(q, k, v, **kwargs)
     as_np = [np.array(x.astype(mx.float32)) for x in (q, k, v, d_out)]
     np_mask = None if mask4 is None else np.array(mask4)
@@ -173,14 +210,17 @@ def check_case(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]:
                       if np.array_equal(np.isneginf(lse_np), np.isneginf(ref_lse)) else math.inf)}
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
         errors[name] = relative_error(np.array(got.astype(mx.float32)), want)
-    limits = {"forward": reference.FORWARD_TOLERANCE[case.dtype], "gradient": reference.GRADIENT_TOLERANCE[case.dtype]}
-    passed = (max(errors["out"], errors["lse"]) <= limits["forward"]
-              and max(errors["dq"], errors["dk"], errors["dv"]) <= limits["gradient"])
-    fallbacks = _new_fallbacks(before)
-    status = "FAIL" if not passed else "FALLBACK" if fallbacks else "PASS"
-    record.update(status=status, errors=errors, tolerance=limits, fallbacks=fallbacks,
-                  seconds=time.perf_counter() - started)
-    return record
+    return errors
+
+
+def _passed(errors: Dict[str, float], limits: Dict[str, float]) -> bool:
+    return (max(errors["out"], errors["lse"]) <= limits["forward"]
+            and max(errors["dq"], errors["dk"], errors["dv"]) <= limits["gradient"])
+
+
+def _error_message(error: Exception, limit: int = 4000) -> str:
+    text = f"{type(error).__name__}: {str(error).strip()}"
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _new_fallbacks(before: Dict[str, int]) -> List[str]:
@@ -244,6 +284,7 @@ def environment(requested: str, resolved: str) -> Dict[str, Any]:
                gpu_architecture=info.get("architecture"),
                gpu_core_count=next((value for key, value in info.items() if "core" in key.lower()), None),
                metal_simulated=metal_simulated(),
+               metalsim_fault=os.environ.get("MLX_FLASH_METALSIM_FAULT") or None if metal_simulated() else None,
                metal_available=bool(getattr(mx, "metal", None) and mx.metal.is_available()))
     if resolved == "metal":
         from .backends.guard import self_check_enabled
@@ -279,6 +320,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
     if simulated:
         lines += ["**The Metal kernels ran in the CPU simulator (MLX_FLASH_METAL_SIM=1)**: the correctness "
                   "results are the simulator's and the mlx-flash times are the simulator's, not a GPU's.", ""]
+    if simulated and env.get("metalsim_fault"):
+        lines += [f"**Fault injected on purpose: MLX_FLASH_METALSIM_FAULT={env['metalsim_fault']}** "
+                  "(docs/metalsim.md).", ""]
     summary = report.get("summary", {})
     lines += [f"**Correctness: {summary.get('verdict', 'incomplete')}** "
               f"({summary.get('passed', 0)} pass, {summary.get('fallback', 0)} fallback, "
@@ -317,11 +361,18 @@ def render_markdown(report: Dict[str, Any]) -> str:
                        f"**{r['status']}**" if r["status"] != "PASS" else r["status"]])
     lines += [markdown_table(["D", "dtype", "mask", "H/Hkv", "out", "lse", "dq", "dk", "dv", "tol fwd / grad",
                               "result"], rows), ""]
-    errors = [r for r in report["correctness"] if r["status"] == "ERROR"]
-    for r in errors:
-        lines += [f"- ERROR in {r['case']}: `{r['error']}`"]
-    if errors:
-        lines.append("")
+    direct = [r for r in report["correctness"] if "kernel" in r]
+    if direct:
+        lines += ["The kernels of the FALLBACK cases, called directly (what the fallback hid):", ""]
+        rows = []
+        for r in direct:
+            e = r["kernel"].get("errors", {})
+            rows.append([r["case"]] + [_error_text(e[n]) if n in e else "-" for n in ("out", "lse", "dq", "dk", "dv")]
+                        + ["PASS" if r["kernel"]["passed"] else f"**FAIL** {r['kernel'].get('error', '')[:300]}"])
+        lines += [markdown_table(["case", "out", "lse", "dq", "dk", "dv", "result"], rows), ""]
+    for r in report["correctness"]:
+        if r["status"] == "ERROR":
+            lines += [f"ERROR in {r['case']}:", "", "```", r["error"], "```", ""]
 
     performance = report.get("performance", [])
     if performance:
@@ -361,6 +412,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
         lines += [markdown_table(["backend", "variants", "seconds (build, run, check)", "verdict"],
                                  [[c["backend"], c["variants"], f"{c['seconds']:.2f}", c["verdict"] or "ok"]
                                   for c in contacts]), ""]
+        for c in contacts:
+            if c.get("detail"):
+                lines += [f"Whole error of {c['variants']}:", "", "```", c["detail"].strip(), "```", ""]
     else:
         lines += ["None (the backend has no compiled kernels).", ""]
     lines += ["## Fallbacks", ""]

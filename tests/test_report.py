@@ -96,6 +96,12 @@ def test_report_shows_a_broken_kernel_as_fallback(tmp_path, monkeypatch, fault):
     (case,) = data["correctness"]
     kind, kernel = fault.split(":")
     assert case["status"] == "FALLBACK" and kernel in case["fallbacks"][0]
+    # What the fallback hid: the kernels called directly.
+    assert not case["kernel"]["passed"]
+    if kind == "compile":
+        assert "fault injected" in case["kernel"]["error"]
+    else:
+        assert case["kernel"]["errors"]["out"] > 1 and case["errors"]["out"] < 1e-4
     assert data["summary"]["verdict"] == "PASS with fallbacks"
     assert any(c["verdict"] and kernel in c["verdict"] for c in data["first_contact"])
     assert sum(data["fallbacks"].values()) >= 1
@@ -104,7 +110,10 @@ def test_report_shows_a_broken_kernel_as_fallback(tmp_path, monkeypatch, fault):
     markdown = (tmp_path / "report.md").read_text()
     header, rows = _tables(markdown)[-1]  # the fallbacks table
     assert header == ["calls", "reason"] and kernel in rows[0][1]
-    assert "**FALLBACK**" in markdown and "open an issue" in markdown
+    assert "**FALLBACK**" in markdown and "open an issue" in markdown and "called directly" in markdown
+    assert f"Fault injected on purpose: MLX_FLASH_METALSIM_FAULT={fault}" in markdown
+    if kind == "compile":  # the compiler's whole message, not only the warning's shortened one
+        assert "Whole error of" in markdown and f"kernel 'mlx_flash_{kernel}" in markdown
 
 
 def test_case_sets_cover_the_standard_set():

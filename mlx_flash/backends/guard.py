@@ -39,7 +39,7 @@ import math
 import os
 import threading
 import time
-from typing import Callable, Dict, Hashable, List, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -138,6 +138,7 @@ class FirstContact:
         self._lock = threading.Lock()
         self.probe_seconds: Dict[Hashable, float] = {}
         self._labels: Dict[Hashable, str] = {}
+        self._details: Dict[Hashable, Optional[str]] = {}  # a build failure's whole message
 
     def verdict(self, backend, spec, mask_dtype: Optional[mx.Dtype] = None) -> Optional[str]:
         """None when the variants serving `spec` on `backend` work here, else why not.
@@ -155,18 +156,20 @@ class FirstContact:
             if key in self._verdicts:
                 return self._verdicts[key]
             start = time.perf_counter()
-            reason = self._probe(backend, spec, mask_dtype)
+            reason, detail = self._probe(backend, spec, mask_dtype)
             self.probe_seconds[key] = time.perf_counter() - start
             self._verdicts[key] = reason
             self._labels[key] = _variant_set_label(backend, spec, mask_dtype)
+            self._details[key] = detail
             return reason
 
     def records(self) -> List[Dict[str, object]]:
         """Every verdict of this process: backend, variants (readable), probe seconds (build, run
-        and self-check), verdict (None = works), in the order they were reached."""
+        and self-check), verdict (None = works) and, for a build or run failure, the error's whole
+        text (the verdict shortens it), in the order they were reached."""
         with self._lock:
             return [{"backend": key[0], "variants": self._labels[key], "seconds": self.probe_seconds[key],
-                     "verdict": reason} for key, reason in self._verdicts.items()]
+                     "verdict": reason, "detail": self._details[key]} for key, reason in self._verdicts.items()]
 
     def forget(self) -> None:
         """Drop every verdict (tests use this)."""
@@ -174,8 +177,10 @@ class FirstContact:
             self._verdicts.clear()
             self.probe_seconds.clear()
             self._labels.clear()
+            self._details.clear()
 
-    def _probe(self, backend, spec, mask_dtype) -> Optional[str]:
+    def _probe(self, backend, spec, mask_dtype) -> Tuple[Optional[str], Optional[str]]:
+        """(verdict, the failure's whole message or None)."""
         small = probe_spec(spec)
         x = probe_inputs(small, mask_dtype)
         sink_args = {"sinks": x.sinks} if x.sinks is not None else {}
@@ -199,10 +204,10 @@ class FirstContact:
                 stage = next((kernel for kernel in ("backward_query", "backward_key_value")
                               if _names_kernel(backend, kernel, spec, mask_dtype, message)), stage)
             return (f"{backend.name} {_variant_name(backend, stage, spec, mask_dtype)} failed to compile or "
-                    f"run on this device: {type(e).__name__}: {message}")
+                    f"run on this device: {type(e).__name__}: {message}"), f"{type(e).__name__}: {e}"
         if not self_check_enabled(backend.name):
-            return None
-        return self._compare(backend, small, x, (out, lse) + tuple(grads), spec, mask_dtype)
+            return None, None
+        return self._compare(backend, small, x, (out, lse) + tuple(grads), spec, mask_dtype), None
 
     def _compare(self, backend, small, x: ProbeInputs, results, spec, mask_dtype) -> Optional[str]:
         from . import get_backend  # the "mlx" backend: blocked MLX ops, float32
