@@ -126,6 +126,9 @@ def _relative_error(x: mx.array, ref: mx.array) -> float:
     return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 0.01 * np.sqrt(x.size)))
 
 
+_UNKNOWN = object()
+
+
 class FirstContact:
     """Per-process verdicts on kernel-variant sets: None (works) or the reason it does not.
 
@@ -152,8 +155,11 @@ class FirstContact:
         if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0:
             return None  # an empty call runs no kernel
         key = (backend.name, backend.variant_key(spec, mask_dtype))
+        known = self._verdicts.get(key, _UNKNOWN)  # every call after the first: one lookup, no lock
+        if known is not _UNKNOWN:
+            return known
         with self._lock:
-            if key in self._verdicts:
+            if key in self._verdicts:  # another thread probed it meanwhile
                 return self._verdicts[key]
             start = time.perf_counter()
             reason, detail = self._probe(backend, spec, mask_dtype)
