@@ -19,7 +19,7 @@ pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with
                                       "ziglang package (pip install ziglang)")
 
 import mlx_flash  # noqa: E402
-from mlx_flash import report  # noqa: E402
+from mlx_flash import report, report_markdown  # noqa: E402
 from mlx_flash.backends import guard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +69,7 @@ def test_report_command_through_the_simulator(tmp_path):
     assert [c["verdict"] for c in data["first_contact"]] == [None, None]  # the case's and the timing's variants
     assert data["fallbacks"] == {}
 
+    assert report_markdown.render_markdown(data) == markdown  # report.json alone renders report.md again
     tables = _tables(markdown)
     assert len(tables) == 4  # environment, correctness, speed, first contact (no fallbacks: a sentence)
     for header, rows in tables:
@@ -128,6 +129,6 @@ def test_case_sets_cover_the_standard_set():
 
 
 def test_markdown_table_escapes_pipes():
-    text = report.markdown_table(["a", "b"], [[1, "x | y"], [2.5, None]])
+    text = report_markdown.markdown_table(["a", "b"], [[1, "x | y"], [2.5, None]])
     (header, rows), = _tables(text)
     assert header == ["a", "b"] and rows == [["1", "x | y"], ["2.5", "-"]]
