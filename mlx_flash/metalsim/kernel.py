@@ -17,10 +17,11 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import compiler, fault
+from . import compiler
 from .rewrite import UnsupportedError, rewrite
 from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
                         metal_source)
+from . import fault  # MLX_FLASH_METALSIM_FAULT (fault.py)
 
 __all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError"]
 
