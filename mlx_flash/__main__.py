@@ -146,6 +146,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    arguments = sys.argv[1:] if argv is None else list(argv)
+    if arguments[:1] == ["report"]:  # `python -m mlx_flash report ...`: mlx_flash/report.py
+        from .report import main as report_main
+        return report_main(arguments)
     args = parse_args(argv)
     started = time.perf_counter()
     device = mx.default_device()

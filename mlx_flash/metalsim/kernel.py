@@ -21,6 +21,7 @@ from . import compiler, includes, rules
 from .rewrite import UnsupportedError, lex, rewrite
 from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
                         metal_source)
+from . import fault  # MLX_FLASH_METALSIM_FAULT (fault.py)
 
 __all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError",
            "MetalSimLanguageError"]
@@ -153,6 +154,21 @@ def _as_mx(x) -> mx.array:
     if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
         return mx.array(x)
     raise TypeError(f"[metal_kernel] inputs must be arrays or scalars, got {type(x).__name__}")
+
+
+def _read_input(a: mx.array, kernel_name: str) -> np.ndarray:
+    """The input's values as numpy (evaluating it). Under mx.compile or mx.vmap MLX cannot
+    evaluate while tracing, and the simulator has nothing else to run on: say so clearly."""
+    try:
+        return np.asarray(a)
+    except ValueError as e:
+        if "function transformations" not in str(e):
+            raise
+        raise MetalSimError(
+            f"metalsim: kernel '{kernel_name}' was called inside mx.compile or mx.vmap. The "
+            "simulator runs a kernel eagerly on numpy copies of its inputs, which MLX cannot "
+            "evaluate while it traces a function; call the kernel outside mx.compile / mx.vmap "
+            f"(MLX's message: {e})") from None
 
 
 def _poison(buf: np.ndarray, dt) -> None:
@@ -326,6 +342,7 @@ class MetalKernel:
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n"
                   f"{metal_source(spec, self.source, self.header)}\n```")
+        fault.before_compile(self.name, self.source)  # MLX_FLASH_METALSIM_FAULT=compile:...
         variant = self._variant(key, spec)
 
         tg_size = tg[0] * tg[1] * tg[2]
@@ -347,7 +364,7 @@ class MetalKernel:
 
         for a, inp in zip(arrs, in_specs):
             src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-            buf = np.asarray(src)
+            buf = _read_input(src, self.name)
             if self.ensure_row_contiguous or a.ndim == 0:
                 buf = np.ascontiguousarray(buf)
             if inp.ndim == 0:
@@ -383,6 +400,8 @@ class MetalKernel:
         tgc = tuple(min(t, g) for t, g in zip(tg, grid))
         if min(grid) > 0:
             self._launch(variant, args, grid, tgc)
+            threadgroups = int(np.prod([-(-g // t) for g, t in zip(grid, tgc)]))
+            fault.after_launch(self.name, outs, output_dtypes, threadgroups)  # ...=corrupt:...
         res = []
         for o, dt in zip(outs, output_dtypes):
             r = mx.array(o)
