@@ -560,6 +560,10 @@ def parse_args(argv=None):
     if preset is not None:
         parser.set_defaults(**PRESETS[preset])  # explicit options still win
     args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    shape_options = ("--seq-lens", "--head-dims", "--heads", "--kv-heads", "--batch", "--tokens")
+    if any(a.split("=")[0] in shape_options for a in given):
+        args.cases = None  # shapes given: the sweep replaces the preset's shape list
     if args.torch and "torch-fa2" not in args.impls:
         args.impls.append("torch-fa2")
     if args.max_repeats < args.min_repeats:

@@ -273,6 +273,9 @@ def test_bench_help_defaults_presets_and_output_outside_the_tree(capsys):
     cases = bench.build_cases(args)
     assert len(cases) == 2 * len(bench.PRESETS["gpu"]["cases"])
     assert (cases[4].batch, cases[4].q_len, cases[4].head_dim) == (1, 16384, 128)
+    # Shapes given on the command line replace the preset's list.
+    cases = bench.build_cases(bench.parse_args(["--preset", "gpu", "--head-dims", "128", "--seq-lens", "4096"]))
+    assert [(c.head_dim, c.q_len, c.dtype) for c in cases] == [(128, 4096, "bfloat16")] * 2
 
 
 def test_torch_column_code_path_on_cpu():
