@@ -10,7 +10,7 @@ Without a subcommand it runs the main job, in two steps:
    on the same inputs, measured in the same run (peak memory of one call, then warm timed calls
    interleaved; mlx_flash/benchmark.py says exactly what is timed). The sizes are chosen per
    device so that N reaches the lengths where MLX's N x N scores dominate its memory: on a
-   2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about a minute and a half; on a GPU, bf16
+   2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about 2 minutes; on a GPU, bf16
    D=128 H=16 up to N=16384.
 
 Subcommands live in their own modules. Each module has a function `add_<name>_parser(subparsers)`
@@ -46,7 +46,7 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
                ("GQA 4/2 causal +dlse", 1, 4, 2, 96, 96, True, True)]
 
 # Per device: the sizes of step 2. On the project's 2-core x86 CPU one forward+backward at
-# B=1 H=2 D=64 N=4096 fp32 takes 12-23 s (mx.fast and mlx-flash alike, shared machine), and
+# B=1 H=2 D=64 N=4096 fp32 takes 12-27 s (mx.fast and mlx-flash alike, on the shared machine), and
 # each size runs four calls (a memory call and a timed call per implementation), so N=4096 is
 # the largest that keeps the whole job under 3 minutes. H=2 keeps the time down; mx.fast's
 # peak memory (N x N scores) still grows 4x per doubling of N while mlx-flash's grows ~2x.
@@ -218,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_flash",
         description="Check mlx-flash against a float64 reference, then show its forward+backward peak "
-                    "memory and time next to mx.fast.scaled_dot_product_attention. About 1.5 minutes on "
+                    "memory and time next to mx.fast.scaled_dot_product_attention. About 2 minutes on "
                     "a 2-core laptop CPU, under a minute on a GPU (the first GPU run also compiles the "
                     "kernels).")
     add_job_arguments(parser)
