@@ -35,6 +35,7 @@ import numpy as np
 
 from . import benchmark as bm, reference
 from .backends import BACKEND_NAMES, auto_backend_name, get_backend, metal_simulated
+from .cli import positive_int
 from .fallback import fallback_counts
 from .report_markdown import IMPLEMENTATIONS, WHERE_TO_SEND, render_markdown
 
@@ -343,18 +344,14 @@ def add_report_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, type=Path, help="directory for report.json and report.md")
     parser.add_argument("--quick", action="store_true", help="reduced case set and smaller sizes (minutes)")
     parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="default: auto (the device's)")
-    parser.add_argument("--max-cases", type=int, help="only the first N correctness cases (for testing the command)")
-    parser.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N to time (default by device)")
-    parser.set_defaults(handler=run_report)
+    parser.add_argument("--max-cases", type=positive_int, help="only the first N correctness cases (for testing the command)")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", help="sequence lengths N to time (default by device)")
+    parser.set_defaults(run=run_report)
     return parser
 
 
 def run_report(args: argparse.Namespace) -> int:
     """Write the report; 0 when every case passed (fallbacks included), 1 when one failed."""
-    if args.max_cases is not None and args.max_cases < 0:
-        raise SystemExit(f"report: --max-cases must be >= 0, got {args.max_cases}")
-    if args.sizes and any(n < 1 for n in args.sizes):
-        raise SystemExit(f"report: --sizes must be positive, got {args.sizes}")
     started = time.perf_counter()
     device = mx.default_device()
     resolved = auto_backend_name(device) if args.backend == "auto" else args.backend
@@ -414,11 +411,3 @@ def run_report(args: argparse.Namespace) -> int:
     if summary["fallback"] or summary["failed"] or summary["error"]:
         print(f"Please {WHERE_TO_SEND}.")
     return 1 if summary["failed"] or summary["error"] else 0
-
-
-def main(argv=None) -> int:
-    """`python -m mlx_flash report ...` on its own (until __main__ has subcommands)."""
-    parser = argparse.ArgumentParser(prog="python -m mlx_flash")
-    add_report_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.handler(args)

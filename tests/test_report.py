@@ -20,6 +20,7 @@ pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with
 
 import mlx_flash  # noqa: E402
 from mlx_flash import report, report_markdown  # noqa: E402
+from mlx_flash import __main__ as mlx_main
 from mlx_flash.backends import guard  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -88,7 +89,7 @@ def test_report_shows_a_broken_kernel_as_fallback(tmp_path, monkeypatch, fault):
     mlx_flash.reset_fallback_counts()
     try:
         with pytest.warns(mlx_flash.FallbackWarning):
-            code = report.main(["report", "--quick", "--out", str(tmp_path), "--max-cases", "1", "--sizes", "16"])
+            code = mlx_main.main(["report", "--quick", "--out", str(tmp_path), "--max-cases", "1", "--sizes", "16"])
         data = json.loads((tmp_path / "report.json").read_text())
     finally:
         guard.GUARD.forget()
