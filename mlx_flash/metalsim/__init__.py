@@ -14,7 +14,7 @@ Execution model
 ---------------
 * Grid and threadgroup as MLX: ``grid`` counts threads; like MLX, each
   threadgroup dimension is first clamped to the grid dimension
-  (``min(threadgroup, grid)``, see MLX issue 4534), then
+  (``min(threadgroup, grid)``, see ml-explore/mlx#4534), then
   ``ceil(grid / threadgroup)`` threadgroups are dispatched
   (``dispatchThreads``): edge threadgroups are partial and threads outside
   the grid do not exist. ``threads_per_threadgroup`` is the actual (partial)
