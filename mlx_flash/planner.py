@@ -5,11 +5,15 @@ the parallel block P (rows a threadgroup / CTA owns), the traversal block T (row
 per step), the head block H (columns of D per inner step) and which operands stay in
 registers ("cached"). The numbers live in kernels/blocks_<target>.txt as data, so tuning
 is an edit to a table, not to code.
+
+Which table: a `Table` value. By default `active_table` gives the table measured on this machine
+by `python -m mlx_flash tune` when one matches the device and versions (mlx_flash/tuned.py), else
+the shipped one; the tuner passes candidate tables explicitly (`plan(..., table=...)`).
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import FrozenSet, List, Optional, Tuple
 
@@ -40,6 +44,9 @@ class BlockPlan:
     cached: FrozenSet[str]
     head_dim: int
     warps: Optional[int] = None
+    # Which table the plan came from (kernels/blocks_<target>.txt or a tuned table's path): shown by
+    # the plan inspector, not part of the kernel variant's identity.
+    table: str = field(default="", compare=False)
 
     @property
     def padded_head_dim(self) -> int:
@@ -56,7 +63,9 @@ class BlockPlan:
 
 
 @dataclass(frozen=True)
-class _Row:
+class Row:
+    """One line of a block table (see kernels/blocks_metal.txt for the columns)."""
+
     kernel: str
     precision: str
     family: str
@@ -68,27 +77,93 @@ class _Row:
     warps: Optional[int]
 
 
-@functools.lru_cache(maxsize=None)
-def load_table(target: str) -> Tuple[_Row, ...]:
-    """Parse kernels/blocks_<target>.txt: whitespace columns, '#' comments, '-' = nothing cached;
-    an optional ninth column gives the warps per threadgroup ('-' = the backend's default)."""
-    text = resources.files("mlx_flash.kernels").joinpath(f"blocks_{target}.txt").read_text()
-    rows: List[_Row] = []
+@dataclass(frozen=True)
+class Table:
+    """A whole block table as a value: where it came from and its rows.
+
+    Attributes:
+        target: "metal" or "cuda".
+        origin: "kernels/blocks_<target>.txt" or the path of a tuned table.
+        rows: the rows, in file order.
+    """
+
+    target: str
+    origin: str
+    rows: Tuple[Row, ...]
+
+    def __hash__(self) -> int:  # computed once: a table is part of plan caches' keys on every call
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.target, self.origin, self.rows))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def replace_rows(self, family: str, kernel: str, precision: str, rows: Tuple[Row, ...],
+                     origin: str) -> "Table":
+        """This table with the (kernel, precision, family) group's rows replaced by `rows`."""
+        kept = tuple(r for r in self.rows if (r.kernel, r.precision, r.family) != (kernel, precision, family))
+        return Table(self.target, origin, kept + tuple(rows))
+
+
+def parse_rows(text: str, name: str) -> Tuple[Row, ...]:
+    """Rows of a block table's text: whitespace columns, '#' comments, '-' = nothing cached; an
+    optional ninth column gives the warps per threadgroup ('-' = the backend's default).
+
+    Raises:
+        ValueError: naming `name`, the line and what is wrong with it.
+    """
+    rows: List[Row] = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
         fields = line.split()
         if len(fields) not in (8, 9):
-            raise ValueError(f"blocks_{target}.txt line {number}: expected 8 or 9 columns, got {fields}")
+            raise ValueError(f"{name} line {number}: expected 8 or 9 columns, got {fields}")
         kernel, precision, family, max_d, p, t, h, cached = fields[:8]
         warps = fields[8] if len(fields) == 9 else "-"
         if kernel not in KERNELS:
-            raise ValueError(f"blocks_{target}.txt line {number}: unknown kernel {kernel!r}")
-        rows.append(_Row(kernel, precision, family, int(max_d), int(p), int(t), int(h),
-                         frozenset() if cached == "-" else frozenset(cached.split(",")),
-                         None if warps == "-" else int(warps)))
+            raise ValueError(f"{name} line {number}: unknown kernel {kernel!r}")
+        try:
+            numbers = [int(x) for x in (max_d, p, t, h)] + ([] if warps == "-" else [int(warps)])
+        except ValueError:
+            raise ValueError(f"{name} line {number}: max_d, P, T, H and warps must be integers, "
+                             f"got {fields[3:]}") from None
+        if min(numbers) < 1:
+            raise ValueError(f"{name} line {number}: max_d, P, T, H and warps must be positive, got {fields[3:]}")
+        rows.append(Row(kernel, precision, family, numbers[0], numbers[1], numbers[2], numbers[3],
+                        frozenset() if cached == "-" else frozenset(cached.split(",")),
+                        None if warps == "-" else numbers[4]))
     return tuple(rows)
+
+
+def format_row(row: Row) -> str:
+    """One table line in the shipped tables' column layout (parse_rows reads it back)."""
+    cached = ",".join(sorted(row.cached)) or "-"
+    warps = "-" if row.warps is None else str(row.warps)
+    return (f"{row.kernel:<20}{row.precision:<10}{row.family:<7}{row.max_head_dim:<7}{row.parallel_block:<5}"
+            f"{row.traversal_block:<5}{row.head_block:<5}{cached:<11}{warps}").rstrip()
+
+
+@functools.lru_cache(maxsize=None)
+def shipped_table(target: str) -> Table:
+    """kernels/blocks_<target>.txt as a Table."""
+    name = f"blocks_{target}.txt"
+    text = resources.files("mlx_flash.kernels").joinpath(name).read_text()
+    return Table(target, f"kernels/{name}", parse_rows(text, name))
+
+
+def load_table(target: str) -> Tuple[Row, ...]:
+    """The rows of kernels/blocks_<target>.txt."""
+    return shipped_table(target).rows
+
+
+def active_table(target: str, family: str) -> Table:
+    """The table plans come from on this machine: a matching tuned table (mlx_flash/tuned.py;
+    MLX_FLASH_TUNED=0 ignores them), else the shipped one."""
+    from . import tuned
+
+    return tuned.table_for(target, family) or shipped_table(target)
 
 
 def precision_of(dtype: mx.Dtype) -> str:
@@ -100,8 +175,9 @@ def families(target: str) -> Tuple[str, ...]:
     return tuple(sorted({row.family for row in load_table(target)}))
 
 
-@functools.lru_cache(maxsize=None)
-def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) -> BlockPlan:
+
+def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str,
+         table: Optional[Table] = None) -> BlockPlan:
     """The block plan for one kernel.
 
     Args:
@@ -110,19 +186,37 @@ def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) 
         head_dim: D, any positive int; past the table's last row its last row applies.
         dtype: the input dtype (fp32 vs mixed precision rows).
         family: the GPU family the table is keyed by (e.g. "m1", "m3"; "sm90" for CUDA).
+        table: the table to plan from; None = active_table(target, family).
     """
+    if table is None:
+        table = active_table(target, family)
+    return _plan(table, kernel, head_dim, dtype, family)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(table: Table, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) -> BlockPlan:
+    target = table.target
     if kernel not in KERNELS:
         raise ValueError(f"[planner] kernel must be one of {KERNELS}, got {kernel!r}.")
     if head_dim < 1:
         raise ValueError(f"[planner] head_dim must be >= 1, got {head_dim}.")
-    precision = precision_of(dtype)
-    rows = sorted((r for r in load_table(target)
-                   if r.kernel == kernel and r.precision == precision and r.family == family),
-                  key=lambda r: r.max_head_dim)
-    if not rows:
-        raise ValueError(f"[planner] no {target} rows for kernel={kernel!r}, precision={precision!r}, "
-                         f"family={family!r}; families in the table: {families(target)}.")
-    row = next((r for r in rows if head_dim <= r.max_head_dim), rows[-1])
+    row = find_row(table, kernel, head_dim, precision_of(dtype), family)
     head_block = min(row.head_block, -(-head_dim // 8) * 8)
     return BlockPlan(kernel, row.parallel_block, row.traversal_block, head_block, row.cached, head_dim,
-                     row.warps)
+                     row.warps, table.origin)
+
+
+def find_row(table: Table, kernel: str, head_dim: int, precision: str, family: str) -> Row:
+    """The row of `table` that serves head_dim (past the group's last row: its last row)."""
+    rows = group_rows(table, kernel, precision, family)
+    if not rows:
+        raise ValueError(f"[planner] no {table.target} rows for kernel={kernel!r}, precision={precision!r}, "
+                         f"family={family!r} in {table.origin}; families in it: "
+                         f"{tuple(sorted({r.family for r in table.rows}))}.")
+    return next((r for r in rows if head_dim <= r.max_head_dim), rows[-1])
+
+
+def group_rows(table: Table, kernel: str, precision: str, family: str) -> Tuple[Row, ...]:
+    """The rows of one (kernel, precision, family) group, by max_d."""
+    return tuple(sorted((r for r in table.rows if r.kernel == kernel and r.precision == precision
+                         and r.family == family), key=lambda r: r.max_head_dim))

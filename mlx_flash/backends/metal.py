@@ -69,14 +69,19 @@ class MetalBackend:
 
     Args:
         family: "m1" or "m3" to fix the block table's GPU family; None detects it per call.
+        table: a planner.Table to plan every kernel from (the tuner's candidates); None = the
+            active table (this device's tuned table when one matches, else the shipped one).
     """
 
     name = "metal"
 
-    def __init__(self, family: Optional[str] = None):
+    def __init__(self, family: Optional[str] = None, table=None):
         if family is not None and family not in FAMILIES:
             raise ValueError(f"[metal] family must be one of {FAMILIES} or None, got {family!r}.")
+        if table is not None and getattr(table, "target", None) != "metal":
+            raise ValueError(f"[metal] table must be a planner.Table of target 'metal' or None, got {table!r}.")
         self._family = family
+        self.table = table
         # Compile cache: (variant, simulated) -> kernel object. Keyed only by compile-time
         # constants, so new lengths, batch sizes or scales reuse a compiled kernel.
         self._kernels: Dict[Tuple[KernelVariant, bool], object] = {}
@@ -108,18 +113,18 @@ class MetalBackend:
     def variant_key(self, spec: AttentionSpec, mask_dtype=None):
         """The kernel variants a call runs (with the mask dtype, which the compiled signature has)."""
         family = self.family()
-        return (tuple(make_variant(kernel, spec, family) for kernel in INPUT_NAMES), mask_dtype,
+        return (tuple(make_variant(kernel, spec, family, self.table) for kernel in INPUT_NAMES), mask_dtype,
                 metal_simulated())
 
     def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype=None) -> str:
-        return make_variant(kernel, spec, self.family()).name
+        return make_variant(kernel, spec, self.family(), self.table).name
 
     def forward(self, q, k, v, mask, spec: AttentionSpec):
         """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         if min(B, Hq, Nq, D) == 0 or spec.kv_len == 0:
             return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
-        variant = make_variant("forward", spec, self.family())
+        variant = make_variant("forward", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
         out, lse, _ = self._launch(
@@ -160,7 +165,7 @@ class MetalBackend:
             delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
             if d_lse is not None:
                 delta = delta - d_lse.astype(mx.float32)
-        variant = make_variant("backward_key_value", spec, self.family())
+        variant = make_variant("backward_key_value", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         dk_spill = (B * Hkv * Nk * D,) if variant.spills("dK") else (1,)
         dv_spill = (B * Hkv * Nk * D,) if variant.spills("dV") else (1,)
@@ -180,7 +185,7 @@ class MetalBackend:
 
     def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        variant = make_variant("backward_query", spec, self.family())
+        variant = make_variant("backward_query", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         if d_lse is None:
             d_lse = mx.zeros((B, Hq, Nq), mx.float32)

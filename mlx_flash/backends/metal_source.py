@@ -119,9 +119,13 @@ def threadgroup_memory_bytes(block_plan: BlockPlan, dtype: mx.Dtype) -> int:
     return block_plan.traversal_block * (block_plan.head_block + tile_pad(dtype)) * dtype.size
 
 
-def make_variant(kernel: str, spec, family: str) -> KernelVariant:
-    """The variant serving `spec` with `kernel` on GPU family `family` ("m1" or "m3")."""
-    block_plan = plan("metal", kernel, spec.head_dim, spec.dtype, family)
+def make_variant(kernel: str, spec, family: str, table=None) -> KernelVariant:
+    """The variant serving `spec` with `kernel` on GPU family `family` ("m1" or "m3").
+
+    Args:
+        table: the planner.Table to plan from; None = the active one (tuned or shipped).
+    """
+    block_plan = plan("metal", kernel, spec.head_dim, spec.dtype, family, table)
     return KernelVariant(kernel=kernel, plan=block_plan, dtype_name=DTYPE_NAMES[spec.dtype],
                          mask_kind=spec.mask_kind, causal=bool(spec.causal),
                          window=spec.window is not None, softcap=spec.softcap is not None)
