@@ -146,6 +146,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plan"]:  # the plan inspector: mlx_flash/plan_command.py
+        from .plan_command import main as plan_main
+        return plan_main(argv[1:])
     args = parse_args(argv)
     started = time.perf_counter()
     device = mx.default_device()
