@@ -12,6 +12,11 @@ masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
 a family (below sm_80) go to the "mlx" backend (counted by mlx_flash.fallback).
 
+First contact: select_backend has mlx_flash.backends.guard build and run the call's set of
+variants (variant_key) once per process on a small problem before the user's graph uses them; a
+variant that fails to compile or launch on this GPU sends its calls to the "mlx" backend, with
+one FallbackWarning naming it and the error, counted.
+
 MLX_FLASH_CUDA_CAPABILITY=<10 * major + minor> plans for another capability than the GPU's
 (an H100 runs the sm_80 / sm_86 / sm_120 plans; the wgmma kernels only ever run on a real sm_90).
 """
@@ -23,6 +28,7 @@ from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
+from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source
 from .common import empty_backward, empty_forward, float_params, is_empty, mask_strides, window_bounds
@@ -127,6 +133,16 @@ class CUDABackend:
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
         return make_variant(kernel, spec, mask_dtype, family, self.tuning, self.real_sm90())
+
+    # -- what the first-contact guard (guard.py) keys its verdicts by ---------------------------
+
+    def variant_key(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None):
+        """The kernel variants a call runs, and what builds them (the GPU's NVRTC or the emulator):
+        the guard builds and runs each such set once per process before a call uses it."""
+        return tuple(self.variant(kernel, spec, mask_dtype) for kernel in KERNELS), self._factory
+
+    def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> str:
+        return self.variant(kernel, spec, mask_dtype).name
 
     # -- protocol -------------------------------------------------------------------------------
 

@@ -106,6 +106,15 @@ class MetalBackend:
     def family(self) -> str:
         return self._family or detect_family()
 
+    def variant_key(self, spec: AttentionSpec, mask_dtype=None):
+        """The kernel variants a call runs (with the mask dtype, which the compiled signature has)."""
+        family = self.family()
+        return (tuple(make_variant(kernel, spec, family) for kernel in INPUT_NAMES), mask_dtype,
+                metal_simulated())
+
+    def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype=None) -> str:
+        return make_variant(kernel, spec, self.family()).name
+
     def forward(self, q, k, v, mask, spec: AttentionSpec):
         """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
         if is_empty(spec):
