@@ -13,6 +13,8 @@ of rows, bitwise determinism of the gradients, and the float32 fallback being co
 """
 import math
 import os
+import warnings
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -21,8 +23,8 @@ from hypothesis import given, settings
 
 from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
 
-from mlx_flash import fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
-from mlx_flash.backends import cuda, cuda_emulator, cuda_source, get_backend  # noqa: E402
+from mlx_flash import FallbackWarning, fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
+from mlx_flash.backends import cuda, cuda_emulator, cuda_source, get_backend, guard  # noqa: E402
 from mlx_flash.backends.cuda_source import Tuning  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
 
@@ -437,3 +439,71 @@ def test_wgmma_key_value_schemes(scheme):
             "backward_key_value", check_inputs(a.q, a.k, a.v)[0])
         assert (variant.slices * variant.col_groups == 1) == (scheme[2] >= variant.padded_dim)
         _check_wgmma_backward(case, blocks)
+
+
+# ----------------------------------------------------------------------------- first contact
+@dataclass(frozen=True)
+class BrokenTemplate(cuda_emulator.KernelFactory):
+    """The emulator's kernel factory with a broken template for kernels whose name holds `kernel`
+    (their source fails to compile at first launch, as a compiler that rejects it would)."""
+
+    kernel: str = "backward_query"
+
+    def __call__(self, *, name, header, **kwargs):
+        if self.kernel in name:
+            header += "\nstatic_assert(false, \"forced failure\"); this is not C++;\n"
+        return super().__call__(name=name, header=header, **kwargs)
+
+
+def _broken_call_falls_back(backend, broken, transform=None, counted=2):
+    """A call on `backend` whose `broken` kernel cannot be built: correct results through the
+    fallback, one FallbackWarning naming the variant and the compiler's error, every call counted
+    (`counted` calls reach flash_attention: a compiled function traces it once, a checkpointed
+    one runs it again in the backward)."""
+    guard.GUARD.forget()
+    reset_fallback_counts()
+    case = Case(head_dim=40, q_len=30, kv_len=37, dtype="bfloat16", mask="causal", group=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if transform is None:
+            check_case(case, backend=backend)  # one forward call, one gradient call
+        else:
+            a = make_arrays(case)
+            f = transform(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask="causal", backend=backend).sum())
+            mx.eval(f(a.q, a.k, a.v))
+            mx.eval(f(a.q, a.k, a.v))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1, messages
+    a = make_arrays(case)
+    name = backend.variant_name(broken, check_inputs(a.q, a.k, a.v, mask="causal")[0])
+    assert name in messages[0] and "failed to compile or run" in messages[0], messages[0]
+    assert sum(fallback_counts().values()) == counted
+    guard.GUARD.forget()
+
+
+@emulator
+@pytest.mark.parametrize("broken", ["forward", "backward_query", "backward_key_value"])
+def test_emulated_first_contact_failure_falls_back(broken):
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=BrokenTemplate(kernel=broken), capability=86), broken)
+
+
+@emulator
+@pytest.mark.parametrize("transform", ["grad", "compile", "checkpoint"])
+def test_emulated_first_contact_under_transformations(transform):
+    wrap = {"grad": lambda f: mx.grad(f, argnums=(0, 1, 2)),
+            "compile": lambda f: mx.compile(mx.grad(f, argnums=(0, 1, 2))),
+            "checkpoint": lambda f: mx.grad(mx.checkpoint(f), argnums=(0, 1, 2))}[transform]
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=BrokenTemplate(kernel="forward"), capability=80),
+                            "forward", wrap, counted={"grad": 2, "compile": 1, "checkpoint": 4}[transform])
+
+
+@gpu
+def test_first_contact_failure_falls_back_on_the_gpu():
+    """A template broken for NVRTC: the GPU's own compiler rejects it, the call is served elsewhere."""
+
+    def broken_nvrtc(*, name, header, **kwargs):
+        if "backward_key_value" in name:
+            header += "\nstatic_assert(false, \"forced failure\");\n"
+        return mx.fast.cuda_kernel(name=name, header=header, **kwargs)
+
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=broken_nvrtc), "backward_key_value")

@@ -96,7 +96,10 @@ class EmulatedKernel:
                   "  return mlxflash_emulate(mlxflash_block, a, gx, gy, threads, smem, seed, eager, err, len);\n}\n")
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, **unused):
-        lib = _library(self._source(inputs, output_dtypes))
+        try:
+            lib = _library(self._source(inputs, output_dtypes))
+        except RuntimeError as error:  # name the kernel, as the GPU's compiler log does
+            raise RuntimeError(f"{self.name}: {error}") from None
         host_inputs = []
         for x in inputs:
             if x.dtype not in _NP_STORAGE:
