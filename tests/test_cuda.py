@@ -13,6 +13,7 @@ of rows, bitwise determinism of the gradients, and the float32 fallback being co
 """
 import math
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 
@@ -507,3 +508,19 @@ def test_first_contact_failure_falls_back_on_the_gpu():
         return mx.fast.cuda_kernel(name=name, header=header, **kwargs)
 
     _broken_call_falls_back(cuda.CUDABackend(kernel_factory=broken_nvrtc), "backward_key_value")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (the CUDA toolkit's compiler)")
+def test_wgmma_kernels_compile_with_nvcc():
+    """The wgmma templates compile for sm_90a (nothing else compiles them off the GPU: the
+    emulator runs the mma.sync kernels only); ~30 s on the CI machine."""
+    import importlib.util
+    import tempfile
+    path = os.path.join(os.path.dirname(cuda.__file__), "..", "..", "benchmarks", "cuda_compile.py")
+    spec = importlib.util.spec_from_file_location("cuda_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in planner.KERNELS:
+            line = module.compile_variant(_variant(kernel, 128, Tuning(), real_sm90=True), "sm_90a", tmp)
+            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
