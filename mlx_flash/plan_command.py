@@ -13,10 +13,11 @@ import json
 import sys
 
 from . import inspect
+from .cli import dtype_argument, positive_int
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the `plan` subcommand to an argparse subparsers object (its handler: run_plan)."""
+    """Register the `plan` subcommand on an argparse subparsers object (it runs run_plan)."""
     parser = subparsers.add_parser("plan", help="print each kernel's plan for a GPU, head dim, dtype and mask",
                                    description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("cuda", "metal"), default="cuda")
@@ -24,11 +25,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="cuda: compute capability as 10 * major + minor, e.g. 80, 86, 90, 120 (default: this "
                              "machine's, or MLX_FLASH_CUDA_CAPABILITY)")
     parser.add_argument("--family", help="metal: m1 or m3 (default: this machine's, or MLX_FLASH_METAL_FAMILY)")
-    parser.add_argument("--head-dim", type=int, required=True, help="D")
-    parser.add_argument("--dtype", default="bfloat16", choices=tuple(inspect.DTYPES))
+    parser.add_argument("--head-dim", type=positive_int, required=True, help="D")
+    parser.add_argument("--dtype", default="bfloat16", type=dtype_argument,
+                        help="float32/fp32, float16/fp16 or bfloat16/bf16 (default: %(default)s)")
     parser.add_argument("--mask", default="none", choices=inspect.MASKS)
     parser.add_argument("--json", action="store_true", help="print JSON (one object per kernel)")
-    parser.set_defaults(handler=run_plan)
+    parser.set_defaults(run=run_plan)
     return parser
 
 
@@ -43,10 +45,3 @@ def run_plan(args) -> int:
     print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else inspect.format_table(rows))
     return 0
 
-
-def main(argv=None) -> int:
-    """`plan` on its own: argv holds the arguments after the word `plan`."""
-    parser = argparse.ArgumentParser(prog="python -m mlx_flash")
-    add_plan_parser(parser.add_subparsers())
-    args = parser.parse_args(["plan", *(sys.argv[2:] if argv is None else argv)])
-    return args.handler(args)

@@ -233,7 +233,7 @@ def test_every_table_row_is_exercised_by_a_cached_combination():
 
 
 def test_grid_counts_threads_of_whole_threadgroups(monkeypatch):
-    """grid = threadgroups * threadgroup size per dimension (MLX issue 4534)."""
+    """grid = threadgroups * threadgroup size per dimension (ml-explore/mlx#4534)."""
     calls = []
 
     def recorder(**kwargs):

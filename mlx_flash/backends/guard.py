@@ -18,6 +18,16 @@ The probe runs in plain Python at call time, which is before `mx.custom_function
 call to the user's graph; it evaluates only arrays it made itself, which MLX allows under
 `mx.grad`, `mx.vjp`, `mx.compile` and `mx.checkpoint` alike.
 
+Cost, once per variant set per process (a training run usually needs one or two sets). Through
+the Metal simulator on a 2-core CPU (load 7-10; the simulator's figures, not a GPU's): building
+the three kernels takes 8 s (D=64 fp32) to 47 s (D=128 bf16) with the compile cache cold (a build
+the first call would pay anyway; cached on disk after), running them on the probe problem
+0.1-0.35 s, the self-check 0.03-0.27 s more (D=64..256). On a Mac the Metal compile is likewise
+the one the first call would do; the probe adds three launches on a 67 x 83 problem of at most
+two heads, the "mlx" backend's float32 result of the same size and a few synchronizations (an
+estimate of a few to ~20 ms, not yet measured on a Mac: `python -m mlx_flash report` lists each
+first contact's seconds).
+
 Environment:
     MLX_FLASH_SELF_CHECK: unset -> self-check on for "metal", off for "cuda" (compile and run
     only); "0" -> off everywhere; "1" -> on everywhere.
@@ -30,7 +40,7 @@ import os
 import threading
 import time
 from types import MappingProxyType
-from typing import Callable, Dict, Hashable, Optional
+from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -95,9 +105,13 @@ def probe_inputs(spec, mask_dtype: Optional[mx.Dtype], seed: int = 0) -> ProbeIn
     elif spec.mask_kind == "additive":
         mask = normal(*spec.mask_shape, dtype=mask_dtype or spec.dtype)
     sinks = normal(Hq, dtype=spec.dtype) if getattr(spec, "has_sinks", False) else None
-    return ProbeInputs(q=normal(B, Hq, Nq, spec.head_dim), k=normal(B, Hkv, Nk, spec.head_dim),
-                       v=normal(B, Hkv, Nk, spec.value_dim), d_out=normal(B, Hq, Nq, spec.value_dim),
-                       mask=mask, sinks=sinks)
+    inputs = ProbeInputs(q=normal(B, Hq, Nq, spec.head_dim), k=normal(B, Hkv, Nk, spec.head_dim),
+                         v=normal(B, Hkv, Nk, spec.value_dim), d_out=normal(B, Hq, Nq, spec.value_dim),
+                         mask=mask, sinks=sinks)
+    # Evaluated here, so that an evaluation that fails in the probe holds the kernel alone (no
+    # half-encoded conversions of the inputs are left behind on the stream).
+    mx.eval([a for a in (getattr(inputs, f.name) for f in dataclasses.fields(inputs)) if a is not None])
+    return inputs
 
 
 def _relative_error(x: mx.array, ref: mx.array) -> float:
@@ -113,6 +127,9 @@ def _relative_error(x: mx.array, ref: mx.array) -> float:
     return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 0.01 * np.sqrt(x.size)))
 
 
+_UNKNOWN = object()
+
+
 class FirstContact:
     """Per-process verdicts on kernel-variant sets: None (works) or the reason it does not.
 
@@ -124,6 +141,8 @@ class FirstContact:
         self._verdicts: Dict[Hashable, Optional[str]] = {}
         self._lock = threading.Lock()
         self.probe_seconds: Dict[Hashable, float] = {}
+        self._labels: Dict[Hashable, str] = {}
+        self._details: Dict[Hashable, Optional[str]] = {}  # a build failure's whole message
 
     def verdict(self, backend, spec, mask_dtype: Optional[mx.Dtype] = None) -> Optional[str]:
         """None when the variants serving `spec` on `backend` work here, else why not.
@@ -137,22 +156,38 @@ class FirstContact:
         if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0:
             return None  # an empty call runs no kernel
         key = (backend.name, backend.variant_key(spec, mask_dtype))
+        known = self._verdicts.get(key, _UNKNOWN)  # every call after the first: one lookup, no lock
+        if known is not _UNKNOWN:
+            return known
         with self._lock:
-            if key in self._verdicts:
+            if key in self._verdicts:  # another thread probed it meanwhile
                 return self._verdicts[key]
             start = time.perf_counter()
-            reason = self._probe(backend, spec, mask_dtype)
+            reason, detail = self._probe(backend, spec, mask_dtype)
             self.probe_seconds[key] = time.perf_counter() - start
             self._verdicts[key] = reason
+            self._labels[key] = _variant_set_label(backend, spec, mask_dtype)
+            self._details[key] = detail
             return reason
+
+    def records(self) -> List[Dict[str, object]]:
+        """Every verdict of this process: backend, variants (readable), probe seconds (build, run
+        and self-check), verdict (None = works) and, for a build or run failure, the error's whole
+        text (the verdict shortens it), in the order they were reached."""
+        with self._lock:
+            return [{"backend": key[0], "variants": self._labels[key], "seconds": self.probe_seconds[key],
+                     "verdict": reason, "detail": self._details[key]} for key, reason in self._verdicts.items()]
 
     def forget(self) -> None:
         """Drop every verdict (tests use this)."""
         with self._lock:
             self._verdicts.clear()
             self.probe_seconds.clear()
+            self._labels.clear()
+            self._details.clear()
 
-    def _probe(self, backend, spec, mask_dtype) -> Optional[str]:
+    def _probe(self, backend, spec, mask_dtype) -> Tuple[Optional[str], Optional[str]]:
+        """(verdict, the failure's whole message or None)."""
         small = probe_spec(spec)
         x = probe_inputs(small, mask_dtype)
         sink_args = {"sinks": x.sinks} if x.sinks is not None else {}
@@ -172,11 +207,14 @@ class FirstContact:
             message = " ".join(str(e).split())
             if len(message) > 600:
                 message = message[:600] + " ..."
+            if stage == "backward":  # both kernels were built in one call: the message may say which
+                stage = next((kernel for kernel in ("backward_query", "backward_key_value")
+                              if _names_kernel(backend, kernel, spec, mask_dtype, message)), stage)
             return (f"{backend.name} {_variant_name(backend, stage, spec, mask_dtype)} failed to compile or "
-                    f"run on this device: {type(e).__name__}: {message}")
+                    f"run on this device: {type(e).__name__}: {message}"), f"{type(e).__name__}: {e}"
         if not self_check_enabled(backend.name):
-            return None
-        return self._compare(backend, small, x, (out, lse) + tuple(grads), spec, mask_dtype)
+            return None, None
+        return self._compare(backend, small, x, (out, lse) + tuple(grads), spec, mask_dtype), None
 
     def _compare(self, backend, small, x: ProbeInputs, results, spec, mask_dtype) -> Optional[str]:
         from . import get_backend  # the "mlx" backend: blocked MLX ops, float32
@@ -203,6 +241,26 @@ class FirstContact:
                         f"first-use self-check: {name} differs from the 'mlx' backend by relative error "
                         f"{error:.3g} (limit {limit:g} for {dtype}); {REPORT_HINT}")
         return None
+
+
+def _variant_set_label(backend, spec, mask_dtype) -> str:
+    """The variant names of one call's kernels, or a description of the call when the backend
+    cannot name them."""
+    namer: Optional[Callable] = getattr(backend, "variant_name", None)
+    if namer is not None:
+        try:
+            return ", ".join(namer(kernel, spec, mask_dtype)
+                             for kernel in ("forward", "backward_query", "backward_key_value"))
+        except Exception:  # a backend whose kernels are not these three: describe the call instead
+            pass
+    return (f"D={spec.head_dim} {str(spec.dtype).split('.')[-1]} mask={spec.mask_kind} causal={spec.causal} "
+            f"mask_dtype={mask_dtype}")
+
+
+def _names_kernel(backend, kernel: str, spec, mask_dtype, message: str) -> bool:
+    """Whether an error message names `kernel`'s variant (compilers name the function)."""
+    namer: Optional[Callable] = getattr(backend, "variant_name", None)
+    return namer is not None and namer(kernel, spec, mask_dtype) in message
 
 
 def _variant_name(backend, stage: str, spec, mask_dtype) -> str:

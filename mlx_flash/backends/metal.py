@@ -221,7 +221,7 @@ class MetalBackend:
         threads = variant.threads_per_threadgroup
         groups = -(-parallel_len // variant.plan.parallel_block)
         # mx.fast.metal_kernel's grid counts threads; a grid dim smaller than the threadgroup
-        # dim would silently truncate (MLX issue 4534): launch whole threadgroups.
+        # dim would silently truncate (ml-explore/mlx#4534): launch whole threadgroups.
         return self.kernel(variant)(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=(groups * threads, heads, spec.batch), threadgroup=(threads, 1, 1))
