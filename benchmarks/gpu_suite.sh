@@ -4,9 +4,9 @@
 #      edge cases D = 1..512, the bounded property suite, block orders, determinism) and natively
 #      (sm_90: the wgmma kernels too; the property suite and the N = 16K cases left to the full run);
 #   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family;
-#   3. the speed table of benchmarks/RESULTS.md (bench.py, implementations interleaved): B=4 H=16
-#      N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512, causal
-#      and not, bf16, forward and forward+backward, with torch's FlashAttention-2 where it imports.
+#   3. the speed table of benchmarks/RESULTS.md: bench.py --preset gpu (its shapes and columns:
+#      B=4 H=16 N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512,
+#      causal and not, bf16, forward and forward+backward, implementations interleaved).
 #
 # Usage, from the repository root (on the device machine, with .whl/ carried):
 #     benchmarks/gpu_suite.sh [OUT_DIR]             # all phases
@@ -77,16 +77,8 @@ for phase in $phases; do
         ;;
     bench)
         budget="${BENCH_S:-150}"
-        common=(--backend cuda --dtypes bf16 --masks none causal --heads 16 --torch --impls mlx-flash mx.fast
-                --passes forward forward_backward --warmup 2 --min-repeats 5 --max-repeats 20 --target-seconds 0.2
-                --out "$out_dir" --no-plots)
-        third=$(( budget / 3 ))
-        step bench_b4_n4096 "$third" python3 benchmarks/bench.py "${common[@]}" --batch 4 --seq-lens 4096 \
-            --head-dims 64 128 --time-budget-s $(( third - 20 )) --name bench_b4_n4096
-        step bench_b1_n16384 "$third" python3 benchmarks/bench.py "${common[@]}" --batch 1 --seq-lens 16384 \
-            --head-dims 128 --time-budget-s $(( third - 20 )) --name bench_b1_n16384
-        step bench_b1_n4096_wide "$third" python3 benchmarks/bench.py "${common[@]}" --batch 1 --seq-lens 4096 \
-            --head-dims 160 192 256 512 --time-budget-s $(( third - 20 )) --name bench_b1_n4096_wide
+        step bench_gpu_preset "$budget" python3 benchmarks/bench.py --preset gpu --backend cuda --no-plots \
+            --time-budget-s $(( budget - 30 )) --out "$out_dir" --name bench_gpu_suite
         ;;
     *) say "unknown phase $phase (tests, sanitize, bench)";;
     esac
