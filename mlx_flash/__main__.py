@@ -32,12 +32,14 @@ from .api import flash_attention
 from .backends import BACKEND_NAMES, auto_backend_name, get_backend
 from .fallback import fallback_counts
 from .cli import dtype_argument, positive_int
+from .plan_command import add_plan_parser
 from .report import add_report_parser
 from .tune_command import add_tune_parser
 from .spec import check_inputs
 
 # add_<name>_parser(subparsers) functions, one per subcommand module (see the module docstring).
-SUBCOMMANDS: List[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_report_parser, add_tune_parser]
+SUBCOMMANDS: List[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_report_parser,
+                                                                                    add_plan_parser, add_tune_parser]
 
 # Same limits as tests/attention_cases.py: relative Frobenius error per dtype.
 FORWARD_TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}

@@ -58,7 +58,8 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
         return_lse (bool): also return lse [B, Hq, Nq] fp32, the natural-log logsumexp of the
             final scores (-inf for rows that see no key; those rows output 0).
         backend (str): "auto" (by the stream's device: Metal GPU -> "metal", CUDA GPU -> "cuda",
-            otherwise "mlx"), "mlx" (blocked MLX ops, any device), "metal" or "cuda".
+            otherwise "mlx"), "mlx" (blocked MLX ops, any device), "metal" or "cuda"; or a backend
+            object (e.g. mlx_flash.backends.cuda.CUDABackend(tuning=...)).
         stream (Stream | Device, optional): where to run.
 
     Returns:

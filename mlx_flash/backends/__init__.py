@@ -19,13 +19,14 @@ import contextlib
 import functools
 import importlib
 import os
+from types import MappingProxyType
 
 import mlx.core as mx
 
 from ..fallback import record_fallback
 
-_MODULES = {"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
-            "cuda": "mlx_flash.backends.cuda"}
+_MODULES = MappingProxyType({"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
+                             "cuda": "mlx_flash.backends.cuda"})
 BACKEND_NAMES = ("auto",) + tuple(_MODULES)
 
 
@@ -70,21 +71,30 @@ def auto_backend_name(device: mx.Device) -> str:
     return "mlx"
 
 
+def _is_backend(value) -> bool:
+    return not isinstance(value, str) and all(
+        hasattr(value, a) for a in ("name", "unavailable_reason", "unsupported_reason", "forward", "backward"))
+
+
 def select_backend(name, spec, stream, mask_dtype=None):
     """Resolve the `backend` argument to a backend object for this call.
 
-    An unknown name or an explicitly requested backend that cannot run on the stream's
-    device raises. A backend that runs but cannot serve this particular call natively, or
-    whose kernel variants for it failed their first contact (guard.py), hands it to the
-    "mlx" backend, warning once per reason and counting it.
+    `name` may also be a backend object (e.g. a CUDABackend with its own tuning, or the CUDA
+    emulator's): it is used as if requested by name. An unknown name or an explicitly requested
+    backend that cannot run on the stream's device raises. A backend that runs but cannot serve
+    this particular call natively, or whose kernel variants for it failed their first contact
+    (guard.py), hands it to the "mlx" backend, warning once per reason and counting it.
     """
-    if not isinstance(name, str) or name not in BACKEND_NAMES:
-        raise ValueError(f"[flash_attention] backend must be one of {BACKEND_NAMES}, got {name!r}.")
     device = stream_device(stream)
-    explicit = name != "auto"
-    if not explicit:
-        name = auto_backend_name(device)
-    backend = get_backend(name)
+    if _is_backend(name):
+        backend, name, explicit = name, name.name, True
+    elif not isinstance(name, str) or name not in BACKEND_NAMES:
+        raise ValueError(f"[flash_attention] backend must be one of {BACKEND_NAMES} or a backend object, got {name!r}.")
+    else:
+        explicit = name != "auto"
+        if not explicit:
+            name = auto_backend_name(device)
+        backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         if explicit:

@@ -39,6 +39,7 @@ import math
 import os
 import threading
 import time
+from types import MappingProxyType
 from typing import Callable, Dict, Hashable, List, Optional, Tuple
 
 import mlx.core as mx
@@ -51,7 +52,7 @@ from .. import reference
 # variant on the CPU simulators.
 PROBE_QUERIES = 67
 PROBE_KEYS = 83
-SELF_CHECK_DEFAULT = {"metal": True}
+SELF_CHECK_DEFAULT = MappingProxyType({"metal": True})
 REPORT_HINT = ("please run `python -m mlx_flash report --out DIR` and send us DIR/report.md "
                "(see the README)")
 
