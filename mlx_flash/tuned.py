@@ -51,17 +51,21 @@ def cache_dir() -> Path:
     return (Path(base) if base else Path.home() / ".cache") / "mlx_flash" / "tuned"
 
 
-@functools.lru_cache(maxsize=None)
 def device_identity(target: str) -> Tuple[str, str]:
     """(device name, architecture) of the GPU a target's kernels run on in this process.
 
     The Metal simulator (MLX_FLASH_METAL_SIM=1) is a device of its own: tables measured through it
     never serve a real Mac, and a Mac's never the simulator.
     """
-    if target == "metal":
-        from .backends import metal_simulated
+    from .backends import metal_simulated
 
-        if metal_simulated():
+    return _identity(target, target == "metal" and metal_simulated())
+
+
+@functools.lru_cache(maxsize=None)
+def _identity(target: str, simulated: bool) -> Tuple[str, str]:
+    if target == "metal":
+        if simulated:
             return "metalsim", "metalsim"
         if mx.metal.is_available():
             info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()

@@ -1,0 +1,83 @@
+"""The CUDA kernels' candidate space for the tuner (see tune_spaces.py for the interface).
+
+mma.sync rows: P, T (multiples of 16), H (output columns per warp) halved or doubled, warps 4 <-> 8.
+wgmma rows (sm_90): T by 16 either way and halved / doubled; the forward and dQ between two
+(P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64; the forward's
+pingpong option on and off. A row the kernels cannot take is rejected by make_variant's own checks.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+from . import planner
+from .tune_spaces import _halve_double
+
+
+class CudaSpace:
+    target = "cuda"
+
+    def __init__(self, family: Optional[str] = None):
+        from .backends import cuda, cuda_source
+
+        backend = cuda.CUDABackend()
+        self._family = cuda_source.family_named(family) if family else backend.family()
+        if self._family is None:
+            raise ValueError(f"no CUDA kernel family for compute capability {backend.capability()} "
+                             f"(kernels/families_cuda.txt)")
+        self._real_sm90 = backend.real_sm90()
+
+    def family(self) -> str:
+        return self._family.name
+
+    def row_family(self, kernel: str, head_dim: int) -> str:
+        from .backends import cuda_source
+
+        wgmma = cuda_source.uses_wgmma(kernel, head_dim, self._family, cuda_source.Tuning(), self._real_sm90)
+        return self._family.name + ("_wgmma" if wgmma else "")
+
+    def candidates(self, row: planner.Row, head_dim: int, quick: bool) -> List[planner.Row]:
+        if row.family.endswith("_wgmma"):
+            return self._wgmma_candidates(row, quick)
+        most_columns = -(-head_dim // 16) * 16
+        out = [dataclasses.replace(row, traversal_block=t) for t in _halve_double(row.traversal_block, 16, 16, 128)]
+        out += [dataclasses.replace(row, parallel_block=p) for p in _halve_double(row.parallel_block, 16, 16, 256)]
+        out += [dataclasses.replace(row, warps=8 if (row.warps or 4) == 4 else 4)]
+        if not quick:
+            out += [dataclasses.replace(row, head_block=h)
+                    for h in _halve_double(row.head_block, 16, 16, min(256, most_columns))]
+            out += [dataclasses.replace(row, parallel_block=p, warps=8 if (row.warps or 4) == 4 else 4)
+                    for p in _halve_double(row.parallel_block, 16, 16, 256)]
+        return out
+
+    def _wgmma_candidates(self, row: planner.Row, quick: bool) -> List[planner.Row]:
+        most = 256 if row.kernel == "forward" else 128
+        t = row.traversal_block
+        steps = [t - 16, t + 16] + ([] if quick else [t // 2, t * 2])
+        out = [dataclasses.replace(row, traversal_block=v) for v in dict.fromkeys(steps)
+               if v % 16 == 0 and 16 <= v <= most and v != t]
+        if row.kernel in ("forward", "backward_query"):
+            shapes = [(128, 8), (192, 12)]
+        else:
+            shapes = [(128, 8), (64, 8)]
+        out += [dataclasses.replace(row, parallel_block=p, warps=w) for p, w in shapes
+                if (p, w) != (row.parallel_block, row.warps)]
+        if row.kernel == "forward":
+            out.append(dataclasses.replace(row, cached=row.cached ^ {"pingpong"}))
+        return out
+
+    def invalid_reason(self, table: planner.Table, point) -> Optional[str]:
+        from .backends import cuda_source
+        from .tune import spec_for
+
+        try:
+            cuda_source.make_variant(point.kernel, spec_for(point, "none", 1, 1), None, self._family,
+                                     cuda_source.Tuning(table=table), self._real_sm90)
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def backend(self, table: planner.Table):
+        from .backends import cuda, cuda_source
+
+        return cuda.CUDABackend(tuning=cuda_source.Tuning(table=table))

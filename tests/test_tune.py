@@ -1,0 +1,127 @@
+"""`python -m mlx_flash tune` and tuned tables, through the Metal simulator (the mechanism only:
+simulator timings say nothing about a GPU's speed). One head dim, float32, the forward kernel,
+tiny problems: each candidate is one more kernel for the simulator to compile."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_flash import benchmark as bm, flash_attention, inspect, planner, reference, tune, tuned
+from mlx_flash.__main__ import main
+from mlx_flash.fallback import FallbackWarning, reset_fallback_counts
+from mlx_flash.tune_spaces import MetalSpace
+
+D = 16
+BASE = planner.find_row(planner.shipped_table("metal"), "forward", D, "fp32", "m3")  # P=16 T=64 H=16 O,Q
+
+
+@pytest.fixture
+def sim(monkeypatch, tmp_path):
+    """The Metal simulator as an M3, tuned tables under tmp_path."""
+    monkeypatch.setenv("MLX_FLASH_METAL_SIM", "1")
+    monkeypatch.setenv("MLX_FLASH_METAL_FAMILY", "m3")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MLX_FLASH_TUNED", raising=False)
+    monkeypatch.delenv("MLX_FLASH_METALSIM_FAULT", raising=False)
+    reset_fallback_counts()
+    yield tmp_path
+    reset_fallback_counts()
+
+
+def _origins(dtype="float32"):
+    return {p.table for p in inspect.plans("metal", D, dtype)}
+
+
+def test_tune_quick_end_to_end_writes_a_table_the_planner_uses(sim, capsys):
+    code = main(["tune", "--backend", "metal", "--quick", "--head-dims", str(D), "--dtypes", "float32",
+                 "--kernels", "forward", "--max-candidates", "2", "--budget-s", "120"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    path = tuned.table_path("metal", "m3")
+    assert path.is_file() and str(path) in printed
+    table = tuned.parse(path.read_text(), str(path), "metal", "m3")
+    assert {r.family for r in table.rows} == {"m3"}
+    assert tune.measured_points(path.read_text()) == (("forward", "float32", D),)
+    assert "forward D=16 float32 none" in printed and "timed" in printed
+    assert _origins() == {str(path)}  # the inspector names the tuned table
+    os.environ["MLX_FLASH_TUNED"] = "0"
+    try:
+        assert _origins() == {"kernels/blocks_metal.txt"}
+    finally:
+        del os.environ["MLX_FLASH_TUNED"]
+
+
+def test_planner_plans_from_a_tuned_row_and_the_kernel_stays_correct(sim):
+    moved = dataclasses.replace(BASE, traversal_block=32, cached=frozenset({"O"}))
+    table = tune.with_row(planner.shipped_table("metal"), moved, D, "tuned")
+    path = tuned.write("metal", "m3", table, ("measured: forward float32 D=16 masks=none: by hand",))
+    plan = planner.plan("metal", "forward", D, mx.float32, "m3")
+    assert (plan.traversal_block, plan.cached, plan.table) == (32, frozenset({"O"}), str(path))
+    # head dims past the tuned one keep the shipped row that covered them
+    assert planner.plan("metal", "forward", D + 8, mx.float32, "m3").traversal_block == 32  # shipped 17..48 row
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 40, D)).astype(np.float32) for _ in range(3))
+    out = flash_attention(mx.array(q), mx.array(k), mx.array(v), mask="causal", backend="metal")
+    spec = tune.spec_for(tune.Point("forward", D, "float32"), "causal", 40, 40)
+    want, _ = reference.attention_forward(q, k, v, spec)
+    assert tune.relative_error(np.asarray(out, dtype=np.float64), want) < reference.FORWARD_TOLERANCE["float32"]
+
+
+def test_a_candidate_that_computes_wrong_numbers_is_rejected_before_timing(sim, monkeypatch):
+    wrong = dataclasses.replace(BASE, traversal_block=32)  # kernel name ..._p16t32h16_...
+    monkeypatch.setenv("MLX_FLASH_METALSIM_FAULT", "corrupt:forward_d16_float32_p16t32h16")
+    outcome = tune.tune_point(MetalSpace("m3"), planner.shipped_table("metal"), tune.Point("forward", D, "float32"),
+                              tune.Problem(1, 1, 32), bm.Settings(warmup=0, min_repeats=1, max_repeats=1,
+                                                                  target_seconds=0.0),
+                              quick=True, max_candidates=2)
+    assert "relative error" in outcome.rejected[wrong]
+    assert wrong not in outcome.timings and outcome.best != wrong
+    assert BASE in outcome.timings
+
+
+def test_malformed_or_stale_table_is_ignored_with_one_warning(sim):
+    path = tuned.table_path("metal", "m3")
+    path.parent.mkdir(parents=True)
+    good = tuned.write("metal", "m3", planner.shipped_table("metal")).read_text()
+    for broken, word in ((good + "forward fp32 m3 not-a-number 16 64 16 -\n", "malformed"),
+                         (good.replace("# mlx_flash: ", "# mlx_flash: 0.0.0-"), "stale")):
+        path.write_text(broken)
+        os.utime(path, ns=(1, hash(word) & 0xFFFFFFFF))  # a new modification time: read again
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                plan = planner.plan("metal", "forward", D, mx.float32, "m3")
+        assert plan.table == "kernels/blocks_metal.txt"
+        messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+        assert len(messages) == 1 and word in messages[0] and str(path) in messages[0]
+
+
+def test_metal_candidates_move_one_knob_and_stay_within_limits(sim):
+    space = MetalSpace("m3")
+    rows = space.candidates(BASE, D, quick=False)
+    assert BASE not in rows and len(rows) == len(set(rows))
+    for row in rows:
+        changed = [f for f in ("parallel_block", "traversal_block", "head_block", "cached")
+                   if getattr(row, f) != getattr(BASE, f)]
+        assert len(changed) == 1
+        assert row.head_block <= 16 and row.parallel_block % 8 == 0 and row.traversal_block % 8 == 0
+
+
+def test_cuda_candidates_are_checked_by_the_kernels_own_rules(monkeypatch):
+    monkeypatch.setenv("MLX_FLASH_CUDA_CAPABILITY", "86")
+    from mlx_flash.tune_cuda import CudaSpace
+
+    space, table = CudaSpace(), planner.shipped_table("cuda")
+    for kernel in planner.KERNELS:
+        point = tune.Point(kernel, 64, "bfloat16")
+        base = planner.find_row(table, kernel, 64, "mixed", space.row_family(kernel, 64))
+        assert space.invalid_reason(tune.with_row(table, base, 64, "x"), point) is None
+        reasons = [space.invalid_reason(tune.with_row(table, r, 64, "x"), point) for r in space.candidates(base, 64, False)]
+        assert any(r is None for r in reasons)
+    too_big = dataclasses.replace(base, parallel_block=256, traversal_block=128)
+    assert "shared memory" in space.invalid_reason(tune.with_row(table, too_big, 64, "x"), point)
