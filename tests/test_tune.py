@@ -125,3 +125,30 @@ def test_cuda_candidates_are_checked_by_the_kernels_own_rules(monkeypatch):
         assert any(r is None for r in reasons)
     too_big = dataclasses.replace(base, parallel_block=256, traversal_block=128)
     assert "shared memory" in space.invalid_reason(tune.with_row(table, too_big, 64, "x"), point)
+
+
+def test_autotune_tunes_a_shape_once_then_plans_from_the_table(sim, monkeypatch):
+    from mlx_flash.autotune import FIRST_USE
+
+    monkeypatch.setenv("MLX_FLASH_AUTOTUNE", "1")
+    monkeypatch.setenv("MLX_FLASH_AUTOTUNE_BUDGET_S", "60")
+    FIRST_USE.forget()
+    rng = np.random.default_rng(0)
+    q, k, v = (mx.array(rng.standard_normal((1, 1, 24, D)).astype(np.float32)) for _ in range(3))
+    try:
+        with pytest.warns(UserWarning, match="mlx-flash autotune: D=16 float32 on metal m3"):
+            out = flash_attention(q, k, v, backend="metal")
+        path = tuned.table_path("metal", "m3")
+        measured = tune.measured_points(path.read_text())
+        assert set(measured) == {(kernel, "float32", D) for kernel in planner.KERNELS}
+        assert _origins() == {str(path)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # measured already: no second tuning
+            again = flash_attention(q, k, v, backend="metal")
+        assert mx.array_equal(out, again)
+        FIRST_USE.forget()  # a new process: the table's notes say the shape is measured
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            flash_attention(q, k, v, backend="metal")
+    finally:
+        FIRST_USE.forget()

@@ -103,8 +103,10 @@ def select_backend(name, spec, stream, mask_dtype=None):
         return get_backend("mlx")
     reason = backend.unsupported_reason(spec)
     if reason is None and hasattr(backend, "variant_key"):
+        from ..autotune import FIRST_USE  # MLX_FLASH_AUTOTUNE=1: tune this shape's rows once, first
         from .guard import GUARD  # first use of these kernel variants in this process: build, run, check
         with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
+            FIRST_USE.maybe_tune(backend, spec)
             reason = GUARD.verdict(backend, spec, mask_dtype)
     if reason is not None:
         record_fallback(f"backend {name!r} cannot serve this call ({reason}); using 'mlx'")
