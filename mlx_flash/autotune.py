@@ -30,6 +30,8 @@ SETTINGS = bm.Settings(warmup=1, min_repeats=3, max_repeats=5, target_seconds=0.
 # within a fraction of the budget on any GPU.
 MAX_BATCH, MAX_HEADS, MAX_LENGTH = 2, 16, 4096
 SIMULATOR_PROBLEM = tune.Problem(1, 1, 64)
+# Candidates per kernel besides the table's row: the quick space's first moves (T, then P).
+MAX_CANDIDATES = 3
 
 
 def enabled() -> bool:
@@ -110,7 +112,9 @@ class FirstUse:
         for point in todo:
             if time.monotonic() > deadline:
                 break
-            outcomes.append(tune.tune_point(space, table, point, problem, SETTINGS, quick=True, deadline=deadline))
+            outcomes.append(tune.tune_point(space, table, point, problem, SETTINGS, quick=True,
+                                            max_candidates=MAX_CANDIDATES,
+                                            deadline=deadline))
         kept = [line[2:] for line in previous.splitlines() if re.match(r"#\s*measured:", line)]
         written = tuned.write(target, family, tune.apply(table, outcomes, "tuned"),
                               tuple(kept) + tune.notes(outcomes, problem, SETTINGS)[1:])

@@ -121,16 +121,29 @@ def _inputs(spec: AttentionSpec, seed: int):
 
 
 class Job:
-    """One kernel's call on one problem, with the forward's results as the backward kernels' inputs."""
+    """One kernel's call on one problem; the backward kernels get out and lse as inputs.
 
-    def __init__(self, kernel: str, spec: AttentionSpec, seed: int = 0):
+    Args:
+        kernel: one of planner.KERNELS.
+        spec: the problem.
+        seed: of the random inputs.
+        checked: compute out and lse with the float64 reference (the gate, small problems) so that
+            `check` can compare; otherwise with the "mlx" backend (timed problems, any size).
+    """
+
+    def __init__(self, kernel: str, spec: AttentionSpec, seed: int = 0, checked: bool = True):
         self.kernel, self.spec = kernel, spec
         self.q, self.k, self.v, self.d_out = _inputs(spec, seed)
-        as64 = [np.asarray(a.astype(mx.float32), dtype=np.float64) for a in (self.q, self.k, self.v, self.d_out)]
-        self._as64 = as64
-        out, lse = reference.attention_forward(as64[0], as64[1], as64[2], spec)
-        self.out = mx.array(out.astype(np.float32)).astype(spec.dtype)
-        self.lse = mx.array(lse.astype(np.float32))
+        if checked:
+            self._as64 = [np.asarray(a.astype(mx.float32), dtype=np.float64)
+                          for a in (self.q, self.k, self.v, self.d_out)]
+            out, lse = reference.attention_forward(*self._as64[:3], spec)
+            self.out = mx.array(out.astype(np.float32)).astype(spec.dtype)
+            self.lse = mx.array(lse.astype(np.float32))
+        else:
+            from .backends import get_backend
+
+            self.out, self.lse = get_backend("mlx").forward(self.q, self.k, self.v, None, spec)
         mx.eval(self.q, self.k, self.v, self.d_out, self.out, self.lse)
 
     def run(self, backend):
@@ -145,19 +158,17 @@ class Job:
 
     def check(self, results) -> Optional[str]:
         """None when `results` match the float64 reference at the dtype's tolerance, else why not."""
-        q, k, v, d_out = self._as64
+        q, k, v, d_out = self._as64  # AttributeError for a Job made with checked=False
         spec = self.spec
         if self.kernel == "forward":
             want = reference.attention_forward(q, k, v, spec)
             names, limit = ("out", "lse"), reference.FORWARD_TOLERANCE
         else:
-            out = np.asarray(self.out.astype(mx.float32), dtype=np.float64)
             dq, dk, dv = reference.attention_backward(q, k, v, d_out, spec)
             if self.kernel == "backward_query":
                 want, names = (dq,), ("dq",)
             else:
                 want, names = (dk, dv), ("dk", "dv")
-            del out
             limit = reference.GRADIENT_TOLERANCE
         dtype = bm.dtype_name(str(spec.dtype).split(".")[-1])
         for name, got, ref in zip(names, results, want):
@@ -196,13 +207,15 @@ def gate(space, table: planner.Table, point: Point) -> Optional[str]:
 
 
 def time_tables(space, tables: Dict[planner.Row, planner.Table], point: Point, problem: Problem,
-                settings: bm.Settings, progress: Callable[[object], None] = lambda key: None
-                ) -> Dict[str, Dict[planner.Row, float]]:
-    """Median seconds of `point`'s kernel under each table, per mask, timed interleaved."""
+                settings: bm.Settings, progress: Callable[[object], None] = lambda key: None,
+                failures: Optional[Dict[planner.Row, str]] = None) -> Dict[str, Dict[planner.Row, float]]:
+    """Median seconds of `point`'s kernel under each table, per mask, timed interleaved; a call
+    that raises on the timed problem (e.g. out of memory) is left out and its error put in
+    `failures`."""
     medians: Dict[str, Dict[planner.Row, float]] = {}
     for mask in point.masks:
         job = Job(point.kernel, spec_for(point, mask, problem.length, problem.length, problem.batch,
-                                         problem.heads))
+                                         problem.heads), checked=False)
         backends = {row: space.backend(table) for row, table in tables.items()}
         calls = {row: bm.Call(run=lambda _, b=backend: job.run(b)) for row, backend in backends.items()}
         errors: Dict[planner.Row, str] = {}
@@ -210,6 +223,8 @@ def time_tables(space, tables: Dict[planner.Row, planner.Table], point: Point, p
                                 max_repeats=settings.max_repeats, target_seconds=settings.target_seconds,
                                 errors=errors, progress=progress)
         medians[mask] = {row: timing.median for row, timing in timings.items()}
+        if failures is not None:
+            failures.update({row: f"{mask}: failed on the timed problem: {error}" for row, error in errors.items()})
     return medians
 
 
@@ -264,8 +279,11 @@ def tune_point(space, table: planner.Table, point: Point, problem: Problem, sett
             tables[row] = candidate
     if len(tables) == 1 or time.monotonic() > deadline:
         return outcome
-    medians = time_tables(space, tables, point, problem, settings, progress)
-    outcome.timings = {row: geomean_ratio(medians, row, base) for row in tables}
+    medians = time_tables(space, tables, point, problem, settings, progress, outcome.rejected)
+    if base in outcome.rejected:
+        outcome.skipped = f"the table's own row failed on the timed problem ({outcome.rejected[base]})"
+        return outcome
+    outcome.timings = {row: geomean_ratio(medians, row, base) for row in tables if row not in outcome.rejected}
     best = min(outcome.timings, key=outcome.timings.get)
     if best == base or outcome.timings[best] > 1.0 - MIN_GAIN:
         return outcome
@@ -275,6 +293,27 @@ def tune_point(space, table: planner.Table, point: Point, problem: Problem, sett
     if ratio < 1.0:
         outcome.best, outcome.ratio = best, ratio
     return outcome
+
+
+def ab_whole_call(space, tables: Dict[str, planner.Table], head_dim: int, dtype: str, mask: str,
+                  problem: Problem, settings: bm.Settings) -> Dict[str, float]:
+    """Median ms of a whole forward + backward (the three kernels and the backward's preparation)
+    under each named table, timed interleaved: the shipped against the tuned table."""
+    spec = spec_for(Point("forward", head_dim, dtype), mask, problem.length, problem.length, problem.batch,
+                    problem.heads)
+    q, k, v, d_out = _inputs(spec, 2)
+    mx.eval(q, k, v, d_out)
+
+    def call(backend):
+        def run(_):
+            out, lse = backend.forward(q, k, v, None, spec)
+            return (out,) + tuple(backend.backward(q, k, v, None, out, lse, d_out, None, spec))
+        return bm.Call(run=run)
+
+    calls = {name: call(space.backend(table)) for name, table in tables.items()}
+    timings = bm.time_calls(calls, warmup=settings.warmup, min_repeats=settings.min_repeats,
+                            max_repeats=settings.max_repeats, target_seconds=settings.target_seconds)
+    return {name: timing.median * 1e3 for name, timing in timings.items()}
 
 
 def apply(table: planner.Table, outcomes: Sequence[Outcome], origin: str) -> planner.Table:

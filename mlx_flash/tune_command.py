@@ -67,6 +67,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=positive_int, help="H of the timed problem")
     parser.add_argument("--out-dir", type=Path, help="write the table here instead of the cache directory "
                                                      "(the planner reads only the cache directory)")
+    parser.add_argument("--no-ab", action="store_true",
+                        help="skip the closing A/B (whole forward + backward, shipped vs tuned table, interleaved)")
     parser.set_defaults(run=run_tune)
     return parser
 
@@ -142,6 +144,9 @@ def run_tune(args) -> int:
             tqdm.write(describe(outcome), file=sys.stdout)
     result = tune.apply(table, outcomes, "tuned")
     path = tuned.write(target, family, result, tune.notes(outcomes, problem, settings), args.out_dir)
+    if not args.no_ab:
+        for line in closing_ab(space, table, result, outcomes, problem, settings):
+            print(line)
     moved = sum(o.best != o.base for o in outcomes)
     print(f"{moved} of {len(outcomes)} points moved from the shipped table in {time.monotonic() - started:.0f} s; "
           f"table written to {path}")
@@ -149,6 +154,23 @@ def run_tune(args) -> int:
         print("the planner uses it from now on (MLX_FLASH_TUNED=0 ignores it); see it with "
               f"`python -m mlx_flash plan --backend {target} --head-dim {todo[0].head_dim if todo else 64}`")
     return 0
+
+
+def closing_ab(space, shipped: planner.Table, result: planner.Table, outcomes, problem, settings):
+    """Lines of the whole-call A/B (forward + backward, shipped vs tuned, interleaved medians) for
+    every (head dim, dtype, mask) where a row moved."""
+    moved = dict.fromkeys((o.point.head_dim, o.point.dtype, mask) for o in outcomes if o.best != o.base
+                          for mask in o.point.masks)
+    for head_dim, dtype, mask in moved:
+        try:
+            medians = tune.ab_whole_call(space, {"shipped": shipped, "tuned": result}, head_dim, dtype, mask,
+                                         problem, settings)
+        except Exception as error:  # report it; the table stays written (each row passed its own A/B)
+            yield f"A/B fwd+bwd D={head_dim} {dtype} {mask}: failed ({type(error).__name__}: {error})"
+            continue
+        yield (f"A/B fwd+bwd D={head_dim} {dtype} {mask} B={problem.batch} H={problem.heads} N={problem.length}: "
+               f"shipped {bm.format_ms(medians['shipped'])} ms, tuned {bm.format_ms(medians['tuned'])} ms "
+               f"({medians['tuned'] / medians['shipped']:.3f}x)")
 
 
 def _unreached(table, space, point) -> tune.Outcome:
