@@ -162,8 +162,6 @@ def load_table(target: str) -> Tuple[Row, ...]:
 def active_table(target: str, family: str) -> Table:
     """The table plans come from on this machine: a matching tuned table (mlx_flash/tuned.py;
     MLX_FLASH_TUNED=0 ignores them), else the shipped one."""
-    from . import tuned
-
     return tuned.table_for(target, family) or shipped_table(target)
 
 
@@ -222,3 +220,6 @@ def group_rows(table: Table, kernel: str, precision: str, family: str) -> Tuple[
     """The rows of one (kernel, precision, family) group, by max_d."""
     return tuple(sorted((r for r in table.rows if r.kernel == kernel and r.precision == precision
                          and r.family == family), key=lambda r: r.max_head_dim))
+
+
+from . import tuned  # noqa: E402 (tuned.py builds on this module's Table and parse_rows)

@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import os
 import re
+import time
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
 from . import planner
+from .backends import metal_simulated
 from .fallback import record_fallback
 
 HEADER_KEYS = ("target", "family", "device", "architecture", "mlx", "mlx_flash")
@@ -57,8 +59,6 @@ def device_identity(target: str) -> Tuple[str, str]:
     The Metal simulator (MLX_FLASH_METAL_SIM=1) is a device of its own: tables measured through it
     never serve a real Mac, and a Mac's never the simulator.
     """
-    from .backends import metal_simulated
-
     return _identity(target, target == "metal" and metal_simulated())
 
 
@@ -132,15 +132,39 @@ def parse(text: str, origin: str, target: str, family: str) -> planner.Table:
 
 def table_for(target: str, family: str) -> Optional[planner.Table]:
     """The tuned table that plans `family`'s kernels here, or None (none, disabled, or ignored
-    with a warning)."""
-    if not enabled():
-        return None
-    path = table_path(target, family)
-    try:
-        stamp = path.stat().st_mtime_ns
-    except OSError:
-        return None
-    return _load(str(path), stamp, target, family)
+    with a warning).
+
+    Runs on every planned call, so the answer (environment, file) is kept for RECHECK_S: a table
+    that `write` puts down in this process is seen at once, one written by another process or an
+    environment change within RECHECK_S (forget() drops the kept answers)."""
+    now = time.monotonic()
+    kept = _answers.get((target, family))
+    if kept is not None and now - kept[0] <= RECHECK_S:
+        return kept[1]
+    answer = None
+    if enabled():
+        path = _path(target, family, os.environ.get("XDG_CACHE_HOME", ""), target == "metal" and metal_simulated())
+        try:
+            answer = _load(path, os.stat(path).st_mtime_ns, target, family)
+        except OSError:
+            answer = None
+    _answers[(target, family)] = (now, answer)
+    return answer
+
+
+# (target, family) -> (time.monotonic() when answered, table_for's answer).
+_answers: Dict[Tuple[str, str], Tuple[float, Optional[planner.Table]]] = {}
+RECHECK_S = 1.0
+
+
+def forget() -> None:
+    """Drop table_for's kept answers: the next call reads the environment and the file again."""
+    _answers.clear()
+
+
+@functools.lru_cache(maxsize=64)
+def _path(target: str, family: str, xdg_cache_home: str, simulated: bool) -> str:
+    return str(table_path(target, family))
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,4 +200,5 @@ def write(target: str, family: str, table: planner.Table, notes: Tuple[str, ...]
     temporary = path.with_suffix(".tmp")
     temporary.write_text("\n".join(lines) + "\n")
     os.replace(temporary, path)  # a reader sees the old table or the new one, never half of one
+    forget()
     return path

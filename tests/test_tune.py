@@ -29,8 +29,10 @@ def sim(monkeypatch, tmp_path):
     monkeypatch.delenv("MLX_FLASH_TUNED", raising=False)
     monkeypatch.delenv("MLX_FLASH_METALSIM_FAULT", raising=False)
     reset_fallback_counts()
+    tuned.forget()
     yield tmp_path
     reset_fallback_counts()
+    tuned.forget()
 
 
 def _origins(dtype="float32"):
@@ -50,10 +52,12 @@ def test_tune_quick_end_to_end_writes_a_table_the_planner_uses(sim, capsys):
     assert "forward D=16 float32 none" in printed and "timed" in printed
     assert _origins() == {str(path)}  # the inspector names the tuned table
     os.environ["MLX_FLASH_TUNED"] = "0"
+    tuned.forget()
     try:
         assert _origins() == {"kernels/blocks_metal.txt"}
     finally:
         del os.environ["MLX_FLASH_TUNED"]
+        tuned.forget()
 
 
 def test_planner_plans_from_a_tuned_row_and_the_kernel_stays_correct(sim):
@@ -92,6 +96,7 @@ def test_malformed_or_stale_table_is_ignored_with_one_warning(sim):
                          (good.replace("# mlx_flash: ", "# mlx_flash: 0.0.0-"), "stale")):
         path.write_text(broken)
         os.utime(path, ns=(1, hash(word) & 0xFFFFFFFF))  # a new modification time: read again
+        tuned.forget()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(3):
