@@ -8,7 +8,7 @@ pingpong option on and off. A row the kernels cannot take is rejected by make_va
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from . import planner
 from .tune_spaces import _halve_double
@@ -17,9 +17,15 @@ from .tune_spaces import _halve_double
 class CudaSpace:
     target = "cuda"
 
-    def __init__(self, family: Optional[str] = None):
+    def __init__(self, family: Optional[str] = None, make_backend: Optional[Callable] = None):
+        """Args:
+            family: a kernels/families_cuda.txt name; None = this GPU's (or MLX_FLASH_CUDA_CAPABILITY's).
+            make_backend: Tuning -> backend object; None = CUDABackend(tuning=...) (tests pass the
+                CPU emulator's).
+        """
         from .backends import cuda, cuda_source
 
+        self._make_backend = make_backend or (lambda tuning: cuda.CUDABackend(tuning=tuning))
         backend = cuda.CUDABackend()
         self._family = cuda_source.family_named(family) if family else backend.family()
         if self._family is None:
@@ -78,6 +84,6 @@ class CudaSpace:
         return None
 
     def backend(self, table: planner.Table):
-        from .backends import cuda, cuda_source
+        from .backends import cuda_source
 
-        return cuda.CUDABackend(tuning=cuda_source.Tuning(table=table))
+        return self._make_backend(cuda_source.Tuning(table=table))

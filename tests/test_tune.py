@@ -157,3 +157,23 @@ def test_autotune_tunes_a_shape_once_then_plans_from_the_table(sim, monkeypatch)
             flash_attention(q, k, v, backend="metal")
     finally:
         FIRST_USE.forget()
+
+
+def test_cuda_tuning_gates_and_times_on_the_emulator(monkeypatch):
+    """The same engine on the CUDA kernels (CPU emulator, sm86 plans): the table's row and a
+    candidate pass the gate and are timed; one planted with a block the kernels reject is refused."""
+    from mlx_flash.backends import cuda_emulator
+    from mlx_flash.tune_cuda import CudaSpace
+
+    if cuda_emulator.compiler() is None:
+        pytest.skip("no host C++ compiler for the CUDA emulator")
+    monkeypatch.setenv("MLX_FLASH_CUDA_CAPABILITY", "86")
+    space = CudaSpace(make_backend=lambda tuning: cuda_emulator.backend(capability=86, tuning=tuning))
+    table = planner.shipped_table("cuda")
+    base = planner.find_row(table, "forward", 16, "mixed", "sm86")
+    planted = dataclasses.replace(base, parallel_block=base.parallel_block + 8)  # not a multiple of 16 rows
+    outcome = tune.tune_point(space, table, tune.Point("forward", 16, "bfloat16"), tune.Problem(1, 1, 32),
+                              bm.Settings(warmup=0, min_repeats=1, max_repeats=1, target_seconds=0.0),
+                              quick=True, max_candidates=2, extra_candidates=[planted])
+    assert "multiple of 16" in outcome.rejected[planted]
+    assert base in outcome.timings and len(outcome.timings) == 2, outcome.rejected
