@@ -195,7 +195,6 @@ def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str,
 
 @functools.lru_cache(maxsize=4096)
 def _plan(table: Table, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) -> BlockPlan:
-    target = table.target
     if kernel not in KERNELS:
         raise ValueError(f"[planner] kernel must be one of {KERNELS}, got {kernel!r}.")
     if head_dim < 1:

@@ -297,7 +297,30 @@ def environment(requested: str, resolved: str) -> Dict[str, Any]:
         from .backends.guard import self_check_enabled
         from .backends.metal import detect_family
         env.update(metal_block_family=detect_family(), self_check=self_check_enabled("metal"))
+    env.update(_tuned_table(resolved))
     return env
+
+
+def _tuned_table(backend: str) -> Dict[str, Any]:
+    """{"tuned_table": path, "tuned_table_text": its text} when this GPU's plans come from a table
+    measured by `python -m mlx_flash tune` (mlx_flash/tuned.py): the report carries it to us."""
+    try:
+        if backend == "metal":
+            from .backends.metal import detect_family
+            family = detect_family()
+        elif backend == "cuda":
+            from .backends.cuda import CUDABackend
+            family = CUDABackend().family()
+            family = family.name if family is not None else None
+        else:
+            return {}
+        from . import tuned
+        table = tuned.table_for(backend, family) if family else None
+    except Exception as error:  # the report must still be written
+        return {"tuned_table": f"could not be read: {type(error).__name__}: {error}"}
+    if table is None:
+        return {"tuned_table": None}
+    return {"tuned_table": table.origin, "tuned_table_text": Path(table.origin).read_text()}
 
 
 # ---------------------------------------------------------------------------------------------

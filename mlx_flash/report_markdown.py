@@ -58,12 +58,16 @@ def render_markdown(report: Dict[str, Any]) -> str:
              ("commit", f"{env.get('git_commit') or '-'}{' (modified)' if env.get('git_dirty') else ''}"),
              ("backend", f"{report['backend']} (asked: {report['backend_requested']})"),
              ("Metal block table", env.get("metal_block_family")), ("first-use self-check", env.get("self_check")),
+             ("tuned block table", env.get("tuned_table") or ("none (shipped tables)" if "tuned_table" in env else None)),
              ("mode", "quick" if report["quick"] else "full"), ("date", env.get("date")),
              ("duration", f"{report.get('seconds', 0):.0f} s")]
     lines += ["## Environment", "", markdown_table(["", ""], [(k, v) for k, v in facts if v is not None]), ""]
     extra = {k: v for k, v in env.get("device_info", {}).items() if k not in ("device_name", "architecture")}
     if extra:
         lines += ["MLX device info: " + ", ".join(f"`{k}` = {v}" for k, v in sorted(extra.items())), ""]
+
+    if env.get("tuned_table_text"):
+        lines += ["## Tuned block table (`python -m mlx_flash tune`)", "", "```", env["tuned_table_text"].rstrip(), "```", ""]
 
     setup = report["correctness_setup"]
     lines += ["## Correctness against the float64 reference", "",

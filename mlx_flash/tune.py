@@ -21,7 +21,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np

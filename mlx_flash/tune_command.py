@@ -10,7 +10,6 @@ writes the table to $XDG_CACHE_HOME/mlx_flash/tuned/ (mlx_flash/tune.py, mlx_fla
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from pathlib import Path
@@ -67,6 +66,8 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--heads", type=positive_int, help="H of the timed problem")
     parser.add_argument("--out-dir", type=Path, help="write the table here instead of the cache directory "
                                                      "(the planner reads only the cache directory)")
+    parser.add_argument("--update", action="store_true",
+                        help="start from this GPU's tuned table (keep its rows and notes) instead of the shipped one")
     parser.add_argument("--no-ab", action="store_true",
                         help="skip the closing A/B (whole forward + backward, shipped vs tuned table, interleaved)")
     parser.set_defaults(run=run_tune)
@@ -117,6 +118,13 @@ def run_tune(args) -> int:
         return 2
     family = space.family()
     table = planner.shipped_table(target)
+    kept_notes = ()
+    if args.update:
+        previous = tuned.table_for(target, family)
+        if previous is not None:
+            table = previous
+            kept_notes = tuple(line[2:] for line in Path(previous.origin).read_text().splitlines()
+                               if line.startswith("# measured:"))
     todo = points(args, space, table, target)
     simulated = target == "metal" and metal_simulated()
     problem = PROBLEMS["metalsim" if simulated else f"{target}_quick" if args.quick else target]
@@ -143,9 +151,9 @@ def run_tune(args) -> int:
             bar.update(1)
             tqdm.write(describe(outcome), file=sys.stdout)
     result = tune.apply(table, outcomes, "tuned")
-    path = tuned.write(target, family, result, tune.notes(outcomes, problem, settings), args.out_dir)
+    path = tuned.write(target, family, result, kept_notes + tune.notes(outcomes, problem, settings), args.out_dir)
     if not args.no_ab:
-        for line in closing_ab(space, table, result, outcomes, problem, settings):
+        for line in closing_ab(space, planner.shipped_table(target), result, outcomes, problem, settings):
             print(line)
     moved = sum(o.best != o.base for o in outcomes)
     print(f"{moved} of {len(outcomes)} points moved from the shipped table in {time.monotonic() - started:.0f} s; "
@@ -175,7 +183,8 @@ def closing_ab(space, shipped: planner.Table, result: planner.Table, outcomes, p
 
 def _unreached(table, space, point) -> tune.Outcome:
     precision = planner.precision_of(bm.DTYPES[point.dtype])
-    base = planner.find_row(table, point.kernel, point.head_dim, precision, space.row_family(point.kernel, point.head_dim))
+    family = space.row_family(point.kernel, point.head_dim)
+    base = planner.find_row(table, point.kernel, point.head_dim, precision, family)
     return tune.Outcome(point, base, base, skipped="not reached: time budget spent")
 
 
@@ -185,13 +194,15 @@ def describe(outcome: tune.Outcome) -> str:
     if outcome.skipped:
         text = head + f"kept {tune.row_label(outcome.base)} ({outcome.skipped})"
     elif outcome.best != outcome.base:
-        text = head + f"{tune.row_label(outcome.best)} replaces {tune.row_label(outcome.base)}, {outcome.ratio:.3f}x its time"
+        text = head + (f"{tune.row_label(outcome.best)} replaces {tune.row_label(outcome.base)}, "
+                       f"{outcome.ratio:.3f}x its time")
     else:
         fastest = min((r for r in outcome.timings if r != outcome.base), key=outcome.timings.get, default=None)
         runner = f"; fastest other {tune.row_label(fastest)} {outcome.timings[fastest]:.3f}x" if fastest else ""
         text = head + f"kept {tune.row_label(outcome.base)}{runner}"
     for mask, (base_ms, best_ms) in outcome.ab.items():
-        text += f"\n    A/B {mask}: shipped {bm.format_ms(base_ms)} ms, tuned {bm.format_ms(best_ms)} ms ({best_ms / base_ms:.3f}x)"
+        text += (f"\n    A/B {mask}: the table's row {bm.format_ms(base_ms)} ms, the candidate {bm.format_ms(best_ms)} ms "
+                 f"({best_ms / base_ms:.3f}x)")
     text += f"\n    {len(outcome.timings)} timed, {len(outcome.rejected)} rejected"
     for row, reason in outcome.rejected.items():
         text += f"\n    rejected {tune.row_label(row)}: {reason}"

@@ -66,6 +66,9 @@ def test_planner_plans_from_a_tuned_row_and_the_kernel_stays_correct(sim):
     path = tuned.write("metal", "m3", table, ("measured: forward float32 D=16 masks=none: by hand",))
     plan = planner.plan("metal", "forward", D, mx.float32, "m3")
     assert (plan.traversal_block, plan.cached, plan.table) == (32, frozenset({"O"}), str(path))
+    from mlx_flash.report import _tuned_table  # the report carries the table to us
+
+    assert _tuned_table("metal") == {"tuned_table": str(path), "tuned_table_text": path.read_text()}
     # head dims past the tuned one keep the shipped row that covered them
     assert planner.plan("metal", "forward", D + 8, mx.float32, "m3").traversal_block == 32  # shipped 17..48 row
     rng = np.random.default_rng(0)

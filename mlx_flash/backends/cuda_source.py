@@ -388,7 +388,8 @@ def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table
 
 def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table=None) -> KernelVariant:
     rows = family.name + "_wgmma"
-    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows, table or planner.active_table("cuda", family.name))
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows,
+                        table or planner.active_table("cuda", family.name))
     block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
     override = tuning.block_override(kernel + "_wgmma")
     if override is not None:
