@@ -26,6 +26,7 @@ class CudaSpace:
         from .backends import cuda, cuda_source
 
         self._make_backend = make_backend or (lambda tuning: cuda.CUDABackend(tuning=tuning))
+        self._backends = {}  # table -> backend: a candidate's kernels are built once per tuning
         backend = cuda.CUDABackend()
         self._family = cuda_source.family_named(family) if family else backend.family()
         if self._family is None:
@@ -86,4 +87,6 @@ class CudaSpace:
     def backend(self, table: planner.Table):
         from .backends import cuda_source
 
-        return self._make_backend(cuda_source.Tuning(table=table))
+        if table not in self._backends:
+            self._backends[table] = self._make_backend(cuda_source.Tuning(table=table))
+        return self._backends[table]

@@ -30,6 +30,7 @@ class MetalSpace:
         from .backends import metal
 
         self._family = family or metal.detect_family()
+        self._backends = {}  # table -> backend: a candidate's kernels are built once per tuning
 
     def family(self) -> str:
         return self._family
@@ -63,7 +64,9 @@ class MetalSpace:
     def backend(self, table: planner.Table):
         from .backends.metal import MetalBackend
 
-        return MetalBackend(family=self._family, table=table)
+        if table not in self._backends:
+            self._backends[table] = MetalBackend(family=self._family, table=table)
+        return self._backends[table]
 
 
 def space_for(target: str, family: Optional[str] = None):
