@@ -150,9 +150,10 @@ def _metal_plans(spec: AttentionSpec, family: Optional[str]) -> List[KernelPlan]
 def format_table(rows: List[KernelPlan]) -> str:
     """A fixed-width table of plans, one kernel per line."""
     header = ("kernel", "family", "instruction", "P", "T", "H", "warps", "threads", "shared", "limit")
-    lines = [header] + [(r.kernel, r.family or "-", r.instruction, *(str(x) for x in (
-        r.parallel_block, r.traversal_block, r.head_block, r.warps, r.threads, r.shared_memory,
-        r.shared_memory_limit))) for r in rows]
+    lines = [header] + [(r.kernel, r.family or "-", r.instruction, *(
+        "-" if r.instruction == "fallback" else str(x) for x in (
+            r.parallel_block, r.traversal_block, r.head_block, r.warps, r.threads, r.shared_memory,
+            r.shared_memory_limit))) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
     text += [f"{r.kernel}: {r.name}" for r in rows if r.instruction == "fallback"][:1]
