@@ -46,6 +46,16 @@ def _list(kind, choices=None):
     return parse
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `tune` subcommand (its handler: run_tune)."""
     parser = subparsers.add_parser("tune", help="measure block sizes on this GPU and write its tuned block table",
@@ -54,11 +64,12 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--head-dims", type=_list(positive_int),
                         help="head dims to tune at (default: each table row's max_d up to 256; --quick: 64,128)")
     parser.add_argument("--dtypes", type=_list(dtype_argument), help="default: bfloat16,float32 (metal), bfloat16 (cuda)")
-    parser.add_argument("--kernels", type=_list(str, planner.KERNELS), default=planner.KERNELS)
+    parser.add_argument("--kernels", type=_list(str, planner.KERNELS), default=planner.KERNELS,
+                        help=f"comma-separated, of {','.join(planner.KERNELS)} (default: all)")
     parser.add_argument("--masks", type=_list(str, tune.MASKS),
                         help="masks each candidate is timed on (one row serves all; default none,causal; --quick: none)")
     parser.add_argument("--quick", action="store_true", help="fewer candidates, head dims and repetitions")
-    parser.add_argument("--budget-s", type=float, default=None,
+    parser.add_argument("--budget-s", type=_positive_seconds, default=None,
                         help="stop trying candidates after this many seconds (default 900, --quick 180)")
     parser.add_argument("--max-candidates", type=positive_int, help="at most this many candidates per point")
     parser.add_argument("--seq-len", type=positive_int, help="N of the timed problem")
