@@ -2,9 +2,10 @@
 and MLX_FLASH_AUTOTUNE=1, shared by the Metal and CUDA backends.
 
 For one point (kernel, head dim, dtype, masks) of the device's block table:
-1. candidates: the table's row, then rows around it from the backend's space (tune_spaces.py:
-   P / T / H / cached operands for Metal, P / T / H / warps / options for CUDA); each candidate
-   is a planner.Table value handed to a backend object (never module state);
+1. candidates: the table's row, then rows one knob away from it in the backend's space
+   (tune_spaces.py: P / T / H / cached operands for Metal, P / T / H / warps / options for CUDA),
+   and outside --quick a second round one knob away from the first round's fastest; each
+   candidate is a planner.Table value handed to a backend object (never module state);
 2. gate: every candidate runs on a small problem with partial blocks and is compared with the
    float64 reference (mlx_flash/reference.py) at the dtype's tolerance BEFORE it is timed; one
    that fails to build, run or match is rejected, so a fast wrong candidate can never win;
@@ -37,6 +38,8 @@ MIN_GAIN = 0.03
 GATE_QUERIES = 67
 GATE_KEYS = 83
 MASKS = ("none", "causal")
+# Rounds of one-knob moves outside --quick: each starts from the fastest row of the round before.
+ROUNDS = 2
 
 
 @dataclass(frozen=True)
@@ -238,27 +241,25 @@ def geomean_ratio(medians: Dict[str, Dict[planner.Row, float]], row: planner.Row
 def tune_point(space, table: planner.Table, point: Point, problem: Problem, settings: bm.Settings,
                quick: bool = False, max_candidates: Optional[int] = None, deadline: float = math.inf,
                progress: Callable[[object], None] = lambda key: None,
-               extra_candidates: Sequence[planner.Row] = ()) -> Outcome:
+               extra_candidates: Sequence[planner.Row] = (), rounds: Optional[int] = None) -> Outcome:
     """Tune one point of `table` (see the module docstring).
 
     Args:
         space: the backend's candidate space (tune_spaces.space_for).
         table: the table the candidates are made around (its row for the point is the baseline).
         point, problem, settings: what to tune, the timed problem, the harness's repetitions.
-        quick: the space's small neighbourhood.
-        max_candidates: at most this many candidates besides the table's row.
+        quick: the space's small neighbourhood, one round.
+        max_candidates: at most this many new candidates per round.
         deadline: time.monotonic() after which no more candidates are gated or timed.
         progress: called once per gated candidate and per timed call.
-        extra_candidates: rows tried besides the space's (tests plant wrong ones here).
+        extra_candidates: rows tried in the first round besides the space's (tests plant wrong ones).
+        rounds: rounds of one-knob moves, each around the fastest row so far, until none wins;
+            default 1 with quick, else ROUNDS.
     """
     family = space.row_family(point.kernel, point.head_dim)
     precision = planner.precision_of(bm.DTYPES[point.dtype])
     base = planner.find_row(table, point.kernel, point.head_dim, precision, family)
     outcome = Outcome(point, base, base)
-    candidates = [r for r in space.candidates(base, point.head_dim, quick) if r != base]
-    candidates = list(dict.fromkeys(list(extra_candidates) + candidates))
-    if max_candidates is not None:
-        candidates = candidates[:max_candidates]
     origin = "candidate"
     tables = {base: with_row(table, base, point.head_dim, origin)}
     reason = gate(space, tables[base], point)
@@ -266,26 +267,40 @@ def tune_point(space, table: planner.Table, point: Point, problem: Problem, sett
     if reason is not None:
         outcome.skipped = f"the table's own row fails the gate ({reason}); nothing tuned"
         return outcome
-    for row in candidates:
-        if time.monotonic() > deadline:
-            outcome.rejected[row] = "not tried: time budget spent"
-            continue
-        candidate = with_row(table, row, point.head_dim, origin)
-        reason = space.invalid_reason(candidate, point) or gate(space, candidate, point)
-        progress(row)
-        if reason is not None:
-            outcome.rejected[row] = reason
-        else:
-            tables[row] = candidate
-    if len(tables) == 1 or time.monotonic() > deadline:
-        return outcome
-    medians = time_tables(space, tables, point, problem, settings, progress, outcome.rejected)
-    if base in outcome.rejected:
-        outcome.skipped = f"the table's own row failed on the timed problem ({outcome.rejected[base]})"
-        return outcome
-    outcome.timings = {row: geomean_ratio(medians, row, base) for row in tables if row not in outcome.rejected}
-    best = min(outcome.timings, key=outcome.timings.get)
-    if best == base or outcome.timings[best] > 1.0 - MIN_GAIN:
+    center, extra = base, list(extra_candidates)
+    for _ in range(rounds or (1 if quick else ROUNDS)):
+        fresh = [r for r in dict.fromkeys(extra + space.candidates(center, point.head_dim, quick))
+                 if r not in tables and r not in outcome.rejected]
+        extra = []
+        passed = {}
+        for row in fresh[:max_candidates]:
+            if time.monotonic() > deadline:
+                outcome.rejected[row] = "not tried: time budget spent"
+                continue
+            candidate = with_row(table, row, point.head_dim, origin)
+            reason = space.invalid_reason(candidate, point) or gate(space, candidate, point)
+            progress(row)
+            if reason is not None:
+                outcome.rejected[row] = reason
+            else:
+                passed[row] = candidate
+        if not passed or time.monotonic() > deadline:
+            break
+        tables.update(passed)
+        timed = {row: tables[row] for row in dict.fromkeys([base, center, *passed])}
+        medians = time_tables(space, timed, point, problem, settings, progress, outcome.rejected)
+        if base in outcome.rejected:
+            outcome.skipped = f"the table's own row failed on the timed problem ({outcome.rejected[base]})"
+            return outcome
+        ratios = {row: geomean_ratio(medians, row, base) for row in timed if row not in outcome.rejected}
+        outcome.timings.update({row: ratio for row, ratio in ratios.items() if row not in (base, center)})
+        outcome.timings.setdefault(base, 1.0)
+        fastest = min(ratios, key=ratios.get)
+        if fastest == center:
+            break
+        center = fastest
+    best = min(outcome.timings, key=outcome.timings.get, default=base)
+    if best == base or outcome.timings[best] > 1.0 - MIN_GAIN or time.monotonic() > deadline:
         return outcome
     confirm = time_tables(space, {base: tables[base], best: tables[best]}, point, problem, settings, progress)
     ratio = geomean_ratio(confirm, best, base)
