@@ -229,7 +229,7 @@ def _accepts_compile_options() -> bool:
 def _params(spec: AttentionSpec) -> mx.array:
     left, right = spec.window if spec.window is not None else (-1, -1)
     return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
-                     spec.kv_heads, 0], dtype=mx.int32)
+                     spec.kv_heads, spec.diagonal_shift], dtype=mx.int32)
 
 
 def _fparams(spec: AttentionSpec) -> mx.array:
