@@ -101,7 +101,9 @@ def run_matrix(group, cases):
         r_d_lse = np.where(np.isinf(r_lse), 0.0, np.array(d_lse)) if use_lse else None
         r_grads = reference.attention_backward(qn, kn, vn, to_numpy(d_out), spec, d_lse=r_d_lse)
         ref = {"out": r_out, "lse": r_lse, "dq": r_grads[0], "dk": r_grads[1], "dv": r_grads[2]}
-        entry = {"case": case, "bitwise": bitwise, "vs_flash": {}, "vs_reference": {}}
+        roundtrip = all(np.array_equal(to_numpy(gather(shard(x))), to_numpy(x)) for x in (q, k))
+        entry = {"case": case, "bitwise": bitwise, "roundtrip": roundtrip, "vs_flash": {}, "vs_reference": {},
+                 "calls": [len(calls) for calls in last_calls(group, case, kw)]}
         for name in got:
             g = to_numpy(got[name])
             if name == "lse":
@@ -114,6 +116,18 @@ def run_matrix(group, cases):
                 entry["vs_reference"][name] = relative_error(g, ref[name])
         results.append(entry)
     return results
+
+
+def last_calls(group, case, kw):
+    """The per-step backend calls this rank plans (checks that zigzag needs few calls per step)."""
+    from mlx_flash.distributed import plan as plan_module, segments
+    n, r, N = group.size(), group.rank(), case["n_local"]
+    q = mx.zeros((1, case["kv_heads"] * case["group"], N, case["head_dim"]))
+    k = mx.zeros((1, case["kv_heads"], N, case["head_dim"]))
+    spec, _ = check_inputs(q, k, k, mask=kw["mask"], window_size=kw.get("window_size"))
+    mine = segments(case["layout"], r, n, N)
+    return [plan_module.plan_pair(spec, mine, segments(case["layout"], (r - t) % n, n, N), n * N, n * N)
+            for t in range(n)]
 
 
 def run_errors(group):

@@ -113,3 +113,25 @@ def plan_pair(base: AttentionSpec, q_segs: Sequence[Segment], k_segs: Sequence[S
         if ok and (best is None or len(calls) < len(best)):
             best = calls
     return tuple(best)
+
+
+def split_keys(call: Call, size: int) -> Tuple[Call, ...]:
+    """`call` as calls over consecutive key ranges of at most `size` keys (empty ranges dropped).
+
+    Each piece keeps the call's band: its diagonal moves by the keys before it.
+    """
+    spec = call.spec
+    if call.k1 - call.k0 <= size:
+        return (call,)
+    q_len, diag, pieces = call.q1 - call.q0, spec.diagonal, []
+    for a in range(call.k0, call.k1, size):
+        b = min(a + size, call.k1)
+        kind = classify(spec, q_len, b - a, diag - (a - call.k0))
+        if kind == EMPTY:
+            continue
+        if kind == FULL:
+            piece = dataclasses.replace(spec, kv_len=b - a, causal=False, window=None, diagonal_shift=0)
+        else:
+            piece = dataclasses.replace(spec, kv_len=b - a, diagonal_shift=kind[1] - (b - a - q_len))
+        pieces.append(Call(call.q0, call.q1, a, b, piece))
+    return tuple(pieces)

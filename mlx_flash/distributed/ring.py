@@ -15,22 +15,39 @@ streams, one thread each), both next to the step's kernels on the compute stream
 the transfer of the next K/V shard (and, in the backward, of the previous step's dK/dV) with this
 step's attention kernels; the step ends when both are done. The cost: the ring evaluates inside the
 call (n times forward, n + 1 times backward), so it cannot be traced by `mx.compile`.
+
+Memory inside a VJP. MLX evaluates the backward of a custom function under "retain graph": every
+array evaluated there keeps its whole graph, with each node's data, until the VJP returns. So
+the accumulators (out / lse, dQ / dK|dV) are copied to graph-free arrays after every evaluation
+(`_leaf`: O(N_local) bytes through host memory), and the "mlx" backend, whose calls build score
+blocks from MLX ops (O(Nq * Nk) of them per call), is evaluated a key range at a time (`pieces`):
+its transfer then overlaps the first piece only. The kernel backends keep O(N) per call and run
+each step as one evaluation.
 """
 from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from ..backends import mlx_ops
 from ..spec import AttentionSpec
-from .plan import Call, plan_pair
+from .plan import Call, plan_pair, split_keys
+
+# Under retain-graph evaluation every intermediate of an evaluation stays alive until it ends;
+# the "mlx" backend's backward makes ~5 score-block-sized arrays per key block, against ~2 live
+# when it streams. Pieces of a quarter of its key block keep the ring's per-rank peak near one
+# process at N_local (measured, 4 ranks, N_local = 512, fp32, causal: see tests/test_distributed.py).
+MLX_PIECE_FRACTION = 4
 
 
 @functools.lru_cache(maxsize=None)
-def _communication_streams() -> Tuple[mx.Stream, mx.Stream]:
-    """(send stream, recv stream): two CPU streams, so a send never waits behind a recv."""
+def _communication_streams(thread: int) -> Tuple[mx.Stream, mx.Stream]:
+    """(send stream, recv stream): two CPU streams (per calling thread, as MLX's streams are), so
+    a send never waits behind a recv."""
     return mx.new_stream(mx.cpu), mx.new_stream(mx.cpu)
 
 
@@ -45,7 +62,7 @@ class Ring:
 
     def exchange(self, message: Optional[mx.array], like: Optional[mx.array]):
         """(sent, received): lazy arrays; evaluate both in the same `mx.eval` as the step's work."""
-        send_stream, recv_stream = _communication_streams()
+        send_stream, recv_stream = _communication_streams(threading.get_ident())
         sent = received = None
         if message is not None:
             sent = mx.distributed.send(message, self.right, group=self.group, stream=send_stream)
@@ -83,6 +100,24 @@ def _rows(x: mx.array, start: int, stop: int) -> mx.array:
     return x if (start == 0 and stop == x.shape[2]) else x[:, :, start:stop]
 
 
+def _leaf(x: Optional[mx.array]) -> Optional[mx.array]:
+    """An evaluated copy of x with no graph behind it (and so not a tracer).
+
+    Under mx.grad every array computed from the inputs is a tracer, and MLX keeps the graph of an
+    evaluated tracer, with the data of every node, alive; a ring step evaluated inside the call
+    would then hold all its score blocks at once instead of streaming them (measured, 2 ranks,
+    N_local = 512, fp32 fwd+bwd: 69 MB per rank against 17-21 MB for one process at N_local).
+    The steps therefore start from copies of their inputs: O(N_local) bytes per call, through
+    host memory (MLX arrays share it with the device on Apple silicon and under CUDA managed memory).
+    """
+    if x is None:
+        return None
+    if x.dtype in (mx.float32, mx.int32, mx.uint8):
+        return mx.array(memoryview(x))
+    bits = {2: mx.uint16, 4: mx.uint32, 8: mx.uint64}[x.itemsize]  # no buffer format for bfloat16
+    return mx.view(mx.array(memoryview(mx.view(x, bits))), x.dtype)
+
+
 def _merge(out_acc, lse_acc, out_part, lse_part):
     """Combine two partial attentions of the same rows over disjoint keys (fp32, -inf safe)."""
     lse = mx.logaddexp(lse_acc, lse_part)
@@ -109,34 +144,54 @@ class RingAttention:
         n, r = ring.size, ring.rank
         mine = q_segments(r)
         # calls[t]: the calls of step t, when this rank holds the K/V shard of rank r - t.
-        self.calls = [plan_pair(spec, mine, k_segments((r - t) % n), q_global, kv_global) for t in range(n)]
+        calls = [plan_pair(spec, mine, k_segments((r - t) % n), q_global, kv_global) for t in range(n)]
         # One backend per distinct call spec, chosen once (fallbacks are recorded here, once).
-        self.backends = {c.spec: select(c.spec) for calls in self.calls for c in calls}
+        self.backends = {c.spec: select(c.spec) for step in calls for c in step}
+        # evaluations[t]: the groups of calls evaluated together at step t (the first with the exchange).
+        self.evaluations = [self._evaluations(step, select) for step in calls]
+
+    def _evaluations(self, calls, select):
+        groups, kernels = [], []
+        for call in calls:
+            if self.backends[call.spec].name != "mlx":
+                kernels.append(call)
+                continue
+            _, key_block = mlx_ops.plan_blocks(call.spec)
+            for piece in split_keys(call, max(1, key_block // MLX_PIECE_FRACTION)):
+                self.backends.setdefault(piece.spec, select(piece.spec))
+                groups.append([piece])
+        return ([kernels] if kernels else []) + groups
 
     # -- forward ---------------------------------------------------------------------------------
 
     def forward(self, q, k, v):
         spec, n = self.spec, self.ring.size
-        B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
-        D = spec.head_dim
-        out = mx.zeros((B, Hq, Nq, Dv), mx.float32)
-        lse = mx.full((B, Hq, Nq), -math.inf, mx.float32)
-        kv = mx.concatenate([k, v], axis=-1)  # one message per step
+        q, kv = _leaf(q), _leaf(mx.concatenate([k, v], axis=-1))  # K and V travel as one message
+        out = mx.zeros((spec.batch, spec.q_heads, spec.q_len, spec.value_dim), mx.float32)
+        lse = mx.full((spec.batch, spec.q_heads, spec.q_len), -math.inf, mx.float32)
         for t in range(n):
             last = t == n - 1
             mx.eval(kv)  # the message is ready before the exchange (see the module docstring)
-            sent, received = self.ring.exchange(None if last else kv, None if last else kv)
-            k_t, v_t = kv[..., :D], kv[..., D:]
-            for call in self.calls[t]:
-                o, l = self.backends[call.spec].forward(_rows(q, call.q0, call.q1), _rows(k_t, call.k0, call.k1),
-                                            _rows(v_t, call.k0, call.k1), None, call.spec)
-                o = _pad_rows(o.astype(mx.float32), call.q0, Nq)
-                l = _pad_rows(l, call.q0, Nq, -math.inf)
-                out, lse = _merge(out, lse, o, l)
-            mx.eval([x for x in (out, lse, sent, received) if x is not None])
+            comm = [x for x in self.ring.exchange(None if last else kv, None if last else kv) if x is not None]
+            received = comm[-1] if comm else None
+            for calls in self.evaluations[t] or [[]]:
+                out, lse = self._forward_calls(calls, q, kv, out, lse)
+                mx.eval(out, lse, *comm)
+                out, lse, comm = _leaf(out), _leaf(lse), []
             if not last:
                 kv = received
         return out.astype(spec.dtype), lse
+
+    def _forward_calls(self, calls, q, kv, out, lse):
+        """(out, lse) merged with the partials of `calls` (lazy)."""
+        D, Nq = self.spec.head_dim, self.spec.q_len
+        k_t, v_t = kv[..., :D], kv[..., D:]
+        for call in calls:
+            o, l = self.backends[call.spec].forward(_rows(q, call.q0, call.q1), _rows(k_t, call.k0, call.k1),
+                                                    _rows(v_t, call.k0, call.k1), None, call.spec)
+            out, lse = _merge(out, lse, _pad_rows(o.astype(mx.float32), call.q0, Nq),
+                              _pad_rows(l, call.q0, Nq, -math.inf))
+        return out, lse
 
     # -- backward --------------------------------------------------------------------------------
 
@@ -144,9 +199,9 @@ class RingAttention:
         """(dq, dk, dv) for the local shards; out / lse are the global results of this rank's rows."""
         spec, n = self.spec, self.ring.size
         D = spec.head_dim
-        Nk = spec.kv_len
         dq = mx.zeros(q.shape, mx.float32)
-        kv = mx.concatenate([k, v], axis=-1)
+        kv = _leaf(mx.concatenate([k, v], axis=-1))
+        q, out, lse, d_out, d_lse = (_leaf(x) for x in (q, out, lse, d_out, d_lse))
         acc_like = mx.zeros((*k.shape[:3], D + spec.value_dim), mx.float32)
         acc = None  # dK|dV accumulator of the shard held at the previous step (lazy)
         for t in range(n):
@@ -156,21 +211,15 @@ class RingAttention:
             message = _pack(parts) if parts else None
             if message is not None:
                 mx.eval(message)
-            sent, received = self.ring.exchange(message, message)
+            comm = [x for x in self.ring.exchange(message, message) if x is not None]
+            received = comm[-1] if comm else None
             contribution = mx.zeros(acc_like.shape, mx.float32)
-            k_t, v_t = kv[..., :D], kv[..., D:]
-            for call in self.calls[t]:
-                r0, r1 = call.q0, call.q1
-                dq_c, dk_c, dv_c = self.backends[call.spec].backward(
-                    _rows(q, r0, r1), _rows(k_t, call.k0, call.k1), _rows(v_t, call.k0, call.k1), None,
-                    _rows(out, r0, r1), lse[:, :, r0:r1], _rows(d_out, r0, r1),
-                    None if d_lse is None else d_lse[:, :, r0:r1], call.spec)
-                dq = dq + _pad_rows(dq_c.astype(mx.float32), r0, spec.q_len)
-                dkv_c = mx.concatenate([dk_c.astype(mx.float32), dv_c.astype(mx.float32)], axis=-1)
-                contribution = contribution + _pad_rows(dkv_c, call.k0, Nk)
-            # Nothing evaluated here reads `received`: a compute-stream op waiting on the recv
-            # could queue ahead of work a peer's send needs, and the ranks would wait on each other.
-            mx.eval([x for x in (dq, contribution, sent, received) if x is not None])
+            for calls in self.evaluations[t] or [[]]:
+                dq, contribution = self._backward_calls(calls, q, kv, out, lse, d_out, d_lse, dq, contribution)
+                # Nothing evaluated here reads `received`: a compute-stream op waiting on the recv
+                # could queue ahead of work a peer's send needs, and the ranks would wait on each other.
+                mx.eval(dq, contribution, *comm)
+                dq, contribution, comm = _leaf(dq), _leaf(contribution), []
             next_kv = arrived = None
             if received is not None:
                 likes = ([kv] if t < n - 1 else []) + ([acc_like] if t >= 1 else [])
@@ -185,7 +234,22 @@ class RingAttention:
         mx.eval(acc)
         sent, received = self.ring.exchange(acc, acc)
         mx.eval(sent, received)
-        dkv = received
-        dk = (dkv[..., :D]).astype(k.dtype)
-        dv = (dkv[..., D:]).astype(v.dtype)
+        dk = received[..., :D].astype(k.dtype)
+        dv = received[..., D:].astype(v.dtype)
         return dq.astype(q.dtype), dk, dv
+
+    def _backward_calls(self, calls, q, kv, out, lse, d_out, d_lse, dq, contribution):
+        """(dq, dK|dV contribution to the visiting shard), with `calls` added (lazy)."""
+        spec = self.spec
+        D = spec.head_dim
+        k_t, v_t = kv[..., :D], kv[..., D:]
+        for call in calls:
+            r0, r1 = call.q0, call.q1
+            dq_c, dk_c, dv_c = self.backends[call.spec].backward(
+                _rows(q, r0, r1), _rows(k_t, call.k0, call.k1), _rows(v_t, call.k0, call.k1), None,
+                _rows(out, r0, r1), lse[:, :, r0:r1], _rows(d_out, r0, r1),
+                None if d_lse is None else d_lse[:, :, r0:r1], call.spec)
+            dq = dq + _pad_rows(dq_c.astype(mx.float32), r0, spec.q_len)
+            dkv_c = mx.concatenate([dk_c.astype(mx.float32), dv_c.astype(mx.float32)], axis=-1)
+            contribution = contribution + _pad_rows(dkv_c, call.k0, spec.kv_len)
+        return dq, contribution
