@@ -2,7 +2,8 @@
 
 Ports: mlx.launch gives rank i port base + i; the base is chosen at random among ports that can
 be bound right now, so test runs in parallel do not collide. The launcher runs in its own process
-group, which is killed on every exit path (timeout, error, success), so no rank is left behind.
+group; when it has not exited by itself (timeout, an exception while waiting) that group, the
+launcher and every rank it started, is killed, so no rank is left behind.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def launch(n: int, script, *args, timeout: float = 240, env=None) -> subprocess.
         subprocess.TimeoutExpired (after killing every process) when it runs past `timeout` s.
     """
     command = [launcher(), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port_base(n)),
-               "--cwd", str(ROOT), "--python", sys.executable, str(script), *map(str, args)]
+               "--cwd", str(ROOT), "--python", sys.executable, "--", str(script), *map(str, args)]
     environment = dict(os.environ, **(env or {}))
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environment.get("PYTHONPATH")) if p)
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
