@@ -125,6 +125,14 @@ def test_diagonal_shift_cuda_emulated():
                           what=f"cuda {case}")
 
 
+@pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="no CUDA device")
+def test_diagonal_shift_cuda_gpu():
+    backend = get_backend("cuda")
+    for case in SHIFTS:
+        for dtype, name in ((mx.bfloat16, "bfloat16"), (mx.float16, "float16")):
+            assert_within(run_shifted(backend, *case, dtype=dtype, head_dim=128), name, what=f"cuda {case} {name}")
+
+
 # -- the per-step call planner ---------------------------------------------------------------------
 
 def global_band(n_global, causal, window):
@@ -202,6 +210,12 @@ MATRIX = [
 ]
 
 
+def for_backend(case):
+    """The CUDA kernels take fp16 / bf16 (fp32 goes to the "mlx" backend, counted as a fallback):
+    under MLX_FLASH_RING_BACKEND=cuda the fp32 cases run in fp16."""
+    return dict(case, dtype="float16") if BACKEND == "cuda" and case["dtype"] == "float32" else case
+
+
 def _launch(tmp_path, n, mode, payload=None, timeout=LAUNCH_TIMEOUT):
     args = [mode, tmp_path]
     if payload is not None:
@@ -217,7 +231,7 @@ def _launch(tmp_path, n, mode, payload=None, timeout=LAUNCH_TIMEOUT):
 def test_ring_matches_flash_attention(tmp_path, n):
     """out, lse, dq, dk, dv gathered from n ranks = single-process flash_attention within the dtype's
     tolerance (and the float64 reference); gradients bitwise equal across two runs."""
-    results = _launch(tmp_path, n, "matrix", MATRIX)[0]
+    results = _launch(tmp_path, n, "matrix", [for_backend(c) for c in MATRIX])[0]
     assert len(results) == len(MATRIX)
     for entry in results:
         case = entry["case"]
@@ -248,7 +262,7 @@ def test_bad_inputs_raise_on_every_rank(tmp_path):
 
 def test_peak_memory_per_rank(tmp_path):
     """At N_global = 4 N_local each of 4 ranks peaks within 1.3x of one process running N_local alone."""
-    case = dict(_case("zigzag", True, "float32", 64, kv_heads=2, group=2), n_local=512)
+    case = for_backend(dict(_case("zigzag", True, "float32", 64, kv_heads=2, group=2), n_local=512))
     peaks = _launch(tmp_path, 4, "memory", case)
     for rank, p in enumerate(peaks):
         alone = min(p["alone"], p["alone_again"])

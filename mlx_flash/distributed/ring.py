@@ -101,14 +101,16 @@ def _rows(x: mx.array, start: int, stop: int) -> mx.array:
 
 
 def _leaf(x: Optional[mx.array]) -> Optional[mx.array]:
-    """An evaluated copy of x with no graph behind it (and so not a tracer).
+    """An evaluated copy of x with no graph behind it (so not a tracer).
 
-    Under mx.grad every array computed from the inputs is a tracer, and MLX keeps the graph of an
-    evaluated tracer, with the data of every node, alive; a ring step evaluated inside the call
-    would then hold all its score blocks at once instead of streaming them (measured, 2 ranks,
-    N_local = 512, fp32 fwd+bwd: 69 MB per rank against 17-21 MB for one process at N_local).
-    The steps therefore start from copies of their inputs: O(N_local) bytes per call, through
-    host memory (MLX arrays share it with the device on Apple silicon and under CUDA managed memory).
+    MLX keeps the graph of an evaluated tracer, with every node's data, alive. Under mx.grad the
+    forward's arrays are tracers when computed from the inputs, and inside the VJP every array is
+    ("retain graph"); without copies a ring step would hold all its score blocks at once and the
+    accumulators would keep every earlier step's intermediates (measured, 2 ranks, N_local = 512,
+    fp32 fwd+bwd: 69 MB per rank against 17-21 MB for one process at N_local). So the steps start
+    from copies of their inputs and the accumulators are copied after each evaluation: O(N_local)
+    bytes each, through host memory (shared with the device on Apple silicon and under CUDA's
+    managed memory).
     """
     if x is None:
         return None
