@@ -90,6 +90,9 @@ def ring_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[flo
     Every rank calls it with its shards; the result is this rank's shard of exactly what
     `flash_attention` returns on the whole sequence. Memory per rank: the local shards, one
     visiting K/V shard in flight and the backend's own O(N_local) working set; nothing O(N_global).
+    The ring is evaluated step by step inside the call (the order of the exchanges must be fixed),
+    so it works under mx.grad / mx.value_and_grad / nn.value_and_grad but cannot be traced by
+    mx.compile: compile the rest of the model around it.
 
     Args:
         q (array): this rank's query shard [B, Hq, N_local, D].
