@@ -35,7 +35,7 @@ import mlx.core as mx
 
 from ..backends import mlx_ops
 from ..spec import AttentionSpec
-from .plan import Call, plan_pair, split_keys
+from .plan import plan_pair, split_keys
 
 # Under retain-graph evaluation every intermediate of an evaluation stays alive until it ends;
 # the "mlx" backend's backward makes ~5 score-block-sized arrays per key block, against ~2 live
