@@ -189,9 +189,10 @@ def test_group_of_one_is_flash_attention():
 
 # -- over processes --------------------------------------------------------------------------------
 
-def _case(layout, causal, dtype, head_dim, kv_heads=1, group=1, window=None, softcap=None, lse=False, seed=0):
+def _case(layout, causal, dtype, head_dim, kv_heads=1, group=1, window=None, softcap=None, lse=False, seed=0,
+          n_local=16):
     return {"layout": layout, "causal": causal, "dtype": dtype, "head_dim": head_dim, "kv_heads": kv_heads,
-            "group": group, "window": window, "softcap": softcap, "lse_gradient": lse, "n_local": 16,
+            "group": group, "window": window, "softcap": softcap, "lse_gradient": lse, "n_local": n_local,
             "seed": seed, "batch": 1}
 
 
@@ -207,6 +208,8 @@ MATRIX = [
     _case("contiguous", False, "float32", 128, lse=True, seed=7),
     _case("contiguous", True, "float32", 80, window=(-1, 0), softcap=5.0, seed=8),
     _case("contiguous", False, "float32", 64, kv_heads=2, group=2, window=(3, 17), seed=9),
+    # Long enough that the "mlx" backend's calls run in several key-range pieces per step.
+    _case("zigzag", True, "float32", 64, window=(70, 0), lse=True, seed=10, n_local=128),
 ]
 
 

@@ -39,9 +39,12 @@ from .plan import plan_pair, split_keys
 
 # Under retain-graph evaluation every intermediate of an evaluation stays alive until it ends;
 # the "mlx" backend's backward makes ~5 score-block-sized arrays per key block, against ~2 live
-# when it streams. Pieces of a quarter of its key block keep the ring's per-rank peak near one
-# process at N_local (measured, 4 ranks, N_local = 512, fp32, causal: see tests/test_distributed.py).
-MLX_PIECE_FRACTION = 4
+# when it streams. Measured, 4 ranks, N_local = 512, Hq = 4, D = 64, fp32, causal zigzag, per-rank
+# fwd+bwd peak / one process at N_local: quarter key blocks 1.21x, eighth key blocks 0.88-0.99x.
+# The floor keeps pieces from shrinking to a few keys where the backend's own key block is already
+# at its minimum (a guard, not a measured optimum).
+MLX_PIECE_FRACTION = 8
+MLX_PIECE_MIN_KEYS = 32
 
 
 @functools.lru_cache(maxsize=None)
@@ -159,7 +162,7 @@ class RingAttention:
                 kernels.append(call)
                 continue
             _, key_block = mlx_ops.plan_blocks(call.spec)
-            for piece in split_keys(call, max(1, key_block // MLX_PIECE_FRACTION)):
+            for piece in split_keys(call, max(MLX_PIECE_MIN_KEYS, key_block // MLX_PIECE_FRACTION)):
                 self.backends.setdefault(piece.spec, select(piece.spec))
                 groups.append([piece])
         return ([kernels] if kernels else []) + groups
