@@ -1,25 +1,28 @@
 """Benchmark mlx-flash against MLX's attention, a plain unfused MLX attention and, optionally,
-PyTorch's FlashAttention-2, all in the same run.
+PyTorch's FlashAttention-2 and cuDNN attention, all in the same run.
 
-    python benchmarks/bench.py                                   # CPU-sized default sweep
-    python benchmarks/bench.py --seq-lens 1024 2048 4096 --masks none causal --dtypes fp32
+    python benchmarks/bench.py --seq-lens 256 512 --masks none   # ~1 min on a 2-core CPU
+    python benchmarks/bench.py                                   # CPU default sweep: ~10 min on 2 cores
+    python benchmarks/bench.py --preset gpu                      # the published GPU table: ~6 min on an H100
     python benchmarks/bench.py --dtypes bf16 --head-dims 64 128 256 --seq-lens 1024 16384 --torch
-    python benchmarks/bench.py --replot results/bench.json      # plots from a recorded JSON
-    python benchmarks/bench.py --markdown results/bench.json    # its rows as Markdown tables
+    python benchmarks/bench.py --replot DIR/bench.json          # plots from a recorded JSON
+    python benchmarks/bench.py --markdown DIR/bench.json        # its rows as Markdown tables
 
 Every row: median milliseconds (and IQR, min/max in the JSON), TFLOP/s, G instructions/s,
 peak memory, and the time and memory of the row as a multiple of mx.fast's (lower is better).
 What each pass times, and the metric formulas, are in mlx_flash/benchmark.py's docstring.
 Outputs: the table on stdout, <out>/<name>.json (rows + environment, rewritten after every
-case so an interrupted run keeps what it measured) and <out>/<name>_d<D>_<dtype>.png.
+case so an interrupted run keeps what it measured) and <out>/<name>_d<D>_<dtype>.png. <out> is
+outside the source tree unless you name one (--out); published results are copied into
+benchmarks/results/ by hand, one JSON and plot per table.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -27,10 +30,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import mlx.core as mx
 
 from mlx_flash import benchmark as bm
-from mlx_flash.backends import auto_backend_name, get_backend
+from mlx_flash.backends import BACKEND_NAMES, auto_backend_name, get_backend
 from mlx_flash.fallback import fallback_counts
 
-IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2")
+IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2", "torch-cudnn")
+DEFAULT_OUT = Path(tempfile.gettempdir()) / "mlx-flash-bench"
 BASELINE = "mx.fast"
 # Unfused attention keeps ~1.3 (forward) and ~3.7 (forward+backward) score-sized arrays alive
 # (measured with mx.get_peak_memory on CPU, fp32 and bf16); the estimate rounds up for margin.
@@ -42,15 +46,20 @@ _SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
 
 
 class TorchFlash:
-    """torch.nn.functional.scaled_dot_product_attention restricted to the FlashAttention-2
-    kernel on a CUDA device. `unavailable` says why it cannot run here (or is None).
+    """torch.nn.functional.scaled_dot_product_attention restricted to one of its fused kernels
+    on a CUDA device: FlashAttention-2 ("torch-fa2") or cuDNN's attention ("torch-cudnn", the
+    library MLX's own CUDA attention calls too). `unavailable` says why it cannot run here (or
+    is None).
 
     device="cpu" runs torch's CPU flash-attention kernel instead; it exists so the code path
     can be tested without a GPU (peak memory is then not measured)."""
 
-    name = "torch-fa2"
+    KERNELS = {"torch-fa2": "FLASH_ATTENTION", "torch-cudnn": "CUDNN_ATTENTION"}
 
-    def __init__(self, device: str = "cuda"):
+    def __init__(self, device: str = "cuda", name: str = "torch-fa2"):
+        if name not in self.KERNELS:
+            raise ValueError(f"name must be one of {tuple(self.KERNELS)}, got {name!r}.")
+        self.name = name
         self.unavailable: Optional[str] = None
         self.device = device
         try:
@@ -69,9 +78,9 @@ class TorchFlash:
         if self.unavailable:
             return self.unavailable
         if case.dtype == "float32":
-            return "FlashAttention-2 needs fp16/bf16"
-        if case.head_dim > 256:
-            return "FlashAttention-2 needs head_dim <= 256"
+            return f"{self.name} needs fp16/bf16"
+        if case.head_dim > (256 if self.name == "torch-fa2" else 128):
+            return f"{self.name} needs head_dim <= {256 if self.name == 'torch-fa2' else 128}"
         if case.causal and case.q_len != case.kv_len:
             return "torch's is_causal is top-left aligned; only Nq == Nk compares"
         return None
@@ -121,8 +130,10 @@ class TorchFlash:
         d_out = normal(case.batch, case.q_heads, case.q_len, case.head_dim)
         gqa = case.q_heads != case.kv_heads
 
+        kernel = getattr(SDPBackend, self.KERNELS[self.name] if self.device == "cuda" else "FLASH_ATTENTION")
+
         def attend(q_, k_, v_):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            with sdpa_kernel(kernel):
                 return torch.nn.functional.scaled_dot_product_attention(
                     q_, k_, v_, is_causal=case.causal, scale=case.scale, **({"enable_gqa": True} if gqa else {}))
 
@@ -188,7 +199,15 @@ def estimated_bytes(implementation: str, case: bm.BenchCase, pass_name: str) -> 
 
 
 def build_cases(args) -> List[bm.BenchCase]:
+    """The cartesian sweep, or the preset's explicit (B, H, N, D) shapes times dtypes and masks."""
     cases = []
+    if args.cases:
+        for dtype in args.dtypes:
+            for batch, heads, length, head_dim in args.cases:
+                for mask in args.masks:
+                    cases.append(bm.BenchCase(batch=batch, q_heads=heads, kv_heads=heads, q_len=length,
+                                              kv_len=length, head_dim=head_dim, dtype=dtype, causal=mask == "causal"))
+        return cases
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
             for kv_heads in args.kv_heads or [args.heads]:
@@ -216,9 +235,26 @@ class FlashBackend:
             self.error = str(error)
 
 
-def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_flash: Optional[TorchFlash],
+def warm_up_clocks(seconds: float) -> None:
+    """Matrix products on the default device for `seconds`: a GPU left idle during a kernel
+    compile drops its clocks (an H100 to 345 MHz), and a few ~1 ms warm-up calls do not ramp
+    them back (the first timed forward of a case once measured 2x slow)."""
+    if seconds <= 0:
+        return
+    a = mx.random.normal((4096, 4096)).astype(mx.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        mx.eval(a @ a)
+    mx.synchronize()
+
+
+def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_impls: Dict[str, TorchFlash],
              budget: Optional[float]) -> List[Dict[str, Any]]:
-    """All implementations and passes of one case, timed interleaved, with the ratios to mx.fast."""
+    """All implementations and passes of one case, timed interleaved, with the ratios to mx.fast.
+
+    Args:
+        torch_impls: the PyTorch implementations asked for, by name ("torch-fa2", "torch-cudnn").
+    """
     inputs = bm.random_inputs(case, seed=seed)
     settings = bm.Settings(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                            target_seconds=args.target_seconds)
@@ -226,7 +262,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_fla
                                       "mx.fast": bm.fast_attention, "unfused": bm.unfused_attention}
     rows: Dict[Tuple[str, str], Dict[str, Any]] = {}
     items = {}
-    torch_passes = None
+    torch_passes: Dict[str, Any] = {}
     for implementation in args.impls:
         for pass_name in args.passes:
             row: Dict[str, Any] = {"implementation": implementation, "pass": pass_name, **bm.as_dict(case)}
@@ -237,17 +273,19 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_fla
             skip = None
             if implementation == "mlx-flash" and flash.error:
                 skip = flash.error
-            elif implementation == "torch-fa2":
-                skip = torch_flash.unsupported_reason(case)
+            elif implementation in torch_impls:
+                skip = torch_impls[implementation].unsupported_reason(case)
             if skip is None and budget is not None and estimate > budget:
                 skip = f"estimated {bm.format_bytes(estimate)} > budget {bm.format_bytes(budget)}"
             if skip is not None:
                 row["status"] = f"skipped: {skip}"
                 continue
             try:
-                if implementation == "torch-fa2":
-                    torch_passes = torch_passes or torch_flash.passes(case, seed)
-                    prepare, run = torch_passes[pass_name]
+                if implementation in torch_impls:
+                    torch_flash = torch_impls[implementation]
+                    if implementation not in torch_passes:
+                        torch_passes[implementation] = torch_flash.passes(case, seed)
+                    prepare, run = torch_passes[implementation][pass_name]
                     call = bm.Call(run, prepare, torch_flash.finish)
                     items[implementation, pass_name] = (call, case, pass_name, torch_flash.memory_probe())
                 else:
@@ -255,6 +293,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_fla
                     items[implementation, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
             except Exception as error:  # e.g. torch failing to allocate its inputs
                 row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
+    warm_up_clocks(args.warm_up_clocks_s)
     before = fallback_counts()
     measured = bm.measure_many(items, settings)
     fallbacks = {r: n - before.get(r, 0) for r, n in fallback_counts().items() if n > before.get(r, 0)}
@@ -268,8 +307,9 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_fla
             row["fallbacks"] = fallbacks
     del inputs, items, torch_passes
     mx.clear_cache()  # MLX's buffer cache would otherwise keep this case's blocks from the next
-    if torch_flash is not None and torch_flash.device == "cuda" and not torch_flash.unavailable:
-        torch_flash.torch.cuda.empty_cache()
+    for torch_flash in torch_impls.values():
+        if torch_flash.device == "cuda" and not torch_flash.unavailable:
+            torch_flash.torch.cuda.empty_cache()
     rows_list = list(rows.values())
     add_ratios(rows_list)
     return rows_list
@@ -295,12 +335,16 @@ def row_cells(row: Dict[str, Any]) -> List[Any]:
     note = "; ".join(f"FALLBACK x{n}: {r}" for r, n in row.get("fallbacks", {}).items())
     ratio = (lambda key: f"{row[key]:.2f}x" if key in row else "-")
     return [name, bm.PASS_LABELS[row["pass"]], bm.format_ms(row["median_ms"]),
-            f"{bm.format_ms(row['q1_ms'])}-{bm.format_ms(row['q3_ms'])}", f"{row['tflops']:.3g}",
+            f"{bm.format_ms(row['q1_ms'])}-{bm.format_ms(row['q3_ms'])}",
+            bm.format_rate(row["tflops"] * 1e12, RATE_UNIT),
             f"{row['ginstrs']:.3g}",
             bm.format_bytes(row["peak_memory_bytes"]), ratio("time_vs_mx_fast"), ratio("memory_vs_mx_fast"), note]
 
 
-TABLE_HEADERS = ["implementation", "pass", "ms", "IQR ms", "TFLOP/s", "GINSTRS/s", "peak mem",
+# The terminal table's rate unit: a CPU reaches a few GFLOP/s, where TFLOP/s would read 0.00x.
+# The JSON always holds TFLOP/s ("tflops").
+RATE_UNIT = "TFLOP/s" if mx.default_device().type == mx.gpu else "GFLOP/s"
+TABLE_HEADERS = ["implementation", "pass", "ms", "IQR ms", RATE_UNIT, "GINSTRS/s", "peak mem",
                  "time/mx.fast", "mem/mx.fast", "note"]
 
 
@@ -418,54 +462,117 @@ def plot(payload: Dict[str, Any], out_dir: Path, name: str) -> List[Path]:
 # Command line
 
 
-def parse_args(argv=None):
+# Named argument sets. "cases" lists (B, H, N, D) shapes explicitly instead of the cartesian
+# sweep (masks and dtypes still multiply). "gpu" is the published GPU table of RESULTS.md.
+_GPU_SHAPES = [(4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 128), (1, 16, 4096, 160),
+               (1, 16, 4096, 192), (1, 16, 4096, 256), (1, 16, 4096, 512)]
+_GPU_SETTINGS = dict(dtypes=["bfloat16"], masks=["none", "causal"], passes=["forward", "forward_backward"],
+                     impls=["mlx-flash", "mx.fast", "torch-fa2", "torch-cudnn"], warm_up_clocks_s=1.0)
+PRESETS = {
+    "gpu": dict(_GPU_SETTINGS, cases=_GPU_SHAPES, warmup=2, min_repeats=5, max_repeats=20, target_seconds=0.3),
+    "gpu-quick": dict(_GPU_SETTINGS, cases=[_GPU_SHAPES[i] for i in (0, 1, 5)], warmup=2, min_repeats=3,
+                      max_repeats=5, target_seconds=0.1),
+}
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a bad value is a usage error, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def dtype_argument(text: str) -> str:
+    try:
+        return bm.dtype_name(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="a named argument set; options given as well override it. gpu: bf16, "
+                             "(B, H, N, D) = " + ", ".join(map(str, _GPU_SHAPES)) + ", causal and not, "
+                             "fwd and fwd+bwd, mlx-flash / mx.fast / torch-fa2 / torch-cudnn (the published "
+                             "GPU table); gpu-quick: three of those shapes, fewer repeats")
     sweep = parser.add_argument_group("sweep (the cartesian product is run)")
-    sweep.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048], help="Nq = Nk values")
-    sweep.add_argument("--head-dims", type=int, nargs="+", default=[64])
-    sweep.add_argument("--dtypes", nargs="+", default=["float32"], help="float32/fp32, float16/fp16, bfloat16/bf16")
-    sweep.add_argument("--masks", nargs="+", choices=["none", "causal"], default=["none", "causal"])
-    sweep.add_argument("--heads", type=int, default=8, help="query heads Hq")
-    sweep.add_argument("--kv-heads", type=int, nargs="+", default=None,
-                       help="kv heads Hkv values (GQA when < --heads); default: --heads")
-    sweep.add_argument("--batch", type=int, default=1)
-    sweep.add_argument("--tokens", type=int, default=None,
+    sweep.add_argument("--seq-lens", type=positive_int, nargs="+", default=[512, 1024, 2048], help="Nq = Nk values")
+    sweep.add_argument("--head-dims", type=positive_int, nargs="+", default=[64], help="head dims D")
+    sweep.add_argument("--dtypes", type=dtype_argument, nargs="+", default=["float32"],
+                       help="float32/fp32, float16/fp16, bfloat16/bf16")
+    sweep.add_argument("--masks", nargs="+", choices=["none", "causal"], default=["none", "causal"], help="masks")
+    sweep.add_argument("--heads", type=positive_int, default=8, help="query heads Hq")
+    sweep.add_argument("--kv-heads", type=positive_int, nargs="+", default=None,
+                       help="kv heads Hkv values (GQA when < --heads); None: --heads")
+    sweep.add_argument("--batch", type=positive_int, default=1, help="batch B")
+    sweep.add_argument("--tokens", type=positive_int, default=None,
                        help="batch = max(1, tokens // N) instead of --batch (same work per token across N)")
     what = parser.add_argument_group("what to run")
-    what.add_argument("--backend", default="auto", help="mlx-flash backend: auto, mlx, metal, cuda")
-    what.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=["mlx-flash", "mx.fast", "unfused"])
-    what.add_argument("--torch", action="store_true", help="add torch-fa2 (PyTorch FlashAttention-2 on CUDA); "
-                      "skipped with a reason where torch or CUDA is missing")
-    what.add_argument("--passes", nargs="+", choices=bm.PASSES, default=list(bm.PASSES))
+    what.add_argument("--backend", default="auto", choices=BACKEND_NAMES, help="mlx-flash backend")
+    what.add_argument("--impls", nargs="+", choices=IMPLEMENTATIONS, default=["mlx-flash", "mx.fast", "unfused"],
+                      help="implementations; torch-* need PyTorch with CUDA and are skipped with the reason "
+                           "elsewhere")
+    what.add_argument("--torch", action="store_true", help="add torch-fa2 (PyTorch FlashAttention-2 on CUDA)")
+    what.add_argument("--passes", nargs="+", choices=bm.PASSES, default=list(bm.PASSES), help="passes")
     timing = parser.add_argument_group("timing")
-    timing.add_argument("--warmup", type=int, default=1,
+    timing.add_argument("--warmup", type=int, choices=range(0, 101), metavar="{0..100}", default=1,
                         help="untimed runs after the (untimed) peak-memory run, which is the first warm-up")
-    timing.add_argument("--min-repeats", type=int, default=3)
-    timing.add_argument("--max-repeats", type=int, default=10)
-    timing.add_argument("--target-seconds", type=float, default=1.0,
+    timing.add_argument("--min-repeats", type=positive_int, default=3, help="timed runs at least")
+    timing.add_argument("--max-repeats", type=positive_int, default=10, help="timed runs at most")
+    timing.add_argument("--target-seconds", type=non_negative_float, default=1.0,
                         help="stop repeating once this much time is measured (after --min-repeats)")
-    timing.add_argument("--seed", type=int, default=0)
-    timing.add_argument("--time-budget-s", type=float, default=None,
+    timing.add_argument("--warm-up-clocks-s", type=non_negative_float, default=0.0,
+                        help="seconds of matrix products before each case, to bring GPU clocks up")
+    timing.add_argument("--seed", type=int, default=0, help="random inputs' seed")
+    timing.add_argument("--time-budget-s", type=non_negative_float, default=None,
                         help="start no new case after this many seconds (the rest is listed as skipped)")
     guard = parser.add_argument_group("out-of-memory guard (unfused N^2 arrays)")
-    guard.add_argument("--max-memory-gb", type=float, default=None, help="memory budget; overrides the fraction")
-    guard.add_argument("--memory-fraction", type=float, default=0.4, help="budget as a fraction of device memory")
+    guard.add_argument("--max-memory-gb", type=non_negative_float, default=None,
+                       help="memory budget; overrides the fraction")
+    guard.add_argument("--memory-fraction", type=non_negative_float, default=0.4,
+                       help="budget as a fraction of device memory")
     out = parser.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="folder for JSON and PNGs")
+    out.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the JSON and PNGs")
     out.add_argument("--name", default="bench", help="file name prefix")
-    out.add_argument("--no-plots", action="store_true")
+    out.add_argument("--no-plots", action="store_true", help="write no PNGs")
     out.add_argument("--replot", type=Path, default=None, help="only redraw the plots of this JSON")
     out.add_argument("--markdown", type=Path, default=None, help="only print this JSON's rows as Markdown")
+    parser.set_defaults(cases=None)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    preset = parser.parse_known_args(argv)[0].preset
+    if preset is not None:
+        parser.set_defaults(**PRESETS[preset])  # explicit options still win
     args = parser.parse_args(argv)
-    args.dtypes = [bm.dtype_name(d) for d in args.dtypes]
+    given = sys.argv[1:] if argv is None else list(argv)
+    shape_options = ("--seq-lens", "--head-dims", "--heads", "--kv-heads", "--batch", "--tokens")
+    if any(a.split("=")[0] in shape_options for a in given):
+        args.cases = None  # shapes given: the sweep replaces the preset's shape list
     if args.torch and "torch-fa2" not in args.impls:
         args.impls.append("torch-fa2")
-    for name in ("seq_lens", "head_dims"):
-        if any(n < 1 for n in getattr(args, name)):
-            parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.max_repeats < args.min_repeats:
+        parser.error(f"--max-repeats ({args.max_repeats}) must be >= --min-repeats ({args.min_repeats})")
     for kv in args.kv_heads or []:
-        if kv < 1 or args.heads % kv:
+        if args.heads % kv:
             parser.error(f"--kv-heads {kv} must divide --heads {args.heads}")
     return args
 
@@ -482,11 +589,11 @@ def main(argv=None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     flash = FlashBackend(args.backend)
-    torch_flash = TorchFlash() if "torch-fa2" in args.impls else None
+    torch_impls = {name: TorchFlash(name=name) for name in args.impls if name in TorchFlash.KERNELS}
     budget, budget_reason = memory_budget(args)
     env = bm.environment(args.backend, flash.name)
-    if torch_flash is not None:
-        env["torch"] = torch_flash.unavailable or f"torch {torch_flash.version} on {torch_flash.device_name}"
+    for name, torch_flash in torch_impls.items():
+        env[name] = torch_flash.unavailable or f"torch {torch_flash.version} on {torch_flash.device_name}"
     env["memory_budget_bytes"], env["memory_budget"] = budget, budget_reason
     payload = {"environment": env, "arguments": sys.argv[1:] if argv is None else list(argv), "rows": []}
     json_path = args.out / f"{args.name}.json"
@@ -495,10 +602,12 @@ def main(argv=None) -> int:
           f"({env['device']}), backend {flash.name!r}{' (auto)' if args.backend == 'auto' else ''}"
           f"{': ' + flash.error if flash.error else ''}")
     print(f"memory guard: {budget_reason}; load average {env['load_average']}")
-    if torch_flash is not None:
-        print(f"torch-fa2: {env['torch']}")
-    print("ms = median of timed runs; time/mx.fast and mem/mx.fast: this row divided by mx.fast's (lower is better)\n",
-          flush=True)
+    for name in torch_impls:
+        print(f"{name}: {env[name]}")
+    print("ms = median of timed runs (IQR: middle half); " + RATE_UNIT + " = 4·B·H·N²·D per forward, 2.5x per "
+          "backward, 3.5x per fwd+bwd, halved if causal, over the time; GINSTRS/s = G instructions/s by MFA's count "
+          "((a·D + b) per query-key pair); peak mem = bytes allocated above the inputs; time/mx.fast and "
+          "mem/mx.fast: this row divided by mx.fast's (lower is better)\n", flush=True)
     start = time.perf_counter()
     cases = build_cases(args)
     for index, case in enumerate(cases):
@@ -507,14 +616,14 @@ def main(argv=None) -> int:
             print(f"time budget of {args.time_budget_s:.0f} s spent: skipped {len(cases) - index} cases: "
                   + ", ".join(payload["skipped_cases"]))
             break
-        rows = run_case(case, args.seed + index, args, flash, torch_flash, budget)
+        rows = run_case(case, args.seed + index, args, flash, torch_impls, budget)
         payload["rows"].extend(rows)
         payload["environment"]["elapsed_s"] = round(time.perf_counter() - start, 1)
         write_json(json_path, payload)
         print(case_table(case, rows) + "\n", flush=True)
     env["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     write_json(json_path, payload)
-    print(f"wrote {json_path}")
+    print(f"wrote {json_path.resolve()}")
     if not args.no_plots:
         for path in plot(payload, args.out, args.name):
             print(f"wrote {path}")

@@ -36,24 +36,23 @@
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
 // (rows = queries = the contraction), one layout for both.
-// Rendered by mlx_flash.backends.cuda with the constants below.
+// Rendered by mlx_flash.backends.cuda_source with the constants below.
 namespace mlxflash {
 namespace bwdkvwg {
-typedef {{T}} T;
-typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
-constexpr int DP = {{DP}};              // D padded to 16: the S^T / dP^T contraction
-constexpr int NSLICE = {{NSLICE}};      // CTAs per key block (column slices)
-constexpr int DS = {{DS}};              // dK / dV columns per warpgroup (DP <= 160 if NSLICE == CG == 1, else 128)
-constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA
-constexpr int CG = {{CG}};              // column groups: consumer warpgroups sharing one 64-key block
-constexpr int BN = {{BN}};              // queries per step
-constexpr bool CAUSAL = {{CAUSAL}};
-constexpr bool WINDOW = {{WINDOW}};
-constexpr bool SOFTCAP = {{SOFTCAP}};
-constexpr int MASK_KIND = {{MASK_KIND}};
-constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
-constexpr int STAGES = {{STAGES}};      // Q / dO buffers in the producer's ring
+typedef {{input_type}} T;
+typedef {{mask_type}} MaskT;
+constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 256)
+constexpr int DP = {{padded_dim}};              // D padded to 16: the S^T / dP^T contraction
+constexpr int NSLICE = {{slices}};      // CTAs per key block (column slices)
+constexpr int DS = {{head_block}};              // dK / dV columns per warpgroup (DP <= 160 if NSLICE == CG == 1, else 128)
+constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA
+constexpr int CG = {{col_groups}};              // column groups: consumer warpgroups sharing one 64-key block
+constexpr int BN = {{traversal_block}};              // queries per step
+constexpr bool CAUSAL = {{causal}};
+constexpr bool WINDOW = {{window}};
+constexpr bool SOFTCAP = {{softcap}};
+constexpr int MASK_KIND = {{mask_kind}};
+constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
 // Q / dO tile panels: whole 128-column slices or column groups, columns past D zero-filled.
@@ -66,7 +65,7 @@ constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES +
                            STAGES * 2 * BN * 4 + 3 * STAGES * 8;
-static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
+static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
 // each), S^T, dP^T (32 each) and the P^T / dS^T fragments without spills, and with a bool mask
@@ -79,9 +78,9 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_RE
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
 static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : DS == 128 && 128 * NSLICE * CG >= DP),
               "dK and dV accumulators: all of D up to 160 columns per warpgroup, or 128-column slices / groups");
-static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2 && !PINGPONG),
-              "column groups: two warpgroups, one slice, more than 128 columns, no turns");
-constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // after the warpgroups' (1..) and MmaTurns' barriers
+static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2),
+              "column groups: two warpgroups, one slice, more than 128 columns");
+constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
 static_assert(DP <= 256, "D <= 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
@@ -183,8 +182,6 @@ __device__ void attention_backward_key_value_wgmma(
     if (CG == 1 || !scores_side)
       load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
-    const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
-    turns.start();
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
     float s[BN / 8][4], dp[BN / 8][4];
@@ -207,20 +204,16 @@ __device__ void attention_backward_key_value_wgmma(
       const float* Lst = Ls + stage * BN;
       const float* Dst = Dls + stage * BN;
 
-      // Without turns S^T starts as soon as Q has landed; with turns both tiles are awaited
-      // first, so a warpgroup never holds the turn while waiting for data.
+      // S^T starts as soon as Q has landed.
       if (CG == 1) {
         acquire_tile(full_q(stage), parity);
-        if (PINGPONG) acquire_tile(full_do(stage), parity);
-        turns.take();
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
         wgmma_commit();
-        if (!PINGPONG) acquire_tile(full_do(stage), parity);
+        acquire_tile(full_do(stage), parity);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
         wgmma_commit();
-        turns.pass();
         wgmma_wait<0>();
         fence_registers(s_flat);
         fence_registers(dp_flat);
@@ -306,15 +299,18 @@ __device__ void attention_backward_key_value_wgmma(
       }
       fence_registers(dv_flat);
       fence_registers(dk_flat);
-      turns.take();
       wgmma_fence();
       issue_gradient(dv_flat, pa, do_addr);
       issue_gradient(dk_flat, dsa, q_addr);
       wgmma_commit();
-      turns.pass(it + 1 == items);
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
+      // Every lane's reads of the stage's lse / delta (ordinary shared loads, lanes may have
+      // diverged on masks) come before lane 0 frees the stage for the producer's next stores:
+      // compute-sanitizer's racecheck flagged these reads (D = 96 bool mask, 160 causal, 200
+      // additive) without the warp barrier.
+      __syncwarp();
       if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
     }
   }

@@ -3,9 +3,9 @@
 //   lse2[r]  = L[r] * log2(e), or +inf where L = -inf (then P = exp2(S - lse2) = 0 for that row).
 namespace mlxflash {
 namespace prep {
-typedef {{T}} T;
-constexpr int HEAD_DIM = {{HEAD_DIM}};
-constexpr bool HAS_DLSE = {{HAS_DLSE}};
+typedef {{input_type}} T;
+constexpr int HEAD_DIM = {{head_dim}};
+constexpr bool HAS_DLSE = {{has_d_lse}};
 constexpr int ROWS_PER_BLOCK = 4;
 }  // namespace prep
 

@@ -10,21 +10,21 @@
 // reproducible.
 namespace mlxflash {
 namespace bwdq {
-typedef {{T}} T;
-typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};
-constexpr int DP = {{DP}};              // D padded to 16: the S / dP contraction
-constexpr int DS = {{DS}};              // columns staged in smem (NSLICE * CG * HB >= DP)
-constexpr int HB = {{HB}};              // dQ columns per warp
-constexpr int NSLICE = {{NSLICE}};      // CTAs per query block (column slices of CG * HB)
-constexpr int WM = {{WM}};              // 16-row m-tiles per warp
-constexpr int RG = {{RG}};              // warps along the rows
-constexpr int CG = {{CG}};              // warps along the dQ columns
-constexpr int BN = {{BN}};              // keys per step
-constexpr bool CAUSAL = {{CAUSAL}};
-constexpr bool WINDOW = {{WINDOW}};
-constexpr bool SOFTCAP = {{SOFTCAP}};
-constexpr int MASK_KIND = {{MASK_KIND}};
+typedef {{input_type}} T;
+typedef {{mask_type}} MaskT;
+constexpr int HEAD_DIM = {{head_dim}};
+constexpr int DP = {{padded_dim}};              // D padded to 16: the S / dP contraction
+constexpr int DS = {{staged_dim}};              // columns staged in smem (NSLICE * CG * HB >= DP)
+constexpr int HB = {{head_block}};              // dQ columns per warp
+constexpr int NSLICE = {{slices}};      // CTAs per query block (column slices of CG * HB)
+constexpr int WM = {{m_tiles}};              // 16-row m-tiles per warp
+constexpr int RG = {{row_groups}};              // warps along the rows
+constexpr int CG = {{col_groups}};              // warps along the dQ columns
+constexpr int BN = {{traversal_block}};              // keys per step
+constexpr bool CAUSAL = {{causal}};
+constexpr bool WINDOW = {{window}};
+constexpr bool SOFTCAP = {{softcap}};
+constexpr int MASK_KIND = {{mask_kind}};
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int BNW = BN / CG;            // score columns (keys) per warp
 constexpr int ROW = DS + 8;

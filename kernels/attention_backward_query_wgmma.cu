@@ -15,27 +15,26 @@
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. Q, dO: K-major A operands.
 // K: K-major B operand of S and MN-major B operand of dQ += dS K; V: K-major B operand of dP.
-// Rendered by mlx_flash.backends.cuda with the constants below.
+// Rendered by mlx_flash.backends.cuda_source with the constants below.
 namespace mlxflash {
 namespace bwdqwg {
-typedef {{T}} T;
-typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D (<= 256)
-constexpr int DP = {{DP}};              // D padded to 16
-constexpr int CONSUMERS = {{GROUPS}};   // consumer warpgroups per CTA (64 query rows each)
-constexpr int BN = {{BN}};              // keys per step
-constexpr bool CAUSAL = {{CAUSAL}};
-constexpr bool WINDOW = {{WINDOW}};
-constexpr bool SOFTCAP = {{SOFTCAP}};
-constexpr int MASK_KIND = {{MASK_KIND}};
-constexpr bool PINGPONG = {{PINGPONG}};     // consumer warpgroups take turns issuing MMAs (MmaTurns)
-constexpr int STAGES = {{STAGES}};      // K and V buffers each in the producer's ring
+typedef {{input_type}} T;
+typedef {{mask_type}} MaskT;
+constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 256)
+constexpr int DP = {{padded_dim}};              // D padded to 16
+constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each)
+constexpr int BN = {{traversal_block}};              // keys per step
+constexpr bool CAUSAL = {{causal}};
+constexpr bool WINDOW = {{window}};
+constexpr bool SOFTCAP = {{softcap}};
+constexpr int MASK_KIND = {{mask_kind}};
+constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int PANELS = (DP + 63) / 64;
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of Q (or dO)
 constexpr int TILE_BYTES = PANELS * BN * 128;     // one K (or V) tile
 constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 4 * STAGES * 8;
-static_assert(SMEM_BYTES <= {{LAUNCH_SMEM}}, "shared memory layout larger than the launch's");
+static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 constexpr int PRODUCER_REGS = 48;  // the forward's (40 spills a few bytes at D = 8 and 64, nvcc 13.0)
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
@@ -119,8 +118,6 @@ __device__ void attention_backward_query_wgmma(
     load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
     load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, d_out + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
-    const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};  // 2 turns per step
-    turns.start();
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
     float s[BN / 8][4], dp[BN / 8][4];
@@ -134,16 +131,13 @@ __device__ void attention_backward_query_wgmma(
       const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
 
       acquire_tile(ring.full_keys(stage), parity);
-      if (PINGPONG) acquire_tile(ring.full_values(stage), parity);  // never hold the turn waiting for data
-      turns.take();
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
       wgmma_commit();
-      if (!PINGPONG) acquire_tile(ring.full_values(stage), parity);
+      acquire_tile(ring.full_values(stage), parity);
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
       wgmma_commit();
-      turns.pass();
       wgmma_wait<0>();
       fence_registers(s_flat);
       fence_registers(dp_flat);
@@ -184,11 +178,9 @@ __device__ void attention_backward_query_wgmma(
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], dsa[kk]);
       fence_registers(dq_flat);
-      turns.take();
       wgmma_fence();
       wgmma_registers_shared<DP, BN, T>(dq_flat, dsa, k_addr, BN * 128, 1024);
       wgmma_commit();
-      turns.pass(it + 1 == steps);
       wgmma_wait<0>();
       fence_registers(dq_flat);
       if (lane == 0) mbarrier_arrive(ring.empty_keys(stage));

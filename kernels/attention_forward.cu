@@ -8,24 +8,23 @@
 // causal / window band are never loaded. Head dims whose O does not fit one warp's registers are
 // split into column groups: the CG warps of a row group each recompute S for their rows (sharing
 // the K / V tiles in shared memory), and past that into NSLICE CTAs.
-// Rendered by mlx_flash.backends.cuda with the constants below.
+// Rendered by mlx_flash.backends.cuda_source with the constants below.
 namespace mlxflash {
 namespace fwd {
-typedef {{T}} T;
-typedef {{MASK_T}} MaskT;
-constexpr int HEAD_DIM = {{HEAD_DIM}};  // real D
-constexpr int DP = {{DP}};              // D padded to 16 (QK^T contraction)
-constexpr int HB = {{HB}};              // output columns per warp (multiple of 16)
-constexpr int NSLICE = {{NSLICE}};      // CTAs per query block (column slices of CG * HB)
-constexpr int WM = {{WM}};              // 16-row m-tiles per warp
-constexpr int RG = {{RG}};              // warps along the rows
-constexpr int CG = {{CG}};              // warps along the output columns
-constexpr int BN = {{BN}};              // keys per step
-constexpr bool CAUSAL = {{CAUSAL}};
-constexpr bool WINDOW = {{WINDOW}};
-constexpr bool SOFTCAP = {{SOFTCAP}};
-constexpr int MASK_KIND = {{MASK_KIND}};
-constexpr bool CACHE_Q = {{CACHE_Q}};
+typedef {{input_type}} T;
+typedef {{mask_type}} MaskT;
+constexpr int HEAD_DIM = {{head_dim}};  // real D
+constexpr int DP = {{padded_dim}};              // D padded to 16 (QK^T contraction)
+constexpr int HB = {{head_block}};              // output columns per warp (multiple of 16)
+constexpr int NSLICE = {{slices}};      // CTAs per query block (column slices of CG * HB)
+constexpr int WM = {{m_tiles}};              // 16-row m-tiles per warp
+constexpr int RG = {{row_groups}};              // warps along the rows
+constexpr int CG = {{col_groups}};              // warps along the output columns
+constexpr int BN = {{traversal_block}};              // keys per step
+constexpr bool CAUSAL = {{causal}};
+constexpr bool WINDOW = {{window}};
+constexpr bool SOFTCAP = {{softcap}};
+constexpr int MASK_KIND = {{mask_kind}};
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int VC = CG * HB;             // V columns staged per CTA
 constexpr int QROW = DP + 8, KROW = DP + 8, VROW = VC + 8;  // padded smem rows (elements)
@@ -100,7 +99,6 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     load_tile<BN, VC, VROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, vcol0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
-  u32 qf[CACHE_Q ? WM : 1][CACHE_Q ? DP / 16 : 1][4];
 
   for (int kb = kb_begin; kb < kb_end; ++kb) {
     const int stage = (kb - kb_begin) & 1;
@@ -115,14 +113,6 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     const T* Kst = Ks + stage * K_ELEMS;
     const T* Vst = Vs + stage * V_ELEMS;
 
-    if (CACHE_Q && kb == kb_begin) {
-#pragma unroll
-      for (int mt = 0; mt < WM; ++mt)
-#pragma unroll
-        for (int kk = 0; kk < DP / 16; ++kk)
-          ldmatrix_x4(qf[mt][kk], Qs + (wrow + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
-    }
-
     // S = Q K^T
     float s[WM][BN / 8][4];
 #pragma unroll
@@ -133,14 +123,8 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     for (int kk = 0; kk < DP / 16; ++kk) {
       u32 a[WM][4];
 #pragma unroll
-      for (int mt = 0; mt < WM; ++mt) {
-        if (CACHE_Q) {
-#pragma unroll
-          for (int r = 0; r < 4; ++r) a[mt][r] = qf[mt][kk][r];
-        } else {
-          ldmatrix_x4(a[mt], Qs + (wrow + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
-        }
-      }
+      for (int mt = 0; mt < WM; ++mt)
+        ldmatrix_x4(a[mt], Qs + (wrow + mt * 16 + lane % 16) * QROW + kk * 16 + (lane / 16) * 8);
 #pragma unroll
       for (int nn = 0; nn < BN / 16; ++nn) {
         u32 bfr[4];

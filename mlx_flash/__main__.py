@@ -1,25 +1,28 @@
-"""`python -m mlx_flash`: check the active backend against the float64 reference, then time it.
+"""`python -m mlx_flash`: the command line of mlx-flash.
+
+Without a subcommand it runs the main job, in two steps:
 
 1. Correctness: a few small random cases (non-causal, causal with Nq != Nk, GQA with an lse
    cotangent) through `flash_attention` on the chosen backend; O, lse, dQ, dK, dV compared with
-   mlx_flash.reference (relative Frobenius error, same tolerances as the test suite). Exit 1 on
-   a failure.
-2. Speed and memory: forward and forward+backward of mlx-flash vs mx.fast.scaled_dot_product_attention
-   at a few sizes, measured in the same run (median of warm runs; see mlx_flash/benchmark.py for
-   exactly what is timed), then the backend's own kernels (forward, and backward_query /
-   backward_key_value where the backend has them, else its whole backward) with TFLOP/s and
-   G instructions/s.
+   mlx_flash.reference (relative Frobenius error, the test suite's tolerances). Exit 1 on a
+   failure.
+2. Memory and speed: forward+backward of mlx-flash next to mx.fast.scaled_dot_product_attention
+   on the same inputs, measured in the same run (peak memory of one call, then warm timed calls
+   interleaved; mlx_flash/benchmark.py says exactly what is timed). The sizes are chosen per
+   device so that N reaches the lengths where MLX's N x N scores dominate its memory: on a
+   2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about 2 minutes; on a GPU, bf16
+   D=128 H=16 up to N=16384.
 
-Defaults are sized by device: on a CPU, B=1 H=8 D=64 fp32 at small N (the run stays around a
-minute on 2 cores); on a GPU, bf16, D=128, H=16 and N from 2048 to 16384.
+Subcommands live in their own modules. Each module has a function `add_<name>_parser(subparsers)`
+that adds its parser to `subparsers` and sets `run` on it with `parser.set_defaults(run=...)`;
+`run(args)` returns the exit code. Adding one is an import and an entry in SUBCOMMANDS.
 """
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +31,14 @@ from . import __version__, benchmark as bm, reference
 from .api import flash_attention
 from .backends import BACKEND_NAMES, auto_backend_name, get_backend
 from .fallback import fallback_counts
+from .cli import dtype_argument, positive_int
+from .plan_command import add_plan_parser
+from .report import add_report_parser
 from .spec import check_inputs
+
+# add_<name>_parser(subparsers) functions, one per subcommand module (see the module docstring).
+SUBCOMMANDS: List[Callable[[argparse._SubParsersAction], argparse.ArgumentParser]] = [add_report_parser,
+                                                                                    add_plan_parser]
 
 # Same limits as tests/attention_cases.py: relative Frobenius error per dtype.
 FORWARD_TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
@@ -38,6 +48,21 @@ GRADIENT_TOLERANCE = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 6e-2}
 CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
                ("causal Nq<Nk", 1, 2, 2, 70, 130, True, False),
                ("GQA 4/2 causal +dlse", 1, 4, 2, 96, 96, True, True)]
+
+# Per device: the sizes of step 2. On the project's 2-core x86 CPU one forward+backward at
+# B=1 H=2 D=64 N=4096 fp32 takes 12-27 s (mx.fast and mlx-flash alike, on the shared machine), and
+# each size runs four calls (a memory call and a timed call per implementation), so N=4096 is
+# the largest that keeps the whole job under 3 minutes. H=2 keeps the time down; mx.fast's
+# peak memory (N x N scores) still grows 4x per doubling of N while mlx-flash's grows ~2x.
+DEVICE_DEFAULTS = {
+    "cpu": {"sizes": [512, 1024, 2048, 4096], "quick_sizes": [128, 256], "dtype": "float32",
+            "head_dim": 64, "heads": 2, "passes": ["forward_backward"], "rate_unit": "GFLOP/s",
+            "settings": bm.Settings(warmup=0, min_repeats=1, max_repeats=3, target_seconds=1.0)},
+    "gpu": {"sizes": [2048, 4096, 8192, 16384], "quick_sizes": [1024, 2048], "dtype": "bfloat16",
+            "head_dim": 128, "heads": 16, "passes": ["forward", "forward_backward"], "rate_unit": "TFLOP/s",
+            "settings": bm.Settings(warmup=2, min_repeats=3, max_repeats=10, target_seconds=0.5)},
+}
+QUICK_SETTINGS = bm.Settings(warmup=0, min_repeats=1, max_repeats=2, target_seconds=0.0)
 
 
 def relative_error(x, ref: np.ndarray) -> float:
@@ -62,12 +87,12 @@ def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> Lis
         spec, _ = check_inputs(q, k, v, mask=mask)
         before = fallback_counts()
 
-        def attend(q_, k_, v_):
-            return list(flash_attention(q_, k_, v_, mask=mask, return_lse=True, backend=backend))
-
-        cotangents = [d_out, d_lse if d_lse is not None else mx.zeros((B, Hq, Nq), mx.float32)]
-        if d_lse is None:  # the common case: only out is used, lse gets no cotangent at all
-            def attend(q_, k_, v_):  # noqa: F811
+        if d_lse is not None:
+            def attend(q_, k_, v_):
+                return list(flash_attention(q_, k_, v_, mask=mask, return_lse=True, backend=backend))
+            cotangents = [d_out, d_lse]
+        else:  # the common case: only out is used, lse gets no cotangent at all
+            def attend(q_, k_, v_):
                 return [flash_attention(q_, k_, v_, mask=mask, backend=backend)]
             cotangents = [d_out]
         out, lse = flash_attention(q, k, v, mask=mask, return_lse=True, backend=backend)
@@ -87,27 +112,43 @@ def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> Lis
     return results
 
 
-def default_config(device: mx.Device) -> Dict:
-    if device.type == mx.gpu:
-        return {"sizes": [2048, 4096, 8192, 16384], "quick_sizes": [1024, 2048], "dtype": "bfloat16",
-                "head_dim": 128, "heads": 16, "warmup": 2, "target_seconds": 0.5}
-    # 2-core CPU: MLX matmuls run at a few GFLOP/s, so N=1024 fwd+bwd already takes seconds.
-    return {"sizes": [256, 512, 1024], "quick_sizes": [64, 128], "dtype": "float32",
-            "head_dim": 64, "heads": 8, "warmup": 0, "target_seconds": 0.5}
+class Progress:
+    """A tqdm bar whose units are work (B·H·N² per call), so its estimate of the time left is
+    fair across sizes; quiet when stderr is not a terminal."""
+
+    def __init__(self, steps: List[float], description: str):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=sum(steps), desc=description, unit="work", disable=None, leave=False,
+                        bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed} elapsed, ~{remaining} left")
+        self.done = 0.0
+
+    def advance(self, amount: float) -> None:
+        # Adaptive repetitions can outrun the estimate: never past 100% before the end.
+        step = min(amount, max(0.0, self.bar.total - self.bar.n))
+        self.bar.update(step)
+
+    def finish_step(self, planned: float) -> None:
+        self.done += planned
+        self.bar.update(max(0.0, self.done - self.bar.n))
+
+    def close(self) -> None:
+        self.bar.close()
 
 
-def compare_with_mlx(backend: str, case: bm.BenchCase, settings: bm.Settings) -> Dict:
-    """Forward and forward+backward of mlx-flash and mx.fast on the same inputs."""
+def compare_with_mlx(backend: str, case: bm.BenchCase, passes: List[str], settings: bm.Settings,
+                     progress: Optional[Callable] = None) -> Dict:
+    """The given passes of mlx-flash and mx.fast on the same inputs, interleaved."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     items = {}
     for name, attention in (("mlx-flash", bm.flash_attention_with(backend)), ("mx.fast", bm.fast_attention)):
-        for pass_name in ("forward", "forward_backward"):
+        for pass_name in passes:
             prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)
             items[name, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
-    return bm.measure_many(items, settings, catch=False)
+    return bm.measure_many(items, settings, catch=False, progress=progress)
 
 
-def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -> Optional[Dict]:
+def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -> Dict:
     """The backend's own entry points, called directly with a precomputed forward:
     forward, then backward_query and backward_key_value when present, else backward."""
     backend = get_backend(backend_name)
@@ -128,98 +169,188 @@ def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -
                            settings, catch=False)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m mlx_flash", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smallest sizes, fewest repeats")
-    parser.add_argument("--sizes", type=int, nargs="+", help="sequence lengths N (Nq = Nk)")
-    parser.add_argument("--dtype", help="float32/fp32, float16/fp16 or bfloat16/bf16 (default by device)")
-    parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES)
-    parser.add_argument("--head-dim", type=int, help="D (default by device)")
-    parser.add_argument("--heads", type=int, help="H (default by device)")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--causal", action="store_true", help="time causal attention instead of non-causal")
-    parser.add_argument("--skip-check", action="store_true", help="only time")
-    args = parser.parse_args(argv)
-    if args.sizes and any(n < 1 for n in args.sizes):
-        parser.error(f"--sizes must be positive, got {args.sizes}")
-    return args
+# ---------------------------------------------------------------------------------------------
+# Command line
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    started = time.perf_counter()
-    device = mx.default_device()
-    config = default_config(device)
-    dtype = bm.dtype_name(args.dtype or config["dtype"])
-    head_dim = args.head_dim or config["head_dim"]
-    heads = args.heads or config["heads"]
-    sizes = args.sizes or (config["quick_sizes"] if args.quick else config["sizes"])
-    env = bm.device_description()
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The main job's options (check + memory and speed against MLX)."""
+    cpu, gpu = DEVICE_DEFAULTS["cpu"], DEVICE_DEFAULTS["gpu"]
+    parser.add_argument("--quick", action="store_true",
+                        help=f"smallest sizes ({cpu['quick_sizes']} on a CPU, {gpu['quick_sizes']} on a GPU), "
+                             "fewest repeats: a few seconds (default: off)")
+    parser.add_argument("--sizes", type=positive_int, nargs="+", metavar="N",
+                        help=f"sequence lengths Nq = Nk (default: {cpu['sizes']} on a CPU, {gpu['sizes']} on a GPU)")
+    parser.add_argument("--dtype", type=dtype_argument,
+                        help="float32/fp32, float16/fp16 or bfloat16/bf16 "
+                             f"(default: {cpu['dtype']} on a CPU, {gpu['dtype']} on a GPU)")
+    parser.add_argument("--backend", default="auto", choices=BACKEND_NAMES,
+                        help="mlx-flash backend; auto picks by device (default: %(default)s)")
+    parser.add_argument("--head-dim", type=positive_int,
+                        help=f"D (default: {cpu['head_dim']} on a CPU, {gpu['head_dim']} on a GPU)")
+    parser.add_argument("--heads", type=positive_int,
+                        help=f"H (default: {cpu['heads']} on a CPU, {gpu['heads']} on a GPU)")
+    parser.add_argument("--batch", type=positive_int, default=1, help="B (default: %(default)s)")
+    parser.add_argument("--causal", action="store_true", help="causal attention instead of non-causal (default: off)")
+    parser.add_argument("--forward", action="store_true",
+                        help="also time the forward alone (default: on a GPU only)")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also time the backend's own entry points, called directly (default: off)")
+    parser.add_argument("--skip-check", action="store_true", help="skip the correctness check (default: off)")
 
-    name = auto_backend_name(device) if args.backend == "auto" else args.backend
-    print(f"mlx-flash {__version__}, MLX {mx.__version__}, device {env['device_name']} ({env['device']})")
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_flash",
+        description="Check mlx-flash against a float64 reference, then show its forward+backward peak "
+                    "memory and time next to mx.fast.scaled_dot_product_attention. About 2 minutes on "
+                    "a 2-core laptop CPU, under a minute on a GPU (the first GPU run also compiles the "
+                    "kernels).")
+    add_job_arguments(parser)
+    parser.set_defaults(run=run_job)
+    if SUBCOMMANDS:
+        subparsers = parser.add_subparsers(title="subcommands (without one: the check and comparison above)")
+        for add in SUBCOMMANDS:
+            add(subparsers)
+    return parser
+
+
+def resolve_backend(requested: str, device: mx.Device):
+    """(backend name, message or None, exit code or None) for the requested backend on device."""
+    name = auto_backend_name(device) if requested == "auto" else requested
     try:
         reason = get_backend(name).unavailable_reason(device)
     except ValueError as error:
-        print(f"backend {name!r}{' (auto)' if args.backend == 'auto' else ''}: {error}")
-        return 2
-    if reason is not None:
-        if args.backend != "auto":
-            print(f"backend {name!r} is not available: {reason}")
-            return 2
-        print(f"backend {name!r} (auto) is not available ({reason}); flash_attention falls back to 'mlx'")
-        name = "mlx"
+        return name, f"backend {name!r}: {error}", 2
+    if reason is None:
+        return name, None, None
+    if requested != "auto":
+        return name, f"backend {name!r} is not available: {reason}", 2
+    return "mlx", f"backend {name!r} (auto) is not available ({reason}); flash_attention falls back to 'mlx'", None
+
+
+def run_check(name: str, dtype: str, head_dim: int) -> bool:
+    print("\n1. Correctness against the float64 reference (relative error ||x - ref|| / ||ref||)")
+    rows, failed = [], False
+    for check_dtype in dict.fromkeys(["float32", dtype]):
+        for r in check_backend(name, check_dtype, head_dim):
+            e = r["errors"]
+            note = "; ".join(f"FALLBACK: {f}" for f in r["fallbacks"])
+            rows.append([r["case"], r["dtype"]] + [f"{e[n]:.1e}" for n in ("out", "lse", "dq", "dk", "dv")]
+                        + [f"{FORWARD_TOLERANCE[r['dtype']]:.0e}/{GRADIENT_TOLERANCE[r['dtype']]:.0e}",
+                           "PASS" if r["passed"] else "FAIL", note])
+            failed |= not r["passed"]
+    print(bm.format_table(["case", "dtype", "O", "lse", "dQ", "dK", "dV", "tolerance fwd/grad", "result", "note"],
+                          rows))
+    print(f"correctness: {'FAIL' if failed else 'PASS'} ({len(rows)} cases, B<=2 H<=4 N<=130 D={head_dim})")
+    return not failed
+
+
+def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], settings: bm.Settings,
+                   rate_unit: str) -> Dict:
+    """Step 2: the table and its column notes; returns the largest case's fwd+bwd figures."""
+    first = cases[0]
+    print(f"\n2. mlx-flash[{name}] next to mx.fast.scaled_dot_product_attention, B={first.batch} "
+          f"H={first.q_heads} D={first.head_dim} {first.dtype}{' causal' if first.causal else ''}")
+    calls_per_size = 2 * len(passes) * (1 + settings.warmup + settings.min_repeats)
+    weights = [c.batch * c.q_heads * c.q_len * c.kv_len * calls_per_size for c in cases]
+    progress = Progress(weights, "measuring")
+    rows, last = [], {}
+    try:
+        for case, weight in zip(cases, weights):
+            unit = weight / calls_per_size
+            measured = compare_with_mlx(name, case, passes, settings, progress=lambda _: progress.advance(unit))
+            progress.finish_step(weight)
+            for pass_name in passes:
+                mine, theirs = measured["mlx-flash", pass_name], measured["mx.fast", pass_name]
+                memory_ratio = (mine["peak_memory_bytes"] / theirs["peak_memory_bytes"]
+                                if theirs["peak_memory_bytes"] else None)
+                rows.append([case.q_len, bm.PASS_LABELS[pass_name],
+                             bm.format_bytes(mine["peak_memory_bytes"]), bm.format_bytes(theirs["peak_memory_bytes"]),
+                             "-" if memory_ratio is None else f"{memory_ratio:.2f}x",
+                             bm.format_ms(mine["median_ms"]), bm.format_ms(theirs["median_ms"]),
+                             f"{mine['median_ms'] / theirs['median_ms']:.2f}x",
+                             bm.format_rate(mine["tflops"] * 1e12, rate_unit),
+                             bm.format_rate(theirs["tflops"] * 1e12, rate_unit)])
+                if pass_name == "forward_backward":
+                    last = {"N": case.q_len, "mine": mine, "theirs": theirs, "memory_ratio": memory_ratio}
+    finally:
+        progress.close()
+    print(bm.format_table(["N", "pass", "memory", "MLX memory", "memory ratio", "ms", "MLX ms", "time ratio",
+                           rate_unit, f"MLX {rate_unit}"], rows))
+    print()
+    fwd_bwd = "fwd+bwd: out, (dq, dk, dv) = mx.vjp(attention, ...), all evaluated (what training pays per call)"
+    print("\n".join([
+        f"  N             sequence length, Nq = Nk",
+        f"  pass          {fwd_bwd}" + ("; fwd: the forward alone" if "forward" in passes else ""),
+        "  memory        peak bytes allocated during one call above the resident inputs (mx.get_peak_memory):",
+        "                mlx-flash keeps one block of scores at a time, so it grows with N; MLX's unfused",
+        "                backward holds N x N scores, so it grows with N^2",
+        "  memory ratio  mlx-flash / MLX (mx.fast.scaled_dot_product_attention): below 1 = less memory",
+        "  ms            median wall-clock milliseconds of warm calls, timed interleaved with MLX's",
+        "  time ratio    mlx-flash ms / MLX ms: below 1 = faster",
+        f"  {rate_unit:<12}  achieved rate: 4·B·H·N²·D operations for fwd, 3.5x that for fwd+bwd (halved if causal),",
+        "                divided by the time; the papers' count, comparable across implementations"]))
+    return last
+
+
+def run_job(args) -> int:
+    """The default job: check, then memory and speed against MLX."""
+    started = time.perf_counter()
+    device = mx.default_device()
+    config = DEVICE_DEFAULTS["gpu" if device.type == mx.gpu else "cpu"]
+    dtype = args.dtype or config["dtype"]
+    head_dim = args.head_dim or config["head_dim"]
+    heads = args.heads or config["heads"]
+    sizes = args.sizes or (config["quick_sizes"] if args.quick else config["sizes"])
+    passes = list(config["passes"])
+    if args.forward and "forward" not in passes:
+        passes.insert(0, "forward")
+    settings = QUICK_SETTINGS if args.quick else config["settings"]
+    env = bm.device_description()
+    print(f"mlx-flash {__version__}, MLX {mx.__version__}, device {env['device_name']} ({env['device']})")
+    name, message, code = resolve_backend(args.backend, device)
+    if message:
+        print(message)
+    if code is not None:
+        return code
     print(f"backend: {name!r}" + (" (auto)" if args.backend == "auto" else ""))
 
-    failed = False
-    if not args.skip_check:
-        print("\n1. Correctness vs the float64 reference (relative error ||x - ref|| / ||ref||)")
-        rows = []
-        for check_dtype in dict.fromkeys(["float32", dtype]):
-            for r in check_backend(name, check_dtype, head_dim):
-                e = r["errors"]
-                note = "; ".join(f"FALLBACK: {f}" for f in r["fallbacks"])
-                rows.append([r["case"], r["dtype"]] + [f"{e[n]:.1e}" for n in ("out", "lse", "dq", "dk", "dv")]
-                            + [f"{FORWARD_TOLERANCE[r['dtype']]:.0e}/{GRADIENT_TOLERANCE[r['dtype']]:.0e}",
-                               "PASS" if r["passed"] else "FAIL", note])
-                failed |= not r["passed"]
-        print(bm.format_table(["case", "dtype", "O", "lse", "dQ", "dK", "dV", "tol fwd/grad", "result", "note"], rows))
-        print("correctness: " + ("FAIL" if failed else "PASS"))
-
-    settings = bm.Settings(warmup=config["warmup"], min_repeats=2 if args.quick else 3,
-                           max_repeats=3 if args.quick else 10, target_seconds=config["target_seconds"])
+    correct = True if args.skip_check else run_check(name, dtype, head_dim)
     cases = [bm.BenchCase(batch=args.batch, q_heads=heads, kv_heads=heads, q_len=n, kv_len=n, head_dim=head_dim,
                           dtype=dtype, causal=args.causal) for n in sizes]
-    print(f"\n2. mlx-flash[{name}] vs mx.fast.scaled_dot_product_attention, B={args.batch} H={heads} D={head_dim} "
-          f"{dtype}{' causal' if args.causal else ''}: median ms of warm runs, peak memory above the inputs; "
-          "ratio = mlx-flash / mx.fast (lower is better)")
-    rows = []
-    for case in cases:
-        measured = compare_with_mlx(name, case, settings)
-        for pass_name in ("forward", "forward_backward"):
-            mine, theirs = measured["mlx-flash", pass_name], measured["mx.fast", pass_name]
-            memory_ratio = (f"{mine['peak_memory_bytes'] / theirs['peak_memory_bytes']:.2f}x"
-                            if theirs["peak_memory_bytes"] else "-")
-            rows.append([case.q_len, bm.PASS_LABELS[pass_name], bm.format_ms(mine["median_ms"]),
-                         bm.format_ms(theirs["median_ms"]),
-                         f"{mine['median_ms'] / theirs['median_ms']:.2f}x", bm.format_bytes(mine["peak_memory_bytes"]),
-                         bm.format_bytes(theirs["peak_memory_bytes"]), memory_ratio])
-    print(bm.format_table(["N", "pass", "mlx-flash ms", "mx.fast ms", "time ratio", "mlx-flash mem",
-                           "mx.fast mem", "mem ratio"], rows))
+    last = run_comparison(name, cases, passes, settings, config["rate_unit"])
 
-    print(f"\n3. backend {name!r} entry points, called directly (backward given the evaluated forward)")
-    rows = []
-    for case in cases:
-        kernels = time_kernels(name, case, settings)
-        if "unsupported" in kernels:
-            rows.append([case.q_len, "-", "-", "-", "-", f"not served natively: {kernels['unsupported']}"])
-            continue
-        for kernel, r in kernels.items():
-            rows.append([case.q_len, bm.PASS_LABELS[kernel], bm.format_ms(r["median_ms"]), f"{r['tflops']:.3g}",
-                         f"{r['ginstrs']:.3g}", ""])
-    print(bm.format_table(["N", "kernel", "ms", "TFLOP/s", "GINSTRS/s", "note"], rows))
-    print(f"\ndone in {time.perf_counter() - started:.0f} s" + ("; CORRECTNESS FAILED" if failed else ""))
-    return 1 if failed else 0
+    if args.kernels:
+        print(f"\n3. backend {name!r} entry points, called directly (backward given the evaluated forward)")
+        rows = []
+        for case in cases:
+            kernels = time_kernels(name, case, settings)
+            if "unsupported" in kernels:
+                rows.append([case.q_len, "-", "-", "-", f"not served natively: {kernels['unsupported']}"])
+                continue
+            for kernel, r in kernels.items():
+                rows.append([case.q_len, bm.PASS_LABELS[kernel], bm.format_ms(r["median_ms"]),
+                             bm.format_rate(r["tflops"] * 1e12, config["rate_unit"]), ""])
+        print(bm.format_table(["N", "kernel", "ms", config["rate_unit"], "note"], rows))
+
+    elapsed = time.perf_counter() - started
+    check = "correctness not checked" if args.skip_check else ("correct" if correct else "CORRECTNESS FAILED")
+    summary = f"\nsummary: mlx-flash[{name}] {check}"
+    if last:
+        mine, theirs = last["mine"], last["theirs"]
+        summary += (f"; at N={last['N']} forward+backward needs "
+                    + (f"{last['memory_ratio']:.2f}x MLX's peak memory "
+                       f"({bm.format_bytes(mine['peak_memory_bytes'])} vs "
+                       f"{bm.format_bytes(theirs['peak_memory_bytes'])})" if last["memory_ratio"] else "-")
+                    + f" at {mine['median_ms'] / theirs['median_ms']:.2f}x its time")
+    print(summary + f"; done in {elapsed:.0f} s")
+    return 0 if correct else 1
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args)
 
 
 if __name__ == "__main__":

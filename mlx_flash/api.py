@@ -58,7 +58,8 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
         return_lse (bool): also return lse [B, Hq, Nq] fp32, the natural-log logsumexp of the
             final scores (-inf for rows that see no key; those rows output 0).
         backend (str): "auto" (by the stream's device: Metal GPU -> "metal", CUDA GPU -> "cuda",
-            otherwise "mlx"), "mlx" (blocked MLX ops, any device), "metal" or "cuda".
+            otherwise "mlx"), "mlx" (blocked MLX ops, any device), "metal" or "cuda"; or a backend
+            object (e.g. mlx_flash.backends.cuda.CUDABackend(tuning=...)).
         stream (Stream | Device, optional): where to run.
 
     Returns:
@@ -67,7 +68,7 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     spec, mask_array = check_inputs(q, k, v, scale=scale, mask=mask, window_size=window_size, softcap=softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"[flash_attention] return_lse must be a bool, got {return_lse!r}.")
-    chosen = select_backend(backend, spec, stream)
+    chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype)
     attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
     inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
     with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):

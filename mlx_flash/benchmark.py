@@ -195,7 +195,8 @@ class Call:
 
 
 def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3, max_repeats: int = 10,
-               target_seconds: float = 1.0, errors: Optional[Dict[Any, str]] = None) -> Dict[Any, Timing]:
+               target_seconds: float = 1.0, errors: Optional[Dict[Any, str]] = None,
+               progress: Optional[Callable[[Any], None]] = None) -> Dict[Any, Timing]:
     """Wall-clock samples of several calls, interleaved round-robin.
 
     Interleaving puts the calls being compared in the same time windows, so load from other
@@ -209,6 +210,8 @@ def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3,
         target_seconds: see above; keeps fast calls well sampled and slow ones affordable.
         errors: if given, a call that raises is dropped and its message stored here by key
             (otherwise the exception propagates).
+        progress: called with the key after every call (warm-ups included), e.g. to advance
+            a progress bar.
     Returns:
         Timing by key, for the calls that did not fail.
     """
@@ -228,6 +231,9 @@ def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3,
             active.remove(key)
             del samples[key]
             return None
+        finally:
+            if progress is not None:
+                progress(key)
 
     for _ in range(warmup):
         for key in list(active):
@@ -365,7 +371,8 @@ def measure(prepare, run, case: BenchCase, kernel: str, settings: Settings,
     return measure_many({0: (Call(run, prepare, finish), case, kernel, probe)}, settings, catch=False)[0]
 
 
-def measure_many(items: Dict[Any, tuple], settings: Settings, catch: bool = True) -> Dict[Any, Dict[str, Any]]:
+def measure_many(items: Dict[Any, tuple], settings: Settings, catch: bool = True,
+                 progress: Optional[Callable[[Any], None]] = None) -> Dict[Any, Dict[str, Any]]:
     """Measure several calls that are to be compared: each one's peak memory (one untimed call
     each, which also warms it up), then all their timings interleaved (`time_calls`).
 
@@ -374,6 +381,8 @@ def measure_many(items: Dict[Any, tuple], settings: Settings, catch: bool = True
         settings: repetitions (see `Settings`).
         catch: record a failing call as {"error": message} instead of raising (one
             implementation running out of memory must not lose the others' numbers).
+        progress: called with the key after every call (the memory call and each timed or
+            warm-up repetition).
     Returns:
         key -> metrics dict (median_ms, q1_ms, q3_ms, min_ms, max_ms, repeats, tflops, ginstrs,
         peak_memory_bytes, samples_ms) or {"error": message}.
@@ -387,10 +396,12 @@ def measure_many(items: Dict[Any, tuple], settings: Settings, catch: bool = True
             if not catch:
                 raise
             errors[key] = f"{type(error).__name__}: {str(error)[:200]}"
+        if progress is not None:
+            progress(key)
     calls = {key: item[0] for key, item in items.items() if key not in errors}
     timings = time_calls(calls, warmup=settings.warmup, min_repeats=settings.min_repeats,
                          max_repeats=settings.max_repeats, target_seconds=settings.target_seconds,
-                         errors=errors if catch else None)
+                         errors=errors if catch else None, progress=progress)
     results: Dict[Any, Dict[str, Any]] = {}
     for key, (_, case, kernel, _) in items.items():
         if key in errors:
@@ -485,6 +496,15 @@ def format_ms(ms: Optional[float]) -> str:
     if ms is None:
         return "-"
     return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.3g}"
+
+
+def format_rate(operations_per_second: Optional[float], unit: str) -> str:
+    """A rate in the given unit ("GFLOP/s" or "TFLOP/s"), 3 significant digits, no exponent."""
+    if operations_per_second is None:
+        return "-"
+    scale = {"GFLOP/s": 1e9, "TFLOP/s": 1e12}[unit]
+    value = operations_per_second / scale
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.3g}"
 
 
 def format_bytes(count: Optional[float]) -> str:

@@ -27,7 +27,8 @@ class BlockPlan:
         parallel_block: P, rows owned by one threadgroup (queries for forward/dQ, keys for dK/dV).
         traversal_block: T, rows streamed per step (keys for forward/dQ, queries for dK/dV).
         head_block: H, columns of the head dim handled per inner step (a multiple of 8).
-        cached: operands kept in registers for the whole kernel (e.g. {"Q", "O"}).
+        cached: operands kept in registers for the whole kernel (e.g. {"Q", "O"}); in the CUDA
+            table, options of the kernel (e.g. {"pingpong"}).
         head_dim: the real D.
         warps: SIMD-groups / warps per threadgroup, or None where the backend derives it
             (the Metal kernels use P / 8 SIMD-groups).
@@ -109,7 +110,8 @@ def plan(target: str, kernel: str, head_dim: int, dtype: mx.Dtype, family: str) 
         kernel: one of KERNELS.
         head_dim: D, any positive int; past the table's last row its last row applies.
         dtype: the input dtype (fp32 vs mixed precision rows).
-        family: the GPU family the table is keyed by (e.g. "m1", "m3"; "sm90" for CUDA).
+        family: the GPU family the table is keyed by (e.g. "m1", "m3"; "sm86", "sm90_wgmma" for CUDA:
+            kernels/families_cuda.txt).
     """
     if kernel not in KERNELS:
         raise ValueError(f"[planner] kernel must be one of {KERNELS}, got {kernel!r}.")

@@ -141,11 +141,15 @@ def check_inputs(q, k, v, *, scale=None, mask=None, window_size=None, softcap=No
         if scale.size != 1:
             raise ValueError(f"[flash_attention] scale must be a scalar, got an array of shape {scale.shape}.")
         scale = scale.item()
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+    # float() would also parse strings ('0.1'): only numbers (and numpy scalars) are accepted.
+    if isinstance(scale, (str, bytes)) or not isinstance(scale, (int, float)):
         try:
+            if isinstance(scale, (str, bytes)):
+                raise TypeError
             scale = float(scale)
         except (TypeError, ValueError):
-            raise TypeError(f"[flash_attention] scale must be a real number, got {scale!r}.") from None
+            raise TypeError(f"[flash_attention] scale must be a real number or a scalar array, "
+                            f"got {type(scale).__name__} {scale!r}.") from None
     scale = float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"[flash_attention] scale must be finite, got {scale}.")

@@ -42,6 +42,7 @@ Q, K, V = rand(2, 4, 8, 16, seed=1), rand(2, 2, 10, 16, seed=2), rand(2, 2, 10, 
     ({"scale": float("nan")}, Q, K, V, ValueError, ["scale", "nan"]),
     ({"scale": float("inf")}, Q, K, V, ValueError, ["scale", "inf"]),
     ({"scale": "big"}, Q, K, V, TypeError, ["scale", "'big'"]),
+    ({"scale": "0.1"}, Q, K, V, TypeError, ["scale", "'0.1'"]),  # a numeric string is still a string
     ({"softcap": 0.0}, Q, K, V, ValueError, ["softcap", "0.0"]),
     ({"softcap": -2}, Q, K, V, ValueError, ["softcap", "-2"]),
     ({"window_size": (-2, 3)}, Q, K, V, ValueError, ["window_size", "left", "-2"]),
@@ -107,7 +108,8 @@ def test_scale_accepts_array_and_int():
     b = flash_attention(Q, K, V, scale=0.5)
     c = flash_attention(Q, K, V, scale=1)
     d = flash_attention(Q, K, V, scale=1.0)
-    assert mx.array_equal(a, b) and mx.array_equal(c, d)
+    e = flash_attention(Q, K, V, scale=np.float32(0.5))
+    assert mx.array_equal(a, b) and mx.array_equal(c, d) and mx.array_equal(a, e)
 
 
 # --- the drop-in matches MLX's own attention --------------------------------------------------------

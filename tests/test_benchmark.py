@@ -202,7 +202,8 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
                "--max-repeats", "1", "--target-seconds", "0", "--torch", "--out", str(tmp_path), "--name", "t"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "implementation" in done.stdout and "TFLOP/s" in done.stdout and "mlx-flash[mlx]" in done.stdout
+    # GFLOP/s on a CPU (TFLOP/s would print as 0.00x); the JSON keeps TFLOP/s.
+    assert "implementation" in done.stdout and "GFLOP/s" in done.stdout and "mlx-flash[mlx]" in done.stdout
     payload = json.loads((tmp_path / "t.json").read_text())
     assert ENVIRONMENT_KEYS <= set(payload["environment"])
     assert payload["environment"]["mlx_version"] == mx.__version__
@@ -242,10 +243,47 @@ def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
     assert "| unfused | fwd | skipped: estimated" in table
 
 
+@pytest.mark.parametrize("arguments, message", [
+    (["--dtypes", "foo"], "argument --dtypes: dtype must be one of"),
+    (["--seq-lens", "0"], "argument --seq-lens: must be a positive integer, got 0"),
+    (["--target-seconds", "nan"], "argument --target-seconds: must be a finite number >= 0"),
+    (["--min-repeats", "5", "--max-repeats", "2"], "--max-repeats (2) must be >= --min-repeats (5)"),
+    (["--backend", "rocm"], "argument --backend: invalid choice"),
+])
+def test_bench_bad_values_are_usage_errors(arguments, message, capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(arguments)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_help_defaults_presets_and_output_outside_the_tree(capsys):
+    bench = load_bench()
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for option in ("--seq-lens", "--head-dims", "--heads", "--batch", "--warmup", "--out", "--no-plots"):
+        help_text = text.split(f" {option} ", 1)[-1].split(" --", 1)[0]
+        assert "default" in help_text, (option, help_text)
+    args = bench.parse_args([])
+    assert ROOT not in args.out.resolve().parents and args.out.resolve() != ROOT
+    # A preset fills the options; an option given as well wins.
+    args = bench.parse_args(["--preset", "gpu", "--min-repeats", "2"])
+    assert args.dtypes == ["bfloat16"] and args.min_repeats == 2 and "torch-cudnn" in args.impls
+    cases = bench.build_cases(args)
+    assert len(cases) == 2 * len(bench.PRESETS["gpu"]["cases"])
+    assert (cases[4].batch, cases[4].q_len, cases[4].head_dim) == (1, 16384, 128)
+    # Shapes given on the command line replace the preset's list.
+    cases = bench.build_cases(bench.parse_args(["--preset", "gpu", "--head-dims", "128", "--seq-lens", "4096"]))
+    assert [(c.head_dim, c.q_len, c.dtype) for c in cases] == [(128, 4096, "bfloat16")] * 2
+
+
 def test_torch_column_code_path_on_cpu():
     torch = pytest.importorskip("torch")
     bench = load_bench()
     flash = bench.TorchFlash(device="cpu")
+    assert bench.TorchFlash(device="cpu", name="torch-cudnn").name == "torch-cudnn"
     case = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=64, kv_len=64, head_dim=32, dtype="bf16", causal=True)
     assert flash.unsupported_reason(case) is None
     passes = flash.passes(case, seed=0)
@@ -266,7 +304,11 @@ def test_main_job_quick_run_checks_and_prints_the_table():
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
     assert "backend: 'mlx' (auto)" in out and "correctness: PASS" in out
-    assert "mlx-flash ms" in out and "mx.fast ms" in out and "GINSTRS/s" in out
+    assert "memory ratio" in out and "MLX ms" in out and "GFLOP/s" in out  # GFLOP/s on a CPU
+    # Every column is explained on a line of its own, and a summary line closes the run.
+    for column in ("N", "pass", "memory", "memory ratio", "ms", "time ratio", "GFLOP/s"):
+        assert f"\n  {column} " in out, column
+    assert out.strip().splitlines()[-1].startswith("summary: mlx-flash[mlx] correct; at N=256 forward+backward")
     assert out.count("PASS") >= 4 and "FAIL" not in out
 
 
@@ -278,3 +320,46 @@ def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
     assert main_job.main(["--quick", "--sizes", "16"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "CORRECTNESS FAILED" in out
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--dtype", "int8"], "argument --dtype: dtype must be one of"),
+    (["--sizes", "0"], "argument --sizes: must be a positive integer, got 0"),
+    (["--heads", "two"], "argument --heads: must be a positive integer, got 'two'"),
+    (["--backend", "rocm"], "argument --backend: invalid choice: 'rocm'"),
+])
+def test_main_job_bad_values_are_usage_errors(arguments, message, capsys):
+    from mlx_flash import __main__ as main_job
+
+    with pytest.raises(SystemExit) as exit_info:
+        main_job.main(arguments)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: python -m mlx_flash") and message in err and "Traceback" not in err
+
+
+def test_main_job_help_shows_every_default(capsys):
+    from mlx_flash import __main__ as main_job
+
+    with pytest.raises(SystemExit):
+        main_job.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    options = [o for o in text.split() if o.startswith("--") and o != "--help"]
+    assert options
+    for option in dict.fromkeys(options):
+        help_text = text.split(f" {option} ", 1)[-1].split(" --", 1)[0]
+        assert "default" in help_text, (option, help_text)
+
+
+def test_subcommands_plug_in_with_one_function(monkeypatch, capsys):
+    from mlx_flash import __main__ as main_job
+
+    def add_echo_parser(subparsers):
+        parser = subparsers.add_parser("echo", help="print the word")
+        parser.add_argument("word")
+        parser.set_defaults(run=lambda args: print(args.word) or 0)
+        return parser
+
+    monkeypatch.setattr(main_job, "SUBCOMMANDS", [add_echo_parser])
+    assert main_job.main(["echo", "hello"]) == 0
+    assert capsys.readouterr().out == "hello\n"

@@ -1,8 +1,10 @@
 """The "cuda" backend against the float64 reference, on an NVIDIA GPU and on the CPU emulator.
 
 The emulator tests (test_emulated_*) run the same kernels through mlx_flash.backends.cuda_emulator
-on any machine with a host C++ compiler: every warp layout (4 / 8 warps, 1 / 2 / 4 column groups),
-both cp.async completion orders (deferred to the wait, eager) and both CTA orders. The GPU tests
+on any machine with a host C++ compiler: every warp layout of the block table (1 / 2 / 4 / 8
+warps, 1 / 2 / 4 column groups, the sm90, sm80 and sm86 families' rows), both cp.async
+completion orders (deferred to the wait, eager) and both CTA orders.
+MLX_FLASH_CUDA_CAPABILITY (e.g. 80, 86, 120) makes the GPU tests run another family's plans. The GPU tests
 are skipped (with the reason) where MLX has no CUDA device. They cover the shared property suite (hypothesis over shapes, dtypes, masks, softcap, GQA, lse cotangents) at a
 bounded set of head dims (each distinct head dim / flag set compiles new kernels), explicit
 edge cases (D = 1..512 incl. odd and prime sizes, primes for N, rows with no visible key,
@@ -11,6 +13,9 @@ of rows, bitwise determinism of the gradients, and the float32 fallback being co
 """
 import math
 import os
+import shutil
+import warnings
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -19,65 +24,71 @@ from hypothesis import given, settings
 
 from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
 
-from mlx_flash import fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
-from mlx_flash.backends import cuda, cuda_emulator, get_backend  # noqa: E402
+from mlx_flash import FallbackWarning, fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
+from mlx_flash.backends import cuda, cuda_emulator, cuda_source, get_backend, guard  # noqa: E402
+from mlx_flash.backends.cuda_source import Tuning  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
 
 HAS_GPU = hasattr(mx, "cuda") and mx.cuda.is_available()
+ON_SM90 = HAS_GPU and cuda.device_capability() == 90 and cuda.BACKEND.family() is not None \
+    and cuda.BACKEND.family().wgmma  # a real H100 / H200 planning for sm90 (no capability override)
+sm90_only = pytest.mark.skipif(not ON_SM90, reason="the wgmma kernels need a real sm_90 GPU planning for sm90 "
+                                                    "(no MLX_FLASH_CUDA_CAPABILITY override)")
 gpu = pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU: mx.cuda.is_available() is False "
                                               "(MLX CPU/Metal build or no NVIDIA device)")
 emulator = pytest.mark.skipif(cuda_emulator.compiler() is None, reason="no host C++ compiler for the CUDA emulator")
 
-# (case, warp layout it exercises with the current blocks_cuda.txt)
+# (case, compute capability whose family plans it, warp layout it exercises with blocks_cuda.txt)
 EMULATED_CASES = [
-    (Case(head_dim=64, q_len=150, kv_len=140, dtype="bfloat16", mask="causal", group=2, batch=2),
+    (Case(head_dim=64, q_len=150, kv_len=140, dtype="bfloat16", mask="causal", group=2, batch=2), 90,
      "4 warps x 2 m-tiles, block-major CTA order"),
     (Case(head_dim=160, q_len=140, kv_len=170, dtype="float16", mask="bool", mask_shape=(False, True, True, True),
-          softcap=5.0, lse_gradient=True), "8 warps, dK/dV with 2 column groups sharing P/dS"),
-    (Case(head_dim=320, q_len=61, kv_len=67, dtype="bfloat16", mask="causal_window", window=(20, 3), group=3),
+          softcap=5.0, lse_gradient=True), 90, "8 warps, dK/dV with 2 column groups sharing P/dS"),
+    (Case(head_dim=320, q_len=61, kv_len=67, dtype="bfloat16", mask="causal_window", window=(20, 3), group=3), 90,
      "forward and dQ with 2 column groups, dK/dV with 4"),
+    (Case(head_dim=200, q_len=70, kv_len=45, dtype="bfloat16", mask="additive", group=2), 80,
+     "sm80: dQ 4 warps x 256 columns, dK/dV 8 warps in 2 column groups at T = 32"),
+    (Case(head_dim=456, q_len=37, kv_len=20, dtype="float16", mask="causal", softcap=8.0), 86,
+     "sm86: forward 2 column groups of 2 warps, dQ 2 warps, dK/dV 1 warp x 4 CTA slices"),
+    (Case(head_dim=300, q_len=33, kv_len=30, dtype="bfloat16", mask="bool", lse_gradient=True), 86,
+     "sm86: dK/dV 2 warps x 2 CTA slices, 16 x 16 tiles"),
 ]
 
 
 @emulator
 @pytest.mark.parametrize("eager_copies", [False, True], ids=["deferred-copies", "eager-copies"])
-@pytest.mark.parametrize("case,layout", EMULATED_CASES, ids=lambda x: x if isinstance(x, str) else f"d{x.head_dim}")
-def test_emulated_kernels(case, layout, eager_copies):
+@pytest.mark.parametrize("case,capability,layout", EMULATED_CASES,
+                         ids=lambda x: x if isinstance(x, str) else (f"sm{x}" if isinstance(x, int) else f"d{x.head_dim}"))
+def test_emulated_kernels(case, capability, layout, eager_copies):
     """The kernels' logic on the CPU emulator (no GPU needed) against the float64 reference."""
-    with cuda_emulator.emulated(seed=case.q_len + int(eager_copies), eager_copies=eager_copies):
-        check_case(case, backend="cuda")
+    backend = cuda_emulator.backend(seed=case.q_len + int(eager_copies), eager_copies=eager_copies,
+                                    capability=capability)
+    check_case(case, backend=backend)
 
 
-def _block_orders_agree():
+def _block_orders_agree(make_backend):
     """Head-major and block-major CTA orders compute bitwise the same (only the schedule differs)."""
     case = Case(batch=2, kv_heads=2, group=2, q_len=140, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
-    results = []
-    for block_major in (False, True):
-        cuda.BLOCK_MAJOR_OVERRIDE = block_major
-        try:
-            results.append(_out_and_grads(case))
-        finally:
-            cuda.BLOCK_MAJOR_OVERRIDE = None
+    results = [_out_and_grads(case, make_backend(Tuning(block_major=major))) for major in (False, True)]
     for x, y in zip(*results):
         assert np.array_equal(x, y)
 
 
 @emulator
 def test_emulated_block_orders_agree():
-    with cuda_emulator.emulated(seed=3):
-        _block_orders_agree()
+    _block_orders_agree(lambda tuning: cuda_emulator.backend(seed=3, tuning=tuning))
 
 
 @gpu
 def test_block_orders_agree():
-    _block_orders_agree()
+    _block_orders_agree(lambda tuning: cuda.CUDABackend(tuning=tuning))
 
 
-def _out_and_grads(case):
+def _out_and_grads(case, backend="cuda"):
     a = make_arrays(case)
 
     def f(q_, k_, v_):
-        o = flash_attention(q_, k_, v_, mask=a.mask, backend="cuda", **a.kwargs)
+        o = flash_attention(q_, k_, v_, mask=a.mask, backend=backend, **a.kwargs)
         return (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum(), o
 
     (_, out), g = mx.value_and_grad(f, argnums=(0, 1, 2))(a.q, a.k, a.v)
@@ -216,96 +227,153 @@ def test_wgmma_ops_header_matches_its_generator():
         assert f.read() == module.generate(), "kernels/wgmma_ops.cuh is stale: run python kernels/wgmma_generate.py"
 
 
+
+SM90 = cuda_source.family_named("sm90")
+WGMMA = Tuning(wgmma_forward=True, wgmma_backward=True)
+MMA = Tuning(wgmma_forward=False, wgmma_backward=False)
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
     ("forward", [1, 37, 64, 80, 128, 160, 200, 256]),
     ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
     ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256])) for head_dim in dims]
 
 
-@pytest.mark.parametrize("kernel,head_dim", WGMMA_RENDER_CASES, ids=lambda x: str(x))
-def test_wgmma_config_renders(kernel, head_dim, monkeypatch):
-    monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", True)
-    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
+def _variant(kernel, head_dim, tuning=WGMMA, family=SM90, real_sm90=False):
     q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
     spec, _ = check_inputs(q, q, q, mask="causal")
-    config = cuda.kernel_config(kernel, spec, None)
-    assert config.instruction == "wgmma"
-    assert config.parallel_block == 64 * (config.warps // 4) // config.col_groups
-    assert config.padded_dim % 16 == 0 and config.padded_dim >= head_dim
-    assert config.shared_memory <= cuda.SHARED_MEMORY_LIMIT
-    header, body, inputs, outputs = cuda.kernel_source(config)
+    return cuda_source.make_variant(kernel, spec, None, family, tuning, real_sm90)
+
+
+@pytest.mark.parametrize("kernel,head_dim", WGMMA_RENDER_CASES, ids=lambda x: str(x))
+def test_wgmma_variant_renders(kernel, head_dim):
+    variant = _variant(kernel, head_dim)
+    assert variant.instruction == "wgmma" and variant.family == "sm90_wgmma"
+    assert variant.parallel_block == 64 * (variant.warps // 4) // variant.col_groups
+    assert variant.padded_dim % 16 == 0 and variant.padded_dim >= head_dim
+    assert variant.shared_memory <= SM90.shared_memory
+    header, body, inputs, outputs = cuda_source.source(variant)
     assert f"attention_{kernel}_wgmma(" in body
     assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[kernel]
-    assert f"static_assert(SMEM_BYTES <= {config.shared_memory}," in header  # the template's layout fits the launch
-    assert f"struct Wgmma<{config.slice_width}, __nv_bfloat16>" in header
-    assert f"struct Wgmma<{config.traversal_block}, __nv_bfloat16>" in header
+    assert f"static_assert(SMEM_BYTES <= {variant.shared_memory}," in header  # the template's layout fits the launch
+    assert f"struct Wgmma<{variant.head_block}, __nv_bfloat16>" in header
+    assert f"struct Wgmma<{variant.traversal_block}, __nv_bfloat16>" in header
+    # the forward's consumer warpgroups take turns where the table row says pingpong
+    row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, "sm90_wgmma")
+    assert variant.pingpong == (kernel == "forward" and row.is_cached("pingpong"))
     # dK/dV past the table row's H (<= 160): 128-column CTAs (slices, P = 128) or both consumer
     # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
     # other kernels hold all of D in each warpgroup
-    row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, cuda.WGMMA_FAMILY)
-    wide = kernel == "backward_key_value" and config.padded_dim > cuda._round_up(row.head_block, 16)
-    assert wide == (config.slices * config.col_groups > 1)
-    assert config.slices * config.col_groups * config.slice_width >= config.padded_dim
-    assert ("constexpr int CG = 2;" in header) == (config.col_groups == 2)
+    wide = kernel == "backward_key_value" and variant.padded_dim > cuda_source._round_up(row.head_block, 16)
+    assert wide == (variant.slices * variant.col_groups > 1)
+    assert variant.slices * variant.col_groups * variant.head_block >= variant.padded_dim
+    assert ("constexpr int CG = 2;" in header) == (variant.col_groups == 2)
     if not wide:
-        assert config.slices == config.col_groups == 1 and config.slice_width == config.padded_dim
-        assert config.padded_dim <= (cuda.WGMMA_WHOLE_MAX_COLUMNS if kernel == "backward_key_value" else 256)
+        assert variant.slices == variant.col_groups == 1 and variant.head_block == variant.padded_dim
+        assert variant.padded_dim <= (cuda_source.WGMMA_WHOLE_MAX_COLUMNS if kernel == "backward_key_value" else 256)
         return
-    for block, slices, col_groups in ((128, -(-config.padded_dim // 128), 1), (64, 1, 2)):
-        monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (block, 64, 128, 8))
-        scheme = cuda.kernel_config(kernel, spec, None)
+    for block, slices, col_groups in ((128, -(-variant.padded_dim // 128), 1), (64, 1, 2)):
+        scheme = _variant(kernel, head_dim, Tuning(blocks={kernel + "_wgmma": (block, 32, 128, 8)},
+                                                   wgmma_backward=True))
         assert (scheme.parallel_block, scheme.slices, scheme.col_groups) == (block, slices, col_groups)
-        assert scheme.shared_memory <= cuda.SHARED_MEMORY_LIMIT
-        assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda.kernel_source(scheme)[0]
+        assert scheme.shared_memory <= SM90.shared_memory
+        assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda_source.source(scheme)[0]
     # All of D in one warpgroup (H >= D) holds up to WGMMA_WHOLE_MAX_COLUMNS; past it a clear error.
-    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (128, 32, config.padded_dim, 8))
-    if config.padded_dim <= cuda.WGMMA_WHOLE_MAX_COLUMNS:
-        whole = cuda.kernel_config(kernel, spec, None)
-        assert (whole.slices, whole.col_groups, whole.slice_width) == (1, 1, config.padded_dim)
-        assert f"static_assert(SMEM_BYTES <= {whole.shared_memory}," in cuda.kernel_source(whole)[0]
+    whole = Tuning(blocks={kernel + "_wgmma": (128, 32, variant.padded_dim, 8)}, wgmma_backward=True)
+    if variant.padded_dim <= cuda_source.WGMMA_WHOLE_MAX_COLUMNS:
+        scheme = _variant(kernel, head_dim, whole)
+        assert (scheme.slices, scheme.col_groups, scheme.head_block) == (1, 1, variant.padded_dim)
+        assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda_source.source(scheme)[0]
     else:
         with pytest.raises(ValueError, match="all of D up to 160"):
-            cuda.kernel_config(kernel, spec, None)
-    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, kernel + "_wgmma", (128, 32, 96, 8))  # a split needs H = 128
-    with pytest.raises(ValueError, match="H must be 128"):
-        cuda.kernel_config(kernel, spec, None)
+            _variant(kernel, head_dim, whole)
+    with pytest.raises(ValueError, match="H must be 128"):  # a split needs H = 128
+        _variant(kernel, head_dim, Tuning(blocks={kernel + "_wgmma": (128, 32, 96, 8)}, wgmma_backward=True))
 
 
-def test_wgmma_not_chosen_off_hopper(monkeypatch):
-    q = mx.zeros((1, 1, 8, 128), mx.float16)
-    spec, _ = check_inputs(q, q, q)
-    for kernel in ("forward", "backward_query", "backward_key_value"):
-        for capability, expected in ((None, False), (80, False), (90, True), (100, False)):
-            monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
-            assert cuda.use_wgmma(kernel, spec) is expected, (kernel, capability)
-    monkeypatch.setattr(cuda, "compute_capability", lambda: 90)
-    for head_dim, expected in ((1, True), (64, True), (128, True), (129, True), (256, True), (257, False),
-                               (320, False)):
-        x = mx.zeros((1, 1, 8, head_dim), mx.float16)
-        spec = check_inputs(x, x, x)[0]
-        for kernel in ("forward", "backward_query", "backward_key_value"):  # wgmma N <= 256
-            assert cuda.use_wgmma(kernel, spec) is expected, (kernel, head_dim)
+def test_wgmma_only_on_a_real_sm90(monkeypatch):
+    """wgmma: family sm90 at D <= 256 on a real sm_90; never on another family, never where the
+    capability is only an override (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
+    for kernel in planner.KERNELS:
+        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, False), (512, False)):
+            assert _variant(kernel, head_dim, Tuning(), real_sm90=True).instruction == \
+                ("wgmma" if expected else "mma.sync"), (kernel, head_dim)
+        assert _variant(kernel, 128, Tuning(), real_sm90=False).instruction == "mma.sync"
+        assert _variant(kernel, 128, MMA, real_sm90=True).instruction == "mma.sync"
+        for name in ("sm80", "sm86", "sm100", "sm120"):
+            assert _variant(kernel, 128, WGMMA, cuda_source.family_named(name), True).instruction == "mma.sync"
+    for device, override, expected in ((90, None, True), (90, "90", True), (80, "90", False), (None, "90", False),
+                                       (90, "80", False), (100, None, False)):
+        monkeypatch.setattr(cuda, "device_capability", lambda d=device: d)
+        if override is None:
+            monkeypatch.delenv(cuda.CAPABILITY_VARIABLE, raising=False)
+        else:
+            monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, override)
+        backend = cuda.CUDABackend()
+        q = mx.zeros((1, 1, 8, 128), mx.float16)
+        variant = backend.variant("forward", check_inputs(q, q, q)[0])
+        assert (variant.instruction == "wgmma") is expected, (device, override)
+        assert cuda_emulator.backend(capability=90).variant("forward", check_inputs(q, q, q)[0]).instruction \
+            == "mma.sync"
 
 
-def test_kernel_config_cache_follows_gpu_and_hooks(monkeypatch):
-    """kernel_config is cached per call; the GPU and the tuning hooks are part of the key."""
-    q = mx.zeros((1, 2, 8, 64), mx.bfloat16)
-    spec, _ = check_inputs(q, q, q)
-    seen = []
-    for capability, override in ((90, None), (80, None), (90, None), (90, False), (90, None)):
-        monkeypatch.setattr(cuda, "compute_capability", lambda c=capability: c)
-        monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", override)
-        seen.append(cuda.kernel_config("forward", spec, None).instruction)
-    assert seen == ["wgmma", "mma", "wgmma", "mma", "wgmma"]
-    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, "forward_wgmma", (128, 64, 64, 8))
-    assert cuda.kernel_config("forward", spec, None).traversal_block == 64
-    monkeypatch.delitem(cuda.BLOCK_OVERRIDES, "forward_wgmma")
-    assert cuda.kernel_config("forward", spec, None).traversal_block == 96  # blocks_cuda.txt, D <= 64
+def test_variant_key_holds_family_and_tuning():
+    """A variant is the cache key: the family and the tuning value are part of it."""
+    base = _variant("forward", 64, Tuning(), real_sm90=True)
+    assert base.traversal_block == 96  # blocks_cuda.txt, sm90_wgmma, D <= 64
+    tuned = _variant("forward", 64, Tuning(blocks={"forward_wgmma": (128, 64, 64, 8)}), real_sm90=True)
+    assert tuned.traversal_block == 64 and tuned != base
+    assert _variant("forward", 64, Tuning(), real_sm90=True) is base  # cached
+    assert _variant("forward", 64, Tuning(pingpong=False), real_sm90=True).pingpong is False
+    assert base.pingpong is True
+    sm80 = _variant("backward_query", 200, Tuning(), cuda_source.family_named("sm80"))
+    sm86 = _variant("backward_query", 200, Tuning(), cuda_source.family_named("sm86"))
+    assert (sm80.family, sm86.family) == ("sm80", "sm86") and sm80 != sm86
+    with pytest.raises(ValueError, match="kernel"):
+        Tuning(blocks={"backward": (64, 64, 64)})
+
+
+def test_capability_override_and_fallback(monkeypatch):
+    """MLX_FLASH_CUDA_CAPABILITY picks the family; below sm_80 the call is unsupported (the
+    counted fallback), with a reason that names the capability."""
+    q = mx.zeros((1, 1, 8, 64), mx.float16)
+    spec = check_inputs(q, q, q)[0]
+    monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "86")
+    assert cuda.CUDABackend().family().name == "sm86"
+    assert cuda.CUDABackend().unsupported_reason(spec) is None
+    for capability in ("75", "70", "95"):
+        monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, capability)
+        reason = cuda.CUDABackend().unsupported_reason(spec)
+        assert reason is not None and f"compute capability {capability}" in reason
+    monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "sm_x")
+    with pytest.raises(ValueError, match="MLX_FLASH_CUDA_CAPABILITY"):
+        cuda.CUDABackend().capability()
+
+
+@emulator
+def test_emulated_capability_75_falls_back_counted():
+    """An sm_75 GPU: the call goes to the "mlx" backend, warned once and counted, with correct results."""
+    reset_fallback_counts()
+    case = Case(head_dim=32, q_len=20, kv_len=24, dtype="bfloat16", mask="causal")
+    with pytest.warns(UserWarning, match="compute capability 75"):
+        check_case(case, backend=cuda_emulator.backend(capability=75))
+    assert any("compute capability 75" in reason for reason in fallback_counts())
+
+
+def test_empty_calls_return_the_mlx_backends_result():
+    """No rows, no keys or head_dim 0: the result the "mlx" backend gives, never a planner error."""
+    backend = cuda_emulator.backend()
+    for shape_q, shape_k in (((1, 2, 5, 0), (1, 2, 7, 0)), ((1, 2, 0, 16), (1, 2, 7, 16)), ((1, 2, 5, 16), (1, 2, 0, 16))):
+        q, k = mx.zeros(shape_q, mx.bfloat16), mx.zeros(shape_k, mx.bfloat16)
+        for mask in (None, "causal"):
+            out, lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend=backend)
+            ref_out, ref_lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend="mlx")
+            assert out.shape == ref_out.shape and np.array_equal(np.array(lse), np.array(ref_lse))
+            grads = mx.grad(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=mask, backend=backend).sum(),
+                            argnums=(0, 1, 2))(q, k, k)
+            assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
 @gpu
-@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
-                    reason="the wgmma forward needs a Hopper GPU (sm_90)")
+@sm90_only
 @pytest.mark.parametrize("case", [
     Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=72, q_len=100, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
@@ -319,13 +387,11 @@ def test_kernel_config_cache_follows_gpu_and_hooks(monkeypatch):
     Case(head_dim=176, q_len=270, kv_len=333, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=150, q_len=90, kv_len=130, dtype="float16", mask="additive"),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}")
-def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
+def test_wgmma_forward_matches_reference_and_mma(case):
     check_case(case, backend="cuda", gradients=False)
     a = make_arrays(case)
-    outs = []
-    for wgmma in (True, False):
-        monkeypatch.setattr(cuda, "WGMMA_FORWARD_OVERRIDE", wgmma)
-        outs.append(flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend="cuda", **a.kwargs))
+    outs = [flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend=cuda.CUDABackend(tuning=tuning),
+                            **a.kwargs) for tuning in (Tuning(wgmma_forward=True), Tuning(wgmma_forward=False))]
     assert relative_error(to_numpy(outs[0][0]), to_numpy(outs[1][0])) < 1e-2
     lse_wgmma, lse_mma = np.array(outs[0][1]), np.array(outs[1][1])
     assert np.array_equal(np.isfinite(lse_wgmma), np.isfinite(lse_mma))
@@ -334,8 +400,7 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
 
 
 @gpu
-@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
-                    reason="the wgmma backward needs a Hopper GPU (sm_90)")
+@sm90_only
 @pytest.mark.parametrize("case", [
     Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=64, q_len=300, kv_len=200, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
@@ -345,37 +410,117 @@ def test_wgmma_forward_matches_reference_and_mma(case, monkeypatch):
     Case(head_dim=256, q_len=100, kv_len=140, dtype="float16", mask="bool", softcap=20.0),
     Case(head_dim=160, q_len=210, kv_len=300, dtype="bfloat16", mask="window", window=(70, 20)),  # three panels
 ], ids=lambda c: f"d{c.head_dim}")
-def test_wgmma_backward_matches_reference_and_mma(case, monkeypatch):
+def test_wgmma_backward_matches_reference_and_mma(case):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""
-    _check_wgmma_backward(case, monkeypatch)
+    _check_wgmma_backward(case)
 
 
-def _check_wgmma_backward(case, monkeypatch):
+def _check_wgmma_backward(case, blocks=()):
     """check_case with the wgmma backward, then its gradients against the mma.sync kernels'."""
-    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
-    check_case(case, backend="cuda")
-    grads = []
-    for wgmma in (True, False):
-        monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", wgmma)
-        grads.append(_out_and_grads(case)[1:])
-    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
+    wgmma = cuda.CUDABackend(tuning=Tuning(blocks=blocks, wgmma_backward=True))
+    check_case(case, backend=wgmma)
+    grads = [_out_and_grads(case, backend)[1:]
+             for backend in (wgmma, cuda.CUDABackend(tuning=Tuning(wgmma_backward=False)))]
     for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
         assert relative_error(g_wgmma, g_mma) < 2e-2, (case.head_dim, name)
 
 
 @gpu
-@pytest.mark.skipif(not (HAS_GPU and cuda.compute_capability() and 90 <= cuda.compute_capability() < 100),
-                    reason="the wgmma backward needs a Hopper GPU (sm_90)")
+@sm90_only
 @pytest.mark.parametrize("scheme", [(128, 32, 160, 8), (128, 16, 160, 8), (128, 64, 128, 8), (64, 64, 128, 8)],
                          ids=["whole-T32", "whole-T16", "slices", "column-groups"])
-def test_wgmma_key_value_schemes(scheme, monkeypatch):
+def test_wgmma_key_value_schemes(scheme):
     """Past D = 128 the dK/dV kernel holds all of D per warpgroup (H >= D, up to 160), or splits
     it into 128-column CTAs (P = 128) or column groups (P = 64): each against float64 and mma.sync."""
-    monkeypatch.setattr(cuda, "WGMMA_BACKWARD_OVERRIDE", True)
-    monkeypatch.setitem(cuda.BLOCK_OVERRIDES, "backward_key_value_wgmma", scheme)
+    blocks = {"backward_key_value_wgmma": scheme}
     for case in (Case(head_dim=160, q_len=230, kv_len=200, dtype="bfloat16", mask="causal", group=2),
                  Case(head_dim=136, q_len=90, kv_len=170, dtype="float16", mask="bool", softcap=15.0)):
         a = make_arrays(case)
-        config = cuda.kernel_config("backward_key_value", check_inputs(a.q, a.k, a.v)[0], None)
-        assert (config.slices * config.col_groups == 1) == (scheme[2] >= config.padded_dim)
-        _check_wgmma_backward(case, monkeypatch)
+        variant = cuda.CUDABackend(tuning=Tuning(blocks=blocks, wgmma_backward=True)).variant(
+            "backward_key_value", check_inputs(a.q, a.k, a.v)[0])
+        assert (variant.slices * variant.col_groups == 1) == (scheme[2] >= variant.padded_dim)
+        _check_wgmma_backward(case, blocks)
+
+
+# ----------------------------------------------------------------------------- first contact
+@dataclass(frozen=True)
+class BrokenTemplate(cuda_emulator.KernelFactory):
+    """The emulator's kernel factory with a broken template for kernels whose name holds `kernel`
+    (their source fails to compile at first launch, as a compiler that rejects it would)."""
+
+    kernel: str = "backward_query"
+
+    def __call__(self, *, name, header, **kwargs):
+        if self.kernel in name:
+            header += "\nstatic_assert(false, \"forced failure\"); this is not C++;\n"
+        return super().__call__(name=name, header=header, **kwargs)
+
+
+def _broken_call_falls_back(backend, broken, transform=None, counted=2):
+    """A call on `backend` whose `broken` kernel cannot be built: correct results through the
+    fallback, one FallbackWarning naming the variant and the compiler's error, every call counted
+    (`counted` calls reach flash_attention: a compiled function traces it once, a checkpointed
+    one runs it again in the backward)."""
+    guard.GUARD.forget()
+    reset_fallback_counts()
+    case = Case(head_dim=40, q_len=30, kv_len=37, dtype="bfloat16", mask="causal", group=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if transform is None:
+            check_case(case, backend=backend)  # one forward call, one gradient call
+        else:
+            a = make_arrays(case)
+            f = transform(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask="causal", backend=backend).sum())
+            mx.eval(f(a.q, a.k, a.v))
+            mx.eval(f(a.q, a.k, a.v))
+    messages = [str(w.message) for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(messages) == 1, messages
+    a = make_arrays(case)
+    name = backend.variant_name(broken, check_inputs(a.q, a.k, a.v, mask="causal")[0])
+    assert name in messages[0] and "failed to compile or run" in messages[0], messages[0]
+    assert sum(fallback_counts().values()) == counted
+    guard.GUARD.forget()
+
+
+@emulator
+@pytest.mark.parametrize("broken", ["forward", "backward_query", "backward_key_value"])
+def test_emulated_first_contact_failure_falls_back(broken):
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=BrokenTemplate(kernel=broken), capability=86), broken)
+
+
+@emulator
+@pytest.mark.parametrize("transform", ["grad", "compile", "checkpoint"])
+def test_emulated_first_contact_under_transformations(transform):
+    wrap = {"grad": lambda f: mx.grad(f, argnums=(0, 1, 2)),
+            "compile": lambda f: mx.compile(mx.grad(f, argnums=(0, 1, 2))),
+            "checkpoint": lambda f: mx.grad(mx.checkpoint(f), argnums=(0, 1, 2))}[transform]
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=BrokenTemplate(kernel="forward"), capability=80),
+                            "forward", wrap, counted={"grad": 2, "compile": 1, "checkpoint": 4}[transform])
+
+
+@gpu
+def test_first_contact_failure_falls_back_on_the_gpu():
+    """A template broken for NVRTC: the GPU's own compiler rejects it, the call is served elsewhere."""
+
+    def broken_nvrtc(*, name, header, **kwargs):
+        if "backward_key_value" in name:
+            header += "\nstatic_assert(false, \"forced failure\");\n"
+        return mx.fast.cuda_kernel(name=name, header=header, **kwargs)
+
+    _broken_call_falls_back(cuda.CUDABackend(kernel_factory=broken_nvrtc), "backward_key_value")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (the CUDA toolkit's compiler)")
+def test_wgmma_kernels_compile_with_nvcc():
+    """The wgmma templates compile for sm_90a (nothing else compiles them off the GPU: the
+    emulator runs the mma.sync kernels only); ~30 s on the CI machine."""
+    import importlib.util
+    import tempfile
+    path = os.path.join(os.path.dirname(cuda.__file__), "..", "..", "benchmarks", "cuda_compile.py")
+    spec = importlib.util.spec_from_file_location("cuda_compile", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as tmp:
+        for kernel in planner.KERNELS:
+            line = module.compile_variant(_variant(kernel, 128, Tuning(), real_sm90=True), "sm_90a", tmp)
+            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line

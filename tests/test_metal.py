@@ -233,7 +233,7 @@ def test_every_table_row_is_exercised_by_a_cached_combination():
 
 
 def test_grid_counts_threads_of_whole_threadgroups(monkeypatch):
-    """grid = threadgroups * threadgroup size per dimension (MLX issue 4534)."""
+    """grid = threadgroups * threadgroup size per dimension (ml-explore/mlx#4534)."""
     calls = []
 
     def recorder(**kwargs):
@@ -310,3 +310,12 @@ def test_fully_masked_rows_give_zero_output_and_gradient():
     assert np.all(np.isneginf(np.array(lse)[0, 0, [2, 7]]))
     assert np.all(np.array(dq)[0, 0, [2, 7]] == 0) and not np.isnan(np.array(dq)).any()
     assert math.isfinite(float(lse[0, 0, 0]))
+
+
+def test_head_dim_zero_matches_the_mlx_backend():
+    """head_dim 0: empty out, lse of the mask alone (log of the visible key count), as "mlx"."""
+    q, k = mx.zeros((1, 2, 5, 0)), mx.zeros((1, 2, 7, 0))
+    for mask in (None, "causal"):
+        out, lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend="metal")
+        ref_out, ref_lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend="mlx")
+        assert out.shape == ref_out.shape and np.allclose(np.array(lse), np.array(ref_lse))

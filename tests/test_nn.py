@@ -149,7 +149,7 @@ def test_multi_head_attention_errors():
 # ---------------------------------------------------------------- GroupedQueryAttention
 
 def llama_attention(n_heads=4, n_kv_heads=2, dims=32):
-    from mlx_lm.models import llama
+    llama = pytest.importorskip("mlx_lm.models.llama", reason="compares against mlx-lm (the 'lm' extra)")
     args = llama.ModelArgs(model_type="llama", hidden_size=dims, num_hidden_layers=1, intermediate_size=64,
                            num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, rms_norm_eps=1e-5,
                            vocab_size=16)
@@ -184,7 +184,7 @@ def test_grouped_query_attention_matches_mlx_lm_llama(n_heads, n_kv_heads):
 
 
 def test_grouped_query_attention_kv_cache_decoding_matches_mlx_lm():
-    from mlx_lm.models.cache import KVCache
+    KVCache = pytest.importorskip("mlx_lm.models.cache", reason="compares against mlx-lm (the 'lm' extra)").KVCache
     mx.random.seed(6)
     reference = llama_attention(4, 2)
     layer = flash_nn.GroupedQueryAttention(32, 4, 2, rope=True)

@@ -6,22 +6,27 @@ A backend is an object with:
     unsupported_reason(spec) -> str | None     # None when it serves this call natively
     forward(q, k, v, mask, spec) -> (out, lse)
     backward(q, k, v, mask, out, lse, d_out, d_lse, spec) -> (dq, dk, dv)
+and, for backends of compiled kernels, what the first-contact guard (backends/guard.py) needs:
+    variant_key(spec, mask_dtype) -> hashable     # the set of kernel variants a call runs
+    variant_name(kernel, spec, mask_dtype) -> str # readable name of one of them
 mask is None or a rank-4 array broadcastable to [B, Hq, Nq, Nk]; lse is fp32 [B, Hq, Nq]
 (natural log, -inf for rows that see no key); d_lse is None when lse's cotangent is known zero.
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
+from types import MappingProxyType
 
 import mlx.core as mx
 
 from ..fallback import record_fallback
 
-_MODULES = {"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
-            "cuda": "mlx_flash.backends.cuda"}
+_MODULES = MappingProxyType({"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
+                             "cuda": "mlx_flash.backends.cuda"})
 BACKEND_NAMES = ("auto",) + tuple(_MODULES)
 
 
@@ -66,20 +71,30 @@ def auto_backend_name(device: mx.Device) -> str:
     return "mlx"
 
 
-def select_backend(name, spec, stream):
+def _is_backend(value) -> bool:
+    return not isinstance(value, str) and all(
+        hasattr(value, a) for a in ("name", "unavailable_reason", "unsupported_reason", "forward", "backward"))
+
+
+def select_backend(name, spec, stream, mask_dtype=None):
     """Resolve the `backend` argument to a backend object for this call.
 
-    An unknown name or an explicitly requested backend that cannot run on the stream's
-    device raises. A backend that runs but cannot serve this particular call natively
-    hands it to the "mlx" backend, warning once per reason and counting it.
+    `name` may also be a backend object (e.g. a CUDABackend with its own tuning, or the CUDA
+    emulator's): it is used as if requested by name. An unknown name or an explicitly requested
+    backend that cannot run on the stream's device raises. A backend that runs but cannot serve
+    this particular call natively, or whose kernel variants for it failed their first contact
+    (guard.py), hands it to the "mlx" backend, warning once per reason and counting it.
     """
-    if not isinstance(name, str) or name not in BACKEND_NAMES:
-        raise ValueError(f"[flash_attention] backend must be one of {BACKEND_NAMES}, got {name!r}.")
     device = stream_device(stream)
-    explicit = name != "auto"
-    if not explicit:
-        name = auto_backend_name(device)
-    backend = get_backend(name)
+    if _is_backend(name):
+        backend, name, explicit = name, name.name, True
+    elif not isinstance(name, str) or name not in BACKEND_NAMES:
+        raise ValueError(f"[flash_attention] backend must be one of {BACKEND_NAMES} or a backend object, got {name!r}.")
+    else:
+        explicit = name != "auto"
+        if not explicit:
+            name = auto_backend_name(device)
+        backend = get_backend(name)
     reason = backend.unavailable_reason(device)
     if reason is not None:
         if explicit:
@@ -87,6 +102,10 @@ def select_backend(name, spec, stream):
         record_fallback(f"backend {name!r} unavailable ({reason}); using 'mlx'")
         return get_backend("mlx")
     reason = backend.unsupported_reason(spec)
+    if reason is None and hasattr(backend, "variant_key"):
+        from .guard import GUARD  # first use of these kernel variants in this process: build, run, check
+        with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
+            reason = GUARD.verdict(backend, spec, mask_dtype)
     if reason is not None:
         record_fallback(f"backend {name!r} cannot serve this call ({reason}); using 'mlx'")
         return get_backend("mlx")

@@ -1,21 +1,21 @@
 """Run the "cuda" backend's kernels on the CPU (kernel logic checks on machines without a GPU).
 
-`emulated()` swaps the backend's `mx.fast.cuda_kernel` objects for stand-ins that compile the
-same rendered source with the host C++ compiler and the prelude kernels/cuda_emulation.cuh
-(fibers per CUDA thread, warp collectives executed when a whole warp reaches them, cp.async
-deferred to its wait, shared-memory bounds checks, random warp order). Everything else, the
-block planning, rendering, launch geometry and parameter arrays, is the backend's own code.
+`backend()` is a CUDABackend whose kernel factory is `KernelFactory`: stand-ins for
+`mx.fast.cuda_kernel` objects that compile the same rendered source with the host C++ compiler
+and the prelude kernels/cuda_emulation.cuh (fibers per CUDA thread, warp collectives executed
+when a whole warp reaches them, cp.async deferred to its wait, shared-memory bounds checks,
+random warp order). Everything else, the block planning for the chosen GPU family, rendering,
+launch geometry and parameter arrays, is the backend's own code. The wgmma kernels are not
+emulated: the emulated backend runs the family's mma.sync kernels.
 
 It checks indexing, tiling, masking, synchronization order and the math of the kernels; it does
 not check speed, register pressure or anything NVRTC-specific (compile with nvcc for that).
 
 Usage:
-    with cuda_emulator.emulated(seed=1):
-        out = flash_attention(q, k, v, backend="cuda")
+    out = flash_attention(q, k, v, backend=cuda_emulator.backend(seed=1, capability=86))
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,20 +23,21 @@ import os
 import shutil
 import subprocess
 import tempfile
+from types import MappingProxyType
+from dataclasses import dataclass
 from typing import List, Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..render import template_text
-from . import cuda
+from .cuda import CUDABackend
+from .cuda_source import Tuning
 
-_C_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float", mx.int64: "int64_t",
-            mx.bool_: "bool"}
-_NP_STORAGE = {mx.bfloat16: np.uint16, mx.float16: np.uint16, mx.float32: np.float32, mx.int64: np.int64,
-               mx.bool_: np.bool_}
-# Settings of the active emulation (seed of the warp order, copies at issue instead of at wait).
-_SETTINGS = {"seed": 0, "eager": False}
+_C_TYPES = MappingProxyType({mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
+                             mx.int64: "int64_t", mx.bool_: "bool"})
+_NP_STORAGE = MappingProxyType({mx.bfloat16: np.uint16, mx.float16: np.uint16, mx.float32: np.float32,
+                                mx.int64: np.int64, mx.bool_: np.bool_})
 
 
 def compiler() -> Optional[str]:
@@ -78,9 +79,10 @@ class EmulatedKernel:
     """Drop-in for the callable mx.fast.cuda_kernel returns (same keyword arguments)."""
 
     def __init__(self, name: str, input_names: List[str], output_names: List[str], source: str, header: str,
-                 shared_memory: int = 0):
+                 shared_memory: int = 0, seed: int = 0, eager_copies: bool = False):
         self.name, self.input_names, self.output_names = name, input_names, output_names
         self.body, self.header, self.shared_memory = source, header, shared_memory
+        self.seed, self.eager_copies = seed, eager_copies
 
     def _source(self, inputs, output_dtypes) -> str:
         args = [f"  const {_C_TYPES[x.dtype]}* {n} = (const {_C_TYPES[x.dtype]}*)a[{i}];"
@@ -94,7 +96,10 @@ class EmulatedKernel:
                   "  return mlxflash_emulate(mlxflash_block, a, gx, gy, threads, smem, seed, eager, err, len);\n}\n")
 
     def __call__(self, *, inputs, output_shapes, output_dtypes, grid, threadgroup, **unused):
-        lib = _library(self._source(inputs, output_dtypes))
+        try:
+            lib = _library(self._source(inputs, output_dtypes))
+        except RuntimeError as error:  # name the kernel, as the GPU's compiler log does
+            raise RuntimeError(f"{self.name}: {error}") from None
         host_inputs = []
         for x in inputs:
             if x.dtype not in _NP_STORAGE:
@@ -112,8 +117,8 @@ class EmulatedKernel:
         tx = threadgroup[0]
         gx, gy = grid[0] // tx, grid[1]
         err = ctypes.create_string_buffer(512)
-        code = lib.mlxflash_emulate_run(pointers, gx, gy, tx, self.shared_memory, _SETTINGS["seed"],
-                                        int(_SETTINGS["eager"]), err, len(err))
+        code = lib.mlxflash_emulate_run(pointers, gx, gy, tx, self.shared_memory, self.seed,
+                                        int(self.eager_copies), err, len(err))
         if code != 0:
             raise RuntimeError(f"[cuda_emulator] {self.name}: {err.value.decode()}")
         result = []
@@ -123,38 +128,29 @@ class EmulatedKernel:
         return result
 
 
-@functools.lru_cache(maxsize=None)
-def _emulated_kernel(config: cuda.KernelConfig) -> EmulatedKernel:
-    header, body, inputs, outputs = cuda.kernel_source(config)
-    return EmulatedKernel(config.name, inputs, outputs, body, header, config.shared_memory)
+@dataclass(frozen=True)
+class KernelFactory:
+    """Drop-in for mx.fast.cuda_kernel (a CUDABackend's kernel_factory) that builds EmulatedKernels.
 
-
-@functools.lru_cache(maxsize=None)
-def _emulated_prepare(dtype: str, head_dim: int, has_d_lse: bool) -> EmulatedKernel:
-    header, body, inputs, outputs = cuda.prepare_source(dtype, head_dim, has_d_lse)
-    return EmulatedKernel(f"prepare_{head_dim}", inputs, outputs, body, header, 0)
-
-
-@contextlib.contextmanager
-def emulated(seed: int = 0, eager_copies: bool = False):
-    """Within the block, backend "cuda" runs its kernels through the CPU emulator.
-
-    Args:
+    Attributes:
         seed: seed of the random warp order (different seeds interleave warps differently).
         eager_copies: perform cp.async copies at issue instead of at the covering wait.
     """
-    saved = (cuda._kernel, cuda._prepare_kernel, cuda.CUDABackend.unavailable_reason, cuda.WGMMA_FORWARD_OVERRIDE,
-             cuda.WGMMA_BACKWARD_OVERRIDE, dict(_SETTINGS))
-    cuda._kernel = _emulated_kernel
-    cuda._prepare_kernel = _emulated_prepare
-    cuda.CUDABackend.unavailable_reason = lambda self, device: None
-    # wgmma is not emulated: the mma.sync kernels even on a Hopper host
-    cuda.WGMMA_FORWARD_OVERRIDE = cuda.WGMMA_BACKWARD_OVERRIDE = False
-    _SETTINGS.update(seed=seed, eager=eager_copies)
-    try:
-        yield
-    finally:
-        cuda._kernel, cuda._prepare_kernel, cuda.CUDABackend.unavailable_reason = saved[:3]
-        cuda.WGMMA_FORWARD_OVERRIDE, cuda.WGMMA_BACKWARD_OVERRIDE = saved[3:5]
-        _SETTINGS.clear()
-        _SETTINGS.update(saved[5])
+
+    seed: int = 0
+    eager_copies: bool = False
+
+    def __call__(self, *, name, input_names, output_names, source, header, shared_memory=0, **unused):
+        return EmulatedKernel(name, list(input_names), list(output_names), source, header, shared_memory,
+                              self.seed, self.eager_copies)
+
+
+def backend(seed: int = 0, eager_copies: bool = False, capability: int = 90, tuning: Tuning = Tuning()) -> CUDABackend:
+    """A "cuda" backend that runs its kernels on the CPU; pass it as flash_attention's `backend`.
+
+    Args:
+        seed, eager_copies: see KernelFactory.
+        capability: the compute capability whose family plans the kernels (90: sm90's mma.sync rows).
+        tuning: overrides of the block table (as CUDABackend's).
+    """
+    return CUDABackend(tuning=tuning, kernel_factory=KernelFactory(seed, eager_copies), capability=capability)

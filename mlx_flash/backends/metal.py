@@ -13,7 +13,6 @@ MLX_FLASH_METAL_FAMILY=m1|m3 overrides the GPU family that picks the block-table
 """
 from __future__ import annotations
 
-import math
 import os
 import re
 from typing import Dict, Optional, Tuple
@@ -22,6 +21,8 @@ import mlx.core as mx
 
 from ..spec import AttentionSpec
 from . import metal_simulated
+from . import common
+from .common import empty_backward, empty_forward, float_params, is_empty, window_bounds
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits,
                            make_variant, source)
 
@@ -105,25 +106,34 @@ class MetalBackend:
     def family(self) -> str:
         return self._family or detect_family()
 
+    def variant_key(self, spec: AttentionSpec, mask_dtype=None):
+        """The kernel variants a call runs (with the mask dtype, which the compiled signature has)."""
+        family = self.family()
+        return (tuple(make_variant(kernel, spec, family) for kernel in INPUT_NAMES), mask_dtype,
+                metal_simulated())
+
+    def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype=None) -> str:
+        return make_variant(kernel, spec, self.family()).name
+
     def forward(self, q, k, v, mask, spec: AttentionSpec):
         """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
+        if is_empty(spec):
+            return empty_forward(q, k, v, mask, spec)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        if min(B, Hq, Nq, D) == 0 or spec.kv_len == 0:
-            return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
         variant = make_variant("forward", spec, self.family())
         mask_array, mask_strides = _mask_operands(mask)
         spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
         out, lse, _ = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
-            inputs=[q, k, v, mask_array, mask_strides, _params(spec), _fparams(spec)],
+            inputs=[q, k, v, mask_array, mask_strides, _params(spec), float_params(spec)],
             output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
         return out, lse
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         """(dq, dk, dv) in the input dtype; d_lse is None or the cotangent of lse."""
-        if self._empty(spec):
-            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+        if is_empty(spec):
+            return empty_backward(q, k, v)
         dq, delta = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)
         dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
         return dq, dk, dv
@@ -132,8 +142,8 @@ class MetalBackend:
 
     def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         """dq from the dQ kernel alone."""
-        if self._empty(spec):
-            return mx.zeros_like(q)
+        if is_empty(spec):
+            return empty_backward(q, k, v)[0]
         return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
@@ -144,8 +154,8 @@ class MetalBackend:
             delta: rowsum(dO * O) - d_lse, fp32 [B,Hq,Nq], as the dQ kernel writes it; computed
                 here with MLX ops when None (so this kernel can run and be timed alone).
         """
-        if self._empty(spec):
-            return mx.zeros_like(k), mx.zeros_like(v)
+        if is_empty(spec):
+            return empty_backward(q, k, v)[1:]
         B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
         if delta is None:
             delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
@@ -158,16 +168,12 @@ class MetalBackend:
         dk, dv, _, _ = self._launch(
             variant, spec, parallel_len=Nk, heads=Hkv,
             inputs=[q, k, v, d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    delta.astype(mx.float32), mask_array, mask_strides, _params(spec), _fparams(spec)],
+                    delta.astype(mx.float32), mask_array, mask_strides, _params(spec), float_params(spec)],
             output_shapes=[(B, Hkv, Nk, D), (B, Hkv, Nk, D), dk_spill, dv_spill],
             output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.float32])
         return dk, dv
 
     # -- internals ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _empty(spec: AttentionSpec) -> bool:
-        return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0
 
     def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
@@ -179,7 +185,7 @@ class MetalBackend:
         dq, delta, _ = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
             inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    d_lse.astype(mx.float32), mask_array, mask_strides, _params(spec), _fparams(spec)],
+                    d_lse.astype(mx.float32), mask_array, mask_strides, _params(spec), float_params(spec)],
             output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
         return dq, delta
@@ -215,7 +221,7 @@ class MetalBackend:
         threads = variant.threads_per_threadgroup
         groups = -(-parallel_len // variant.plan.parallel_block)
         # mx.fast.metal_kernel's grid counts threads; a grid dim smaller than the threadgroup
-        # dim would silently truncate (MLX issue 4534): launch whole threadgroups.
+        # dim would silently truncate (ml-explore/mlx#4534): launch whole threadgroups.
         return self.kernel(variant)(
             inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
             grid=(groups * threads, heads, spec.batch), threadgroup=(threads, 1, 1))
@@ -227,14 +233,9 @@ def _accepts_compile_options() -> bool:
 
 
 def _params(spec: AttentionSpec) -> mx.array:
-    left, right = spec.window if spec.window is not None else (-1, -1)
+    left, right = window_bounds(spec)
     return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
                      spec.kv_heads, spec.diagonal_shift], dtype=mx.int32)
-
-
-def _fparams(spec: AttentionSpec) -> mx.array:
-    cap = spec.softcap if spec.softcap is not None else 1.0
-    return mx.array([spec.scale, cap, 1.0 / cap, 0, 0, 0, 0, 0], dtype=mx.float32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
@@ -244,12 +245,7 @@ def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
     """
     if mask is None:
         return mx.zeros((1,), mx.bool_), mx.zeros((8,), mx.int64)
-    strides, step = [], 1
-    for size in reversed(mask.shape):
-        strides.append(step if size > 1 else 0)
-        step *= size
-    strides = strides[::-1]
-    return mask, mx.array(strides + [0] * 4, dtype=mx.int64)
+    return mask, mx.array(common.mask_strides(mask.shape) + [0] * 4, dtype=mx.int64)
 
 
 BACKEND = MetalBackend()

@@ -15,12 +15,14 @@ these tables in the forward pass).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Dict, Tuple
 
 import mlx.core as mx
 
 from ..planner import BlockPlan, plan
 from ..render import render
+from .common import DTYPE_NAMES, MASK_KINDS  # noqa: F401 (MASK_KINDS: part of this module's names)
 
 # Threadgroup memory per threadgroup on every Apple GPU; mx.fast.metal_kernel sources can only
 # declare compile-time sized threadgroup arrays, so each kernel's tile size is fixed by its plan.
@@ -30,38 +32,36 @@ MAX_THREADS_PER_THREADGROUP = 1024
 # fragment reads of a tile do not all land in one memory bank.
 TILE_PAD_BYTES = 16
 
-MASK_KINDS = {"none": 0, "bool": 1, "additive": 2}
-INPUT_TYPES = {mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"}
-DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+INPUT_TYPES = MappingProxyType({mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"})
 
 # Operands each kernel can keep in registers, as the block table names them.
-CACHEABLE = {
+CACHEABLE = MappingProxyType({
     "forward": ("Q", "O"),
     "backward_query": ("Q", "dO", "dQ"),
     "backward_key_value": ("K", "V", "dK", "dV"),
-}
-TEMPLATES = {
+})
+TEMPLATES = MappingProxyType({
     "forward": "attention_forward.metal",
     "backward_query": "attention_backward_query.metal",
     "backward_key_value": "attention_backward_key_value.metal",
-}
+})
 HEADER = "attention_common.metal"
 
-INPUT_NAMES = {
+INPUT_NAMES = MappingProxyType({
     "forward": ("q", "k", "v", "mask", "mask_layout", "params", "fparams"),
     "backward_query": ("q", "k", "v", "o", "d_out", "lse", "d_lse", "mask", "mask_layout",
                        "params", "fparams"),
     "backward_key_value": ("q", "k", "v", "d_out", "lse", "delta", "mask", "mask_layout",
                            "params", "fparams"),
-}
-OUTPUT_NAMES = {
+})
+OUTPUT_NAMES = MappingProxyType({
     "forward": ("out", "lse", "o_acc"),
     "backward_query": ("dq", "delta", "dq_acc"),
     "backward_key_value": ("dk", "dv", "dk_acc", "dv_acc"),
-}
+})
 # The fp32 spill buffer of each accumulator, by the output it accumulates.
-ACCUMULATORS = {"forward": {"O": "o_acc"}, "backward_query": {"dQ": "dq_acc"},
-                "backward_key_value": {"dK": "dk_acc", "dV": "dv_acc"}}
+ACCUMULATORS = MappingProxyType({"forward": {"O": "o_acc"}, "backward_query": {"dQ": "dq_acc"},
+                                 "backward_key_value": {"dK": "dk_acc", "dV": "dv_acc"}})
 
 _UNROLL = "#pragma clang loop unroll(full)"
 _ROLLED = "#pragma clang loop unroll(disable)"

@@ -14,7 +14,7 @@ Execution model
 ---------------
 * Grid and threadgroup as MLX: ``grid`` counts threads; like MLX, each
   threadgroup dimension is first clamped to the grid dimension
-  (``min(threadgroup, grid)``, see MLX issue 4534), then
+  (``min(threadgroup, grid)``, see ml-explore/mlx#4534), then
   ``ceil(grid / threadgroup)`` threadgroups are dispatched
   (``dispatchThreads``): edge threadgroups are partial and threads outside
   the grid do not exist. ``threads_per_threadgroup`` is the actual (partial)
@@ -72,20 +72,37 @@ Supported MSL
   atomic_fetch_{add,sub,min,max,and,or,xor}_explicit.
 * From MLX's utils.h: Limits<T>, ceildiv, elem_to_loc.
 
+MLX's Metal headers and Apple's kernels
+--------------------------------------
+``#include "mlx/backend/metal/kernels/..."`` resolves against the installed
+mlx wheel (includes.py); kernel/parameter attributes are dropped so Apple's
+``[[kernel]]`` templates can be called from a body; function constants take
+their values from ``function_constants=``.
+
+Language rules and versions
+---------------------------
+rules.py rejects code Apple's compiler rejects (double, new/delete, virtual,
+exceptions, goto, recursion, pointers without an address space, threadgroup
+variables outside kernels, ...) with :class:`MetalSimLanguageError`.
+``metal_version="3.0"`` compiles for macOS 13: bfloat16_t is then MLX's
+portable struct and native bfloat is rejected.
+
 Not supported (rejected at compile time with the kernel name and line):
-textures, samplers, imageblocks, raster order groups, function constants,
+textures, samplers, imageblocks, raster order groups,
 Metal ``[[attributes]]`` inside the body/header, matrix types (floatNxM),
 packed 3-vectors, ray tracing, async copies. ``compile_options`` are
 validated but all math modes behave like ``safe``.
 """
 
 from .compiler import CompileError
-from .kernel import MetalKernel, MetalSimError, MetalSimUnsupportedError, metal_kernel
+from .kernel import (MetalKernel, MetalSimError, MetalSimLanguageError, MetalSimUnsupportedError,
+                     metal_kernel)
 
 __all__ = [
     "metal_kernel",
     "MetalKernel",
     "MetalSimError",
     "MetalSimUnsupportedError",
+    "MetalSimLanguageError",
     "CompileError",
 ]

@@ -17,12 +17,14 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from . import compiler
-from .rewrite import UnsupportedError, rewrite
+from . import compiler, includes, rules
+from .rewrite import UnsupportedError, lex, rewrite
 from .signature import (MAX_CONSTANT_ARRAY_SIZE, METAL_ATTRIBUTES, InputSpec, KernelSpec, generate,
                         metal_source)
+from . import fault  # MLX_FLASH_METALSIM_FAULT (fault.py)
 
-__all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError"]
+__all__ = ["metal_kernel", "MetalKernel", "MetalSimError", "MetalSimUnsupportedError",
+           "MetalSimLanguageError"]
 
 MAX_THREADS_PER_THREADGROUP = 1024
 MAX_THREADGROUP_MEMORY = 32768
@@ -35,6 +37,11 @@ class MetalSimError(RuntimeError):
 
 class MetalSimUnsupportedError(compiler.CompileError):
     """The kernel uses MSL that metalsim does not support."""
+
+
+class MetalSimLanguageError(compiler.CompileError):
+    """The kernel breaks a rule of the Metal Shading Language that Apple's compiler enforces
+    (rules.py): it would not compile on a Mac."""
 
 
 # mx dtype -> (MLX type string, numpy storage dtype)
@@ -100,6 +107,27 @@ def _check_mode(check) -> bool:
     return bool(check)
 
 
+def _metal_version(v) -> int:
+    """"3.0" / "3.1" / (3, 1) / 310 -> 310. Default: MLX_FLASH_METALSIM_METAL_VERSION, else
+    3.1 (macOS 14, the oldest system MLX >= 0.30 runs on)."""
+    if v is None:
+        v = os.environ.get("MLX_FLASH_METALSIM_METAL_VERSION", "").strip() or "3.1"
+    if isinstance(v, tuple):
+        v = f"{v[0]}.{v[1]}"
+    if isinstance(v, int) and v >= 200:
+        n = v
+    else:
+        try:
+            major, minor = str(v).split(".")
+            n = int(major) * 100 + int(minor) * 10
+        except ValueError:
+            n = -1
+    if not 200 <= n <= 400:
+        raise ValueError(f"metalsim: metal_version must be a Metal language version such as "
+                         f"'3.0' or '3.1', got {v!r}")
+    return n
+
+
 def _reversed_order(order) -> bool:
     o = order if order is not None else (_env_flag("MLX_FLASH_METALSIM_ORDER") or "forward")
     if o not in ("forward", "reversed"):
@@ -126,6 +154,21 @@ def _as_mx(x) -> mx.array:
     if isinstance(x, (bool, int, float, np.generic, np.ndarray)):
         return mx.array(x)
     raise TypeError(f"[metal_kernel] inputs must be arrays or scalars, got {type(x).__name__}")
+
+
+def _read_input(a: mx.array, kernel_name: str) -> np.ndarray:
+    """The input's values as numpy (evaluating it). Under mx.compile or mx.vmap MLX cannot
+    evaluate while tracing, and the simulator has nothing else to run on: say so clearly."""
+    try:
+        return np.asarray(a)
+    except ValueError as e:
+        if "function transformations" not in str(e):
+            raise
+        raise MetalSimError(
+            f"metalsim: kernel '{kernel_name}' was called inside mx.compile or mx.vmap. The "
+            "simulator runs a kernel eagerly on numpy copies of its inputs, which MLX cannot "
+            "evaluate while it traces a function; call the kernel outside mx.compile / mx.vmap "
+            f"(MLX's message: {e})") from None
 
 
 def _poison(buf: np.ndarray, dt) -> None:
@@ -157,7 +200,8 @@ class MetalKernel:
     def __init__(self, name: str, input_names: Sequence[str], output_names: Sequence[str],
                  source: str, header: str = "", ensure_row_contiguous: bool = True,
                  atomic_outputs: bool = False, compile_options: dict | None = None,
-                 thread_order: str | None = None, check: str | bool | None = None):
+                 thread_order: str | None = None, check: str | bool | None = None,
+                 function_constants: dict | None = None, metal_version=None):
         if not output_names:
             raise ValueError("[metal_kernel] Must specify at least one output.")
         self.name = name
@@ -170,31 +214,68 @@ class MetalKernel:
         self.compile_options = _parse_compile_options(compile_options)
         self.thread_order = thread_order
         self.check = check
-        _reversed_order(thread_order)  # validate early
+        self.function_constants = dict(function_constants or {})
+        self.metal_version = metal_version
+        _reversed_order(thread_order)
+        _metal_version(metal_version)  # validate early
         # MLX's rules: substring search in the body only.
         self._shape_info = [(n + "_shape" in source, n + "_strides" in source, n + "_ndim" in source)
                             for n in self.input_names]
         self._attributes = tuple((a, t) for a, t in METAL_ATTRIBUTES if a in source)
         self._variants: dict[tuple, _Variant] = {}
         self._lock = threading.Lock()
-        self._rewritten: dict[bool, tuple[str, str, list[str]]] = {}
+        self._rewritten: dict[tuple, tuple[str, str, list[str], bool]] = {}
 
     # -- compilation ---------------------------------------------------------
-    def _rewrite(self, check: bool) -> tuple[str, str, list[str]]:
-        r = self._rewritten.get(check)
+    def _rewrite(self, check: bool, version: int) -> tuple[str, str, list[str], bool]:
+        """(header C++, body C++, threadgroup site names, whether MLX's utils.h
+        was included) for bounds checking `check` and Metal `version`."""
+        r = self._rewritten.get((check, version))
         if r is None:
-            try:
-                h = rewrite(self.header, check=check, site_base=0)
-            except UnsupportedError as e:
-                raise MetalSimUnsupportedError(
-                    f"metalsim: kernel '{self.name}' header line {e.line}: {e.msg}") from None
-            try:
-                b = rewrite(self.source, check=check, site_base=len(h.tg_sites))
-            except UnsupportedError as e:
-                raise MetalSimUnsupportedError(
-                    f"metalsim: kernel '{self.name}' source line {e.line}: {e.msg}") from None
-            r = (h.text, b.text, h.tg_sites + b.tg_sites)
-            self._rewritten[check] = r
+            seen: set[str] = set()
+            parts = []
+            site_base = 0
+            for label, what, src in (("kernel_header", "header", self.header),
+                                     ("kernel_source", "source", self.source)):
+                try:
+                    text, org = includes.expand(src, label, seen)
+                except includes.IncludeError as e:
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {what} line {e.line}: {e.msg}") from None
+                try:
+                    toks = lex(text)
+                    rules.check(text, kernel_scope=label == "kernel_source", tokens=toks,
+                                metal_version=version)
+                except UnsupportedError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e.msg}") from None
+                except rules.MSLRuleError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimLanguageError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e}") from None
+                try:
+                    res = rewrite(text, check=check, site_base=site_base,
+                                  function_constants=self.function_constants, tokens=toks)
+                except UnsupportedError as e:
+                    f, ln = org.of(e.line)
+                    where = {"kernel_header": "header", "kernel_source": "source"}.get(f, f)
+                    raise MetalSimUnsupportedError(
+                        f"metalsim: kernel '{self.name}' {where} line {ln}: {e.msg}") from None
+                site_base += len(res.tg_sites)
+                parts.append(res)
+            h, b = parts
+            bound = set(h.function_constants + b.function_constants)
+            unknown = set(self.function_constants) - bound
+            if unknown:
+                raise ValueError(
+                    f"metalsim: kernel '{self.name}': function_constants {sorted(unknown)} are "
+                    "not declared (`constant T name [[function_constant(i)]];`) in its header "
+                    "or source")
+            r = (h.text, b.text, h.tg_sites + b.tg_sites, includes.UTILS in seen)
+            self._rewritten[(check, version)] = r
         return r
 
     def _variant(self, key: tuple, spec: KernelSpec) -> _Variant:
@@ -204,8 +285,10 @@ class MetalKernel:
         with self._lock:
             v = self._variants.get(key)
             if v is None:
-                header_cpp, body_cpp, tg_names = self._rewrite(spec.check)
-                cpp = generate(spec, body_cpp, header_cpp, tg_names)
+                version = key[-1]
+                header_cpp, body_cpp, tg_names, mlx_utils = self._rewrite(spec.check, version)
+                cpp = generate(spec, body_cpp, header_cpp, tg_names, mlx_utils=mlx_utils,
+                               metal_version=version)
                 lib = compiler.compile_kernel(cpp, self.name, self.source, self.header)
                 thunk = ctypes.cast(lib.msim_thunk, ctypes.c_void_p).value
                 names = ctypes.addressof(ctypes.c_void_p.in_dll(lib, "msim_tg_names"))
@@ -254,10 +337,12 @@ class MetalKernel:
         out_ct = tuple((n, _dtype_info(d)[0]) for n, d in zip(self.output_names, output_dtypes))
         spec = KernelSpec(self.name, tuple(in_specs), out_ct, tuple(tmpl), self._attributes,
                           self.atomic_outputs, check)
-        key = (spec.inputs, spec.outputs, spec.template, check)
+        key = (spec.inputs, spec.outputs, spec.template, check,
+               _metal_version(self.metal_version))
         if verbose:
             print(f"Generated source code for `{self.name}`:\n```\n"
                   f"{metal_source(spec, self.source, self.header)}\n```")
+        fault.before_compile(self.name, self.source)  # MLX_FLASH_METALSIM_FAULT=compile:...
         variant = self._variant(key, spec)
 
         tg_size = tg[0] * tg[1] * tg[2]
@@ -279,7 +364,7 @@ class MetalKernel:
 
         for a, inp in zip(arrs, in_specs):
             src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
-            buf = np.asarray(src)
+            buf = _read_input(src, self.name)
             if self.ensure_row_contiguous or a.ndim == 0:
                 buf = np.ascontiguousarray(buf)
             if inp.ndim == 0:
@@ -315,6 +400,8 @@ class MetalKernel:
         tgc = tuple(min(t, g) for t, g in zip(tg, grid))
         if min(grid) > 0:
             self._launch(variant, args, grid, tgc)
+            threadgroups = int(np.prod([-(-g // t) for g, t in zip(grid, tgc)]))
+            fault.after_launch(self.name, outs, output_dtypes, threadgroups)  # ...=corrupt:...
         res = []
         for o, dt in zip(outs, output_dtypes):
             r = mx.array(o)
@@ -346,7 +433,8 @@ class MetalKernel:
 def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[str], source: str,
                  header: str = "", ensure_row_contiguous: bool = True, atomic_outputs: bool = False,
                  compile_options: dict | None = None, *, thread_order: str | None = None,
-                 check: str | bool | None = None) -> MetalKernel:
+                 check: str | bool | None = None,
+                 function_constants: dict | None = None, metal_version=None) -> MetalKernel:
     """Same arguments as ``mx.fast.metal_kernel`` plus metalsim options:
 
     thread_order: ``"forward"`` (default) or ``"reversed"``: the order in
@@ -356,6 +444,15 @@ def metal_kernel(name: str, input_names: Sequence[str], output_names: Sequence[s
     check: ``"bounds"`` compiles device pointers and threadgroup arrays as
         bounds-checked wrappers; an out-of-bounds access raises
         :class:`MetalSimError`. Default from ``MLX_FLASH_METALSIM_CHECK``.
+    function_constants: values of the program-scope function constants
+        (``constant bool name [[function_constant(i)]];``) that the kernel's
+        header declares, by name (Metal sets them on the pipeline, which
+        ``mx.fast.metal_kernel`` does not expose; Apple's kernels from MLX's
+        headers use them).
+    metal_version: the Metal language version to compile for, ``"3.1"`` (macOS 14, the
+        default; from ``MLX_FLASH_METALSIM_METAL_VERSION``) or ``"3.0"`` (macOS 13: no native
+        ``bfloat``, ``bfloat16_t`` is MLX's portable 16-bit struct), ``"3.2"``, ...
     """
     return MetalKernel(name, input_names, output_names, source, header, ensure_row_contiguous,
-                       atomic_outputs, compile_options, thread_order=thread_order, check=check)
+                       atomic_outputs, compile_options, thread_order=thread_order, check=check,
+                       function_constants=function_constants, metal_version=metal_version)

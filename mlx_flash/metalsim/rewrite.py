@@ -17,8 +17,12 @@ token output texts in place, so line numbers are preserved. Rewrites:
   ``msim::vctor<float4>(...)``;
 * ``#include <metal_*>`` and ``#pragma METAL`` lines are dropped.
 
-Unsupported MSL (textures, samplers, imageblocks, raster order groups,
-function constants, Metal ``[[attributes]]``, matrix types) raise
+* kernel and parameter attributes (``[[kernel]]``, ``[[buffer(0)]]``, ...) are
+  dropped; ``constant T x [[function_constant(i)]];`` becomes a constexpr with
+  the given value; overloads by address space collapse to the ``thread`` one.
+
+Unsupported MSL (textures, samplers, imageblocks, raster order groups, other
+Metal ``[[attributes]]``, matrix types) raise
 :class:`UnsupportedError` naming the line.
 """
 
@@ -74,6 +78,21 @@ _MATRIX_RE = re.compile(r"^(float|half|bfloat)[234]x[234]$")
 _PACKED3_RE = re.compile(r"^packed_\w+3$")
 _STD_ATTRS = {"maybe_unused", "likely", "unlikely", "fallthrough", "nodiscard", "noreturn",
               "deprecated", "carries_dependency"}
+# Attributes of kernel functions and their parameters that metalsim drops: the
+# generated signature (signature.py) or the caller supplies what they describe.
+_METAL_ATTRS = {"kernel", "buffer", "host_name", "function_constant",
+                "max_total_threads_per_threadgroup", "threadgroup",
+                "thread_position_in_grid", "thread_position_in_threadgroup",
+                "threadgroup_position_in_grid", "threads_per_grid", "threads_per_threadgroup",
+                "threadgroups_per_grid", "thread_index_in_threadgroup",
+                "thread_index_in_simdgroup", "thread_index_in_quadgroup",
+                "simdgroup_index_in_threadgroup", "quadgroup_index_in_threadgroup",
+                "simdgroups_per_threadgroup", "quadgroups_per_threadgroup",
+                "threads_per_simdgroup", "thread_execution_width", "grid_origin", "grid_size",
+                "dispatch_threads_per_threadgroup", "dispatch_simdgroups_per_threadgroup",
+                "dispatch_quadgroups_per_threadgroup"}
+_ACCESS = {"public", "private", "protected"}
+_FUNCTION_ATTRS = {"kernel", "host_name", "max_total_threads_per_threadgroup"}
 _ADDRESS_SPACES = {"device", "constant", "thread", "threadgroup"}
 _CHECKED_SPACES = {"device", "constant", "threadgroup"}
 _FUNDAMENTAL = {"unsigned", "signed", "long", "short", "int", "char", "float", "double", "bool",
@@ -85,25 +104,39 @@ _KEYWORDS_BEFORE_EXPR = {"return", "case", "else", "do", "co_return", "throw"}
 class RewriteResult:
     text: str
     tg_sites: list[str] = field(default_factory=list)  # names, indexed by site id
+    function_constants: list[str] = field(default_factory=list)  # names bound to a value
 
 
-def rewrite(src: str, *, check: bool = False, site_base: int = 0) -> RewriteResult:
+def rewrite(src: str, *, check: bool = False, site_base: int = 0,
+            function_constants: dict | None = None,
+            tokens: list[Token] | None = None) -> RewriteResult:
     """Rewrites MSL source (a kernel body or header) into metalsim C++.
 
     `site_base` numbers the threadgroup declarations (body and header share
-    one numbering). Raises UnsupportedError for unsupported constructs.
+    one numbering). `tokens`: `lex(src)` when already lexed. `function_constants` gives the values of program-scope
+    ``constant T name [[function_constant(i)]];`` declarations, by name.
+    Raises UnsupportedError for unsupported constructs.
     """
+    toks = tokens if tokens is not None else lex(src)
+    rw = _Rewriter(toks, check, site_base, function_constants or {})
+    rw.run()
+    return RewriteResult("".join(t.out for t in toks), rw.tg_sites, rw.fc_bound)
+
+
+def lex(src: str) -> list[Token]:
+    """The token list `rewrite` works on (pass it as `tokens` to lex once for the MSL rules
+    and the rewrite)."""
     try:
-        toks = split_shift(tokenize(src))
+        return split_shift(tokenize(src))
     except TokenizeError as e:
         raise UnsupportedError(f"cannot tokenize: {e}", e.line) from None
-    rw = _Rewriter(toks, check, site_base)
-    rw.run()
-    return RewriteResult("".join(t.out for t in toks), rw.tg_sites)
 
 
 class _Rewriter:
-    def __init__(self, toks: list[Token], check: bool, site_base: int):
+    def __init__(self, toks: list[Token], check: bool, site_base: int,
+                 function_constants: dict):
+        self.function_constants = function_constants
+        self.fc_bound: list[str] = []
         self.toks = toks
         self.sig = [i for i, t in enumerate(toks) if t.kind not in ("ws", "comment")]
         self.check = check
@@ -239,6 +272,10 @@ class _Rewriter:
 
     # -- passes --------------------------------------------------------------
     def run(self) -> None:
+        self.strip_metal_attributes()
+        self.drop_address_space_overloads()
+        self.drop_address_space_functions()
+        self.drop_address_space_specializations()
         self.check_unsupported()
         self.fix_literals()
         self.fix_preprocessor()
@@ -258,7 +295,7 @@ class _Rewriter:
                     what = "packed 3-element vectors"
                 if what is not None:
                     raise UnsupportedError(f"'{t.text}': {what} are not supported in metalsim", t.line)
-            elif t.kind == "punct" and t.text == "[" and self.is_p(k + 1, "["):
+            elif t.kind == "punct" and t.text == "[" and self.is_p(k + 1, "[") and t.out:
                 a = self.t(k + 2)
                 name = a.text if a is not None else ""
                 if name in _UNSUPPORTED:
@@ -268,6 +305,249 @@ class _Rewriter:
                     raise UnsupportedError(
                         f"attribute [[{name}...]] is not supported in metalsim (Metal attributes "
                         "belong to the generated kernel signature)", t.line)
+
+    def strip_metal_attributes(self) -> None:
+        """Drops the Metal attributes of kernel functions and their parameters
+        (``[[kernel]]``, ``[[buffer(0)]]``, ``[[thread_position_in_grid]]``,
+        ``[[host_name("x")]]``, ...): metalsim calls kernel templates as plain
+        functions. ``constant T name [[function_constant(i)]];`` becomes
+        ``constexpr T name = value;`` with the value from `function_constants`."""
+        k = 0
+        while k < len(self.sig):
+            if not (self.is_p(k, "[") and self.is_p(k + 1, "[")):
+                k += 1
+                continue
+            m = self.match(k)
+            if m < 0 or not self.is_p(m - 1, "]"):
+                k += 1
+                continue
+            names = self._attribute_names(k + 2, m - 1)
+            if not names or not all(n in _METAL_ATTRS for n in names):
+                k = m + 1
+                continue
+            if names == ["function_constant"] and self.is_p(m + 1, ";") and self.is_id(k - 1):
+                self._function_constant(k, m)
+            elif not (all(n in _FUNCTION_ATTRS for n in names)
+                      or self.is_p(m + 1, ",") or self.is_p(m + 1, ")")):
+                k = m + 1  # a parameter attribute outside a parameter list
+                continue
+            self.remove(k, m + 1)
+
+    def remove(self, a: int, b: int) -> None:
+        """Deletes significant tokens [a, b) from the output and from later passes."""
+        self.blank(a, b)
+        del self.sig[a:b]
+
+    def match_back(self, k: int) -> int:
+        """Position of the bracket opening the one closing at k (or -1)."""
+        close = {")": "(", "]": "[", "}": "{"}
+        depth = 0
+        for j in range(k, -1, -1):
+            t = self.t(j)
+            if t.kind != "punct":
+                continue
+            if t.text in close:
+                depth += 1
+            elif t.text in ("(", "[", "{"):
+                depth -= 1
+                if depth == 0:
+                    return j
+        return -1
+
+    def drop_address_space_overloads(self) -> None:
+        """Member functions qualified `device`, `threadgroup` or `constant`
+        (``complex_t() threadgroup : ...``) overload the `thread` one by the
+        object's address space; metalsim has one address space, so only the
+        `thread` (or unqualified) member is kept and these are deleted."""
+        k = 0
+        while k < len(self.sig):
+            t = self.t(k)
+            if not (t.kind == "ident" and t.text in ("device", "threadgroup", "constant")):
+                k += 1
+                continue
+            close = k - 2 if self.is_id(k - 1, "const") else k - 1
+            if not self.is_p(close, ")"):
+                k += 1
+                continue
+            open_ = self.match_back(close)
+            start = open_ - 1
+            depth = 0
+            while start >= 0:
+                u = self.t(start)
+                if u.kind == "punct" and u.text in (")", "]"):
+                    depth += 1
+                elif u.kind == "punct" and u.text in ("(", "["):
+                    depth -= 1
+                elif depth == 0 and u.kind == "punct" and (
+                        u.text in (";", "{", "}") or (u.text == ":" and self.is_id(start - 1) and
+                                                      self.t(start - 1).text in _ACCESS)):
+                    break
+                start -= 1
+            end = k + 1
+            while end < len(self.sig) and not (self.is_p(end, "{") or self.is_p(end, ";")):
+                if self.is_p(end, "("):
+                    end = self.match(end)
+                end += 1
+            if self.is_p(end, "{"):
+                end = self.match(end)
+            if self.is_p(end + 1, ";"):
+                end += 1
+            if open_ < 0 or end < 0:
+                k += 1
+                continue
+            self.remove(start + 1, end + 1)
+            k = start + 1
+
+    def drop_address_space_functions(self) -> None:
+        """Functions returning a `device`, `threadgroup` or `constant`
+        reference (``threadgroup complex_t<T>& operator+=(threadgroup
+        complex_t<T>& a, ...)``) overload one returning a `thread` reference
+        of the same name; with one address space they would be redefinitions,
+        so the `thread` one is kept and these are deleted."""
+        def ref_return(k: int) -> tuple[int, str] | None:
+            # `q TYPE & name (` at k: (index of the name, name)
+            te = self.parse_type(k + 1)
+            if te == k + 1 or not self.is_p(te, "&"):
+                return None
+            j = te + 1
+            if self.is_id(j, "operator"):
+                j += 1
+                while j < len(self.sig) and not self.is_p(j, "("):
+                    j += 1
+                return (te + 1, self.outs(te + 1, j)) if self.is_p(j, "(") else None
+            if self.is_id(j) and self.is_p(j + 1, "("):
+                return j, self.t(j).text
+            return None
+
+        thread_names = set()
+        for k in range(len(self.sig)):
+            if self.is_id(k, "thread"):
+                r = ref_return(k)
+                if r:
+                    thread_names.add(r[1])
+        if not thread_names:
+            return
+        k = 0
+        while k < len(self.sig):
+            r = None
+            if self.t(k).kind == "ident" and self.t(k).text in ("device", "threadgroup", "constant"):
+                r = ref_return(k)
+            if r is None or r[1] not in thread_names:
+                k += 1
+                continue
+            start = k - 1
+            depth = 0
+            while start >= 0:
+                u = self.t(start)
+                if u.kind == "punct" and u.text in (")", "]", ">"):
+                    depth += 1
+                elif u.kind == "punct" and u.text in ("(", "[", "<"):
+                    depth -= 1
+                elif depth == 0 and u.kind == "punct" and u.text in (";", "{", "}"):
+                    break
+                start -= 1
+            j = r[0]
+            while j < len(self.sig) and not self.is_p(j, "("):
+                j += 1
+            end = self.match(j) + 1
+            while end < len(self.sig) and not (self.is_p(end, "{") or self.is_p(end, ";")):
+                end += 1
+            if self.is_p(end, "{"):
+                end = self.match(end)
+            if end < 0:
+                k += 1
+                continue
+            self.remove(start + 1, end + 1)
+            k = start + 1
+
+    def drop_address_space_specializations(self) -> None:
+        """Class template specializations on address-space-qualified pointers
+        (``struct pointer_element<device T*>``) duplicate the `thread` one
+        once address spaces are gone; they are deleted."""
+        k = 0
+        while k < len(self.sig):
+            if not (self.is_id(k) and self.t(k).text in ("struct", "class") and self.is_id(k + 1)
+                    and self.is_p(k + 2, "<") and self.is_id(k - 1) is False):
+                k += 1
+                continue
+            m = self.match(k + 2)
+            if m < 0 or not any(self.t(j).kind == "ident" and self.t(j).text in
+                                ("device", "threadgroup", "constant") for j in range(k + 3, m)):
+                k += 1
+                continue
+            start = k
+            if self.is_p(k - 1, ">"):
+                start = self.match_back_angle(k - 1)
+                if start > 0 and self.is_id(start - 1, "template"):
+                    start -= 1
+            end = m + 1
+            while end < len(self.sig) and not (self.is_p(end, "{") or self.is_p(end, ";")):
+                end += 1
+            if self.is_p(end, "{"):
+                end = self.match(end)
+                if self.is_p(end + 1, ";"):
+                    end += 1
+            self.remove(start, end + 1)
+            k = start
+
+    def match_back_angle(self, k: int) -> int:
+        depth = 0
+        for j in range(k, -1, -1):
+            if self.is_p(j, ">"):
+                depth += 1
+            elif self.is_p(j, "<"):
+                depth -= 1
+                if depth == 0:
+                    return j
+        return -1
+
+    def _attribute_names(self, a: int, b: int) -> list[str]:
+        """Names of the comma-separated attributes in tokens [a, b)."""
+        names: list[str] = []
+        j = a
+        while j < b:
+            if not self.is_id(j):
+                return []
+            names.append(self.t(j).text)
+            j += 1
+            if self.is_p(j, "("):
+                j = self.match(j) + 1
+                if j <= 0:
+                    return []
+            if self.is_p(j, ","):
+                j += 1
+            elif j != b:
+                return []
+        return names
+
+    def _function_constant(self, k: int, m: int) -> None:
+        name_tok = self.t(k - 1)
+        name = name_tok.text
+        j = k - 2
+        while j >= 0 and not (self.t(j).kind == "ident" and self.t(j).text == "constant"):
+            if self.is_p(j, ";") or self.is_p(j, "}") or self.is_p(j, "{"):
+                raise UnsupportedError(
+                    f"function constant '{name}' must be declared `constant T {name} "
+                    "[[function_constant(i)]];` at program scope", name_tok.line)
+            j -= 1
+        if name not in self.function_constants:
+            raise UnsupportedError(
+                f"function constant '{name}' has no value: pass function_constants="
+                f"{{'{name}': ...}} to metalsim.metal_kernel", name_tok.line)
+        v = self.function_constants[name]
+        if isinstance(v, bool):
+            text = "true" if v else "false"
+        elif isinstance(v, int):
+            text = str(v)
+        elif isinstance(v, float):
+            text = repr(v) + "f"
+        else:
+            raise UnsupportedError(f"function constant '{name}': value {v!r} is not a "
+                                   "bool, int or float", name_tok.line)
+        kw = self.t(j)
+        kw.text = kw.out = "constexpr"
+        self.fc_bound.append(name)
+        name_tok.out = f"{name} = {text}"
 
     def fix_literals(self) -> None:
         for k in range(len(self.sig)):
@@ -419,10 +699,17 @@ class _Rewriter:
             has_const = const_before or any(self.t(j).text == "const" for j in range(k + 1, te))
             is_ptr = self.is_p(te, "*")
             if not is_ptr:
-                if q == "constant":
-                    t.out = "" if (has_const or self.is_id(k + 1, "constexpr") or self.is_id(k - 1, "constexpr")) else "const"
+                near_constexpr = self.is_id(k + 1, "constexpr") or self.is_id(k - 1, "constexpr")
+                if q != "constant" or self.is_p(k - 1, ")") or (
+                        self.is_id(k - 1, "const") and self.is_p(k - 2, ")")):
+                    t.out = ""  # other spaces; `constant` as a member function qualifier
+                elif (self.is_p(te, "&") or not self.is_id(te) or self.is_p(a - 1, "(")
+                      or self.is_p(a - 1, ",")):  # references, parameters
+                    t.out = "" if (has_const or near_constexpr) else "const"
                 else:
-                    t.out = ""
+                    # A `constant` object holds compile-time data: `static const constant
+                    # float x = ...;` in a class needs constexpr in C++.
+                    t.out = "" if near_constexpr else "constexpr"
                 k += 1
                 continue
             ctype = ("const " if const_before else "") + type_text

@@ -153,15 +153,22 @@ def metal_source(spec: KernelSpec, source: str, header: str) -> str:
     return out
 
 
-def generate(spec: KernelSpec, body_cpp: str, header_cpp: str, tg_names: list[str]) -> str:
+def generate(spec: KernelSpec, body_cpp: str, header_cpp: str, tg_names: list[str],
+             mlx_utils: bool = False, metal_version: int = 310) -> str:
     """The C++ translation unit metalsim compiles for one kernel variant.
 
     `body_cpp`/`header_cpp` are already rewritten (rewrite.py); #line
-    directives map diagnostics back to the user's source lines.
+    directives map diagnostics back to the user's source lines. `mlx_utils`:
+    the header includes MLX's kernels/utils.h (its Limits, elem_to_loc, ...
+    replace metalsim's subset). `metal_version`: the Metal language version compiled for
+    (e.g. 300 = Metal 3.0: bfloat16_t is then MLX's portable struct, not native bfloat).
     """
     fname = kernel_function_name(spec)
     params = _params(spec, False)
-    lines = ['#include "metalsim.hpp"', '#line 1 "kernel_header"', header_cpp, ""]
+    # With MLX's own utils.h included, metalsim.hpp leaves out its subset of it.
+    lines = [f"#define MSIM_METAL_VERSION {metal_version}"] + (
+        ["#define MSIM_MLX_UTILS 1"] if mlx_utils else []) + [
+        '#include "metalsim.hpp"', '#line 1 "kernel_header"', header_cpp, ""]
     gen: list[str] = []
     gen.append(_template_head(spec).rstrip("\n"))
     gen.append(f"void {fname}(\n    " + ",\n    ".join(params) + ") {")

@@ -1,5 +1,5 @@
 """Threadgroup arrays passed to function templates taking `threadgroup T*` and
-`const threadgroup T*` (metalsim_requests.md, issue 4): valid MSL that must
+`const threadgroup T*`: valid MSL that must
 compile in both modes, with out-of-bounds accesses through such parameters
 still caught in bounds mode."""
 

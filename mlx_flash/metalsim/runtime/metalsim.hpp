@@ -20,7 +20,17 @@
 typedef _Float16 half;
 typedef __bf16 bfloat;
 typedef half float16_t;
+// The Metal language version the kernel is compiled for (310 = Metal 3.1, macOS 14). Before
+// Metal 3.1 there is no native bfloat: bfloat16_t is then MLX's portable 16-bit struct (MLX up
+// to 0.29, the last release for macOS 13.5), emulated by msim::bf16 below.
+#ifndef MSIM_METAL_VERSION
+#define MSIM_METAL_VERSION 310
+#endif
+#define __METAL_VERSION__ MSIM_METAL_VERSION
+#if MSIM_METAL_VERSION >= 310
+#define __HAVE_BFLOAT__ 1
 typedef bfloat bfloat16_t;
+#endif
 typedef unsigned char uchar;
 typedef unsigned short ushort;
 typedef unsigned int uint;
@@ -254,6 +264,64 @@ MSIM_FLOAT_LIMITS(bfloat, 0x1p-126f, 0x1.fep+127f, 0x1p-7f, 0x1p-133f)
 #undef MSIM_FLOAT_LIMITS
 
 // ---------------------------------------------------------------------------
+// <metal_type_traits> (the subset MLX's headers use), on clang's builtins.
+// ---------------------------------------------------------------------------
+// Metal's types are also reachable as metal::float4, metal::vec<T, N>, ...
+using ::vec; using ::half; using ::bfloat; using ::uint; using ::ushort; using ::uchar;
+using ::ulong;
+#define MSIM_VEC_USING(T) using ::T##2; using ::T##3; using ::T##4;
+MSIM_VEC_USING(float) MSIM_VEC_USING(half) MSIM_VEC_USING(bfloat) MSIM_VEC_USING(int)
+MSIM_VEC_USING(uint) MSIM_VEC_USING(short) MSIM_VEC_USING(ushort) MSIM_VEC_USING(char)
+MSIM_VEC_USING(uchar) MSIM_VEC_USING(long) MSIM_VEC_USING(ulong) MSIM_VEC_USING(bool)
+#undef MSIM_VEC_USING
+
+template <class T, T v> struct integral_constant {
+  static constexpr T value = v;
+  typedef T value_type;
+  constexpr operator T() const { return v; }
+};
+template <bool B> using bool_constant = integral_constant<bool, B>;
+// Metal's internal (`#pragma METAL internals`) logical traits, used by MLX's atomic.h.
+template <class... B> struct _disjunction : integral_constant<bool, (B::value || ...)> {};
+template <class... B> struct _conjunction : integral_constant<bool, (B::value && ...)> {};
+// One address space on the CPU: nothing to remove.
+template <class T> struct remove_addrspace { typedef T type; };
+template <class T> using remove_addrspace_t = T;
+typedef integral_constant<bool, true> true_type;
+typedef integral_constant<bool, false> false_type;
+using msim::enable_if;
+using msim::enable_if_t;
+using msim::is_same;
+template <class A, class B> constexpr bool is_same_v = msim::is_same<A, B>::value;
+template <bool B, class T, class F> struct conditional { typedef T type; };
+template <class T, class F> struct conditional<false, T, F> { typedef F type; };
+template <bool B, class T, class F> using conditional_t = typename conditional<B, T, F>::type;
+template <class T> using remove_cv_t = typename msim::remove_cv<T>::type;
+template <class T> struct remove_reference { typedef typename msim::remove_ref<T>::type type; };
+template <class T> using remove_reference_t = typename msim::remove_ref<T>::type;
+template <class T> struct remove_cv : msim::remove_cv<T> {};
+template <class F, class T> struct is_convertible : integral_constant<bool, __is_convertible_to(F, T)> {};
+template <class F, class T> constexpr bool is_convertible_v = __is_convertible_to(F, T);
+template <class T> struct is_floating_point
+    : integral_constant<bool, msim::is_float_scalar<typename msim::remove_cv<T>::type>::value> {};
+template <class T> constexpr bool is_floating_point_v = is_floating_point<T>::value;
+template <class T> struct is_integral : integral_constant<bool, __is_integral(T)> {};
+template <class T> constexpr bool is_integral_v = __is_integral(T);
+template <class T> struct is_signed : integral_constant<bool, __is_signed(T)> {};
+template <class T> constexpr bool is_signed_v = __is_signed(T);
+template <class T> struct is_unsigned : integral_constant<bool, __is_unsigned(T)> {};
+template <class T> constexpr bool is_unsigned_v = __is_unsigned(T);
+template <class T> constexpr bool is_arithmetic_v = __is_arithmetic(T) || msim::is_float_scalar<T>::value;
+template <class T> constexpr bool is_pointer_v = __is_pointer(T);
+template <class T> constexpr bool is_scalar_v = __is_scalar(T);
+template <class T> struct make_unsigned { typedef __make_unsigned(T) type; };
+template <class T> using make_unsigned_t = __make_unsigned(T);
+template <class T> struct make_signed { typedef __make_signed(T) type; };
+template <class T> using make_signed_t = __make_signed(T);
+template <class T> struct is_vector : integral_constant<bool, msim::is_vec_v<T>> {};
+template <class T> constexpr bool is_vector_v = msim::is_vec_v<T>;
+
+// ---------------------------------------------------------------------------
 // Bit casts
 // ---------------------------------------------------------------------------
 template <class T, class U>
@@ -280,11 +348,9 @@ MSIM_INL T as_type(const U& x) {
 MSIM_F1(exp, __builtin_expf(x))
 MSIM_F1(exp2, __builtin_exp2f(x))
 MSIM_F1(exp10, __builtin_powf(10.0f, x))
-MSIM_F1(expm1, __builtin_expm1f(x))
 MSIM_F1(log, __builtin_logf(x))
 MSIM_F1(log2, __builtin_log2f(x))
 MSIM_F1(log10, __builtin_log10f(x))
-MSIM_F1(log1p, __builtin_log1pf(x))
 MSIM_F1(sqrt, __builtin_sqrtf(x))
 MSIM_F1(rsqrt, 1.0f / __builtin_sqrtf(x))
 MSIM_F1(cbrt, __builtin_cbrtf(x))
@@ -300,8 +366,6 @@ MSIM_F1(tanh, __builtin_tanhf(x))
 MSIM_F1(asinh, __builtin_asinhf(x))
 MSIM_F1(acosh, __builtin_acoshf(x))
 MSIM_F1(atanh, __builtin_atanhf(x))
-MSIM_F1(erf, __builtin_erff(x))
-MSIM_F1(erfc, __builtin_erfcf(x))
 MSIM_F1(floor, __builtin_floorf(x))
 MSIM_F1(ceil, __builtin_ceilf(x))
 MSIM_F1(round, __builtin_roundf(x))
@@ -551,6 +615,93 @@ template <class T> MSIM_INL T ctz(T x) {
 MSIM_INL int mulhi(int a, int b) { return (int)(((long long)a * b) >> 32); }
 MSIM_INL uint mulhi(uint a, uint b) { return (uint)(((unsigned long long)a * b) >> 32); }
 
+#if MSIM_METAL_VERSION < 310
+}  // namespace metal
+// ---------------------------------------------------------------------------
+// bfloat16_t before Metal 3.1: a 16-bit struct holding the upper half of a
+// float, as MLX's bf16.h defined it for macOS 13 (MLX <= 0.29). Conversions
+// round to nearest even; bf16 op bf16 computes in float and rounds back;
+// bf16 op float/half gives float; bf16 op integer gives bf16.
+// ---------------------------------------------------------------------------
+namespace msim {
+struct bf16 {
+  unsigned short bits_;
+  struct from_bits_t {};
+  bf16() = default;
+  constexpr bf16(unsigned short b, from_bits_t) : bits_(b) {}
+  template <class T, class = enable_if_t<!is_same<T, bf16>::value && __is_convertible_to(T, float)>>
+  bf16(T x) : bits_(msim_rtlib::f2bf(static_cast<float>(x))) {}
+  template <class T, class = enable_if_t<!is_same<T, bf16>::value && __is_convertible_to(float, T)>>
+  operator T() const { return static_cast<T>(msim_rtlib::u2f((unsigned)bits_ << 16)); }
+};
+MSIM_INL float bf2f(bf16 x) { return msim_rtlib::u2f((unsigned)x.bits_ << 16); }
+// The operators live in msim so that argument-dependent lookup finds them from templates.
+constexpr msim::bf16 operator-(msim::bf16 x) {  // flips the sign bit, as float negation does
+  return msim::bf16((unsigned short)(x.bits_ ^ 0x8000u), msim::bf16::from_bits_t{});
+}
+#define MSIM_BF_BIN(op)                                                                            \
+  MSIM_INL msim::bf16 operator op(msim::bf16 a, msim::bf16 b) { return msim::bf16(msim::bf2f(a) op msim::bf2f(b)); } \
+  MSIM_INL float operator op(msim::bf16 a, float b) { return msim::bf2f(a) op b; }                 \
+  MSIM_INL float operator op(float a, msim::bf16 b) { return a op msim::bf2f(b); }                 \
+  MSIM_INL float operator op(msim::bf16 a, half b) { return msim::bf2f(a) op (float)b; }           \
+  MSIM_INL float operator op(half a, msim::bf16 b) { return (float)a op msim::bf2f(b); }           \
+  MSIM_BF_INT(op, int) MSIM_BF_INT(op, uint) MSIM_BF_INT(op, long) MSIM_BF_INT(op, ulong)
+#define MSIM_BF_INT(op, I)                                                                         \
+  MSIM_INL msim::bf16 operator op(msim::bf16 a, I b) { return msim::bf16(msim::bf2f(a) op (float)b); } \
+  MSIM_INL msim::bf16 operator op(I a, msim::bf16 b) { return msim::bf16((float)a op msim::bf2f(b)); }
+MSIM_BF_BIN(+) MSIM_BF_BIN(-) MSIM_BF_BIN(*) MSIM_BF_BIN(/)
+#undef MSIM_BF_INT
+#define MSIM_BF_INT(op, I)                                                                         \
+  MSIM_INL bool operator op(msim::bf16 a, I b) { return msim::bf2f(a) op (float)b; }               \
+  MSIM_INL bool operator op(I a, msim::bf16 b) { return (float)a op msim::bf2f(b); }
+#define MSIM_BF_CMP(op)                                                                            \
+  MSIM_INL bool operator op(msim::bf16 a, msim::bf16 b) { return msim::bf2f(a) op msim::bf2f(b); } \
+  MSIM_BF_INT(op, float) MSIM_BF_INT(op, half) MSIM_BF_INT(op, int) MSIM_BF_INT(op, uint)          \
+  MSIM_BF_INT(op, long) MSIM_BF_INT(op, ulong)
+MSIM_BF_CMP(<) MSIM_BF_CMP(>) MSIM_BF_CMP(<=) MSIM_BF_CMP(>=) MSIM_BF_CMP(==) MSIM_BF_CMP(!=)
+#undef MSIM_BF_INT
+#undef MSIM_BF_CMP
+#undef MSIM_BF_BIN
+#define MSIM_BF_ASSIGN1(op, I)                                                                     \
+  MSIM_INL msim::bf16& operator op##=(msim::bf16& a, I b) { a = msim::bf16(msim::bf2f(a) op (float)b); return a; } \
+  MSIM_INL I& operator op##=(I& a, msim::bf16 b) { a = (I)((float)a op msim::bf2f(b)); return a; }
+#define MSIM_BF_ASSIGN(op)                                                                         \
+  MSIM_INL msim::bf16& operator op##=(msim::bf16& a, msim::bf16 b) { a = msim::bf16(msim::bf2f(a) op msim::bf2f(b)); return a; } \
+  MSIM_BF_ASSIGN1(op, float) MSIM_BF_ASSIGN1(op, half) MSIM_BF_ASSIGN1(op, short)                  \
+  MSIM_BF_ASSIGN1(op, int) MSIM_BF_ASSIGN1(op, long) MSIM_BF_ASSIGN1(op, ushort)                   \
+  MSIM_BF_ASSIGN1(op, uint) MSIM_BF_ASSIGN1(op, ulong)
+MSIM_BF_ASSIGN(+) MSIM_BF_ASSIGN(-) MSIM_BF_ASSIGN(*) MSIM_BF_ASSIGN(/)
+#undef MSIM_BF_ASSIGN
+#undef MSIM_BF_ASSIGN1
+}  // namespace msim
+typedef msim::bf16 bfloat16_t;
+namespace metal {
+template <> struct numeric_limits<msim::bf16> {
+  static constexpr bool is_specialized = true;
+  static constexpr bool is_integer = false;
+  static constexpr bool has_infinity = true;
+  static constexpr bool has_quiet_NaN = true;
+#define MSIM_BF_BITS(name, b) \
+  static constexpr msim::bf16 name() { return msim::bf16((unsigned short)(b), msim::bf16::from_bits_t{}); }
+  MSIM_BF_BITS(min, 0x0080) MSIM_BF_BITS(max, 0x7F7F) MSIM_BF_BITS(lowest, 0xFF7F)
+  MSIM_BF_BITS(epsilon, 0x3C00) MSIM_BF_BITS(denorm_min, 0x0001) MSIM_BF_BITS(infinity, 0x7F80)
+  MSIM_BF_BITS(quiet_NaN, 0x7FC0) MSIM_BF_BITS(signaling_NaN, 0x7F81)
+#undef MSIM_BF_BITS
+};
+// Math on bfloat16_t: computed in float, rounded back (what MLX's bf16_math.h provides).
+#define MSIM_BF_F1(name) MSIM_INL bfloat16_t name(bfloat16_t x) { return bfloat16_t(name(msim::bf2f(x))); }
+MSIM_BF_F1(exp) MSIM_BF_F1(exp2) MSIM_BF_F1(exp10) MSIM_BF_F1(log) MSIM_BF_F1(log2)
+MSIM_BF_F1(log10) MSIM_BF_F1(sqrt) MSIM_BF_F1(rsqrt) MSIM_BF_F1(cbrt) MSIM_BF_F1(sin) MSIM_BF_F1(cos)
+MSIM_BF_F1(tan) MSIM_BF_F1(asin) MSIM_BF_F1(acos) MSIM_BF_F1(atan) MSIM_BF_F1(sinh) MSIM_BF_F1(cosh)
+MSIM_BF_F1(tanh) MSIM_BF_F1(asinh) MSIM_BF_F1(acosh) MSIM_BF_F1(atanh)
+MSIM_BF_F1(floor) MSIM_BF_F1(ceil) MSIM_BF_F1(round) MSIM_BF_F1(rint) MSIM_BF_F1(trunc)
+MSIM_BF_F1(fract) MSIM_BF_F1(fabs) MSIM_BF_F1(abs) MSIM_BF_F1(saturate) MSIM_BF_F1(sign)
+#undef MSIM_BF_F1
+MSIM_INL bool isnan(bfloat16_t x) { return x != x; }
+MSIM_INL bool isinf(bfloat16_t x) { return __builtin_isinf(msim::bf2f(x)); }
+MSIM_INL bool isfinite(bfloat16_t x) { return __builtin_isfinite(msim::bf2f(x)); }
+#endif  // MSIM_METAL_VERSION < 310
+
 namespace fast {
 using metal::abs; using metal::acos; using metal::asin; using metal::atan; using metal::atan2;
 using metal::ceil; using metal::clamp; using metal::cos; using metal::cosh; using metal::divide;
@@ -562,7 +713,7 @@ using metal::saturate; using metal::sign; using metal::sin; using metal::sinh; u
 using metal::tan; using metal::tanh; using metal::trunc; using metal::max3; using metal::min3;
 using metal::fmax3; using metal::fmin3; using metal::recip; using metal::normalize;
 using metal::length; using metal::distance; using metal::sinpi; using metal::cospi;
-using metal::tanpi; using metal::median3; using metal::exp2; using metal::log1p;
+using metal::tanpi; using metal::median3;
 }  // namespace fast
 namespace precise {
 using namespace metal::fast;
@@ -748,6 +899,47 @@ MSIM_SHUF(simd_shuffle_up, SH_UP, 32)
 MSIM_SHUF(simd_shuffle_down, SH_DOWN, 32)
 MSIM_SHUF(simd_shuffle_rotate_down, SH_ROT_DOWN, 32)
 MSIM_SHUF(simd_shuffle_rotate_up, SH_ROT_UP, 32)
+// simd_shuffle_and_fill_{up,down}(data, filling, delta[, modulo]): lanes whose
+// source falls outside their group of `modulo` lanes read `filling` from the
+// lane delta positions away instead.
+namespace detail {
+template <class T, bool Up>
+void coll_shuffle_fill(msim_coll* const* s, unsigned mask) {
+  T tmp[32];
+  for (unsigned m = mask; m; m &= m - 1) {
+    int l = __builtin_ctz(m);
+    long delta = (long)s[l]->u[0], mod = (long)s[l]->u[1];
+    long g = l - l % mod, i = l % mod;
+    long src = Up ? i - delta : i + delta;
+    bool fill = src < 0 || src >= mod;
+    long lane = fill ? (Up ? g + src + mod : g + src - mod) : g + src;
+    if (lane < 0 || lane >= 32 || !((mask >> lane) & 1)) tmp[l] = T{};
+    else tmp[l] = fill ? *(T*)s[lane]->p[2] : in_of<T>(s, (int)lane);
+  }
+  for (unsigned m = mask; m; m &= m - 1) out_of<T>(s, __builtin_ctz(m)) = tmp[__builtin_ctz(m)];
+}
+template <class T, bool Up>
+MSIM_INL T shuffle_fill(T x, T filling, ushort delta, ushort modulo) {
+  T r;
+  msim_coll c;
+  c.fn = &coll_shuffle_fill<T, Up>;
+  c.p[0] = &x;
+  c.p[1] = &r;
+  c.p[2] = &filling;
+  c.u[0] = delta;
+  c.u[1] = modulo;
+  MSIM_BARRIER_FENCE();
+  msim_rt_collective(&c);
+  MSIM_BARRIER_FENCE();
+  return r;
+}
+}  // namespace detail
+template <class T> MSIM_INL T simd_shuffle_and_fill_up(T x, T filling, ushort delta, ushort modulo = 32) {
+  return detail::shuffle_fill<T, true>(x, filling, delta, modulo);
+}
+template <class T> MSIM_INL T simd_shuffle_and_fill_down(T x, T filling, ushort delta, ushort modulo = 32) {
+  return detail::shuffle_fill<T, false>(x, filling, delta, modulo);
+}
 MSIM_SHUF(quad_shuffle, SH_IDX, 4)
 MSIM_SHUF(quad_broadcast, SH_IDX, 4)
 MSIM_SHUF(quad_shuffle_xor, SH_XOR, 4)
@@ -1226,6 +1418,18 @@ MSIM_INL void* tg_alloc(int site, unsigned long size, unsigned long align) {
 }  // namespace msim
 
 // ---------------------------------------------------------------------------
+// What MLX's bf16_math.h and logging.h declare (includes.py skips them: they
+// wrap Metal compiler intrinsics and address-space overloads).
+// ---------------------------------------------------------------------------
+namespace mlx {
+struct os_log {
+  constexpr os_log(const char*, const char*) {}
+  template <typename... Args> void log_debug(const char*, Args...) const {}
+};
+}  // namespace mlx
+
+#ifndef MSIM_MLX_UTILS
+// ---------------------------------------------------------------------------
 // Subset of MLX's kernels/utils.h that custom kernels commonly use.
 // ---------------------------------------------------------------------------
 template <typename U>
@@ -1245,6 +1449,9 @@ struct Limits {
 MSIM_FLOAT_LIMIT(float)
 MSIM_FLOAT_LIMIT(half)
 MSIM_FLOAT_LIMIT(bfloat)
+#if MSIM_METAL_VERSION < 310
+MSIM_FLOAT_LIMIT(bfloat16_t)
+#endif
 #undef MSIM_FLOAT_LIMIT
 
 template <typename T, typename U>
@@ -1260,3 +1467,4 @@ METAL_FUNC IdxT elem_to_loc(IdxT elem, S shape, St strides, int ndim) {
   }
   return loc;
 }
+#endif  // MSIM_MLX_UTILS

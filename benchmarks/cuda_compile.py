@@ -1,0 +1,92 @@
+"""Compile every CUDA kernel variant of every GPU family with nvcc (no GPU needed).
+
+    python benchmarks/cuda_compile.py [--families sm80 sm86 ...] [--head-dims 64 128 ...] [--out DIR]
+
+Each variant is rendered exactly as the backend renders it (cuda_source.source), wrapped in a
+__global__ signature like the one mx.fast.cuda_kernel generates, and compiled for its family's
+architecture (sm_80, sm_86, sm_90a, sm_100a, sm_120a). Prints registers, stack and spills per
+kernel (ptxas --resource-usage; NVRTC, which MLX runs, allocates the same way up to small
+differences) and exits 1 on a compile error or a serialized wgmma. With --out, writes each
+kernel's PTX there (the entry is always mlxflash_kernel), to compare two versions of the templates.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import mlx.core as mx
+
+from mlx_flash import inspect
+from mlx_flash.backends import cuda_source
+from mlx_flash.planner import KERNELS
+
+ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
+POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float"}
+
+
+def translation_unit(variant: cuda_source.KernelVariant) -> str:
+    header, body, inputs, outputs = cuda_source.source(variant)
+    signature = ", ".join([f"const {POINTER_TYPES.get(n, variant.input_type)}* {n}" for n in inputs]
+                          + [f"{POINTER_TYPES.get(n, variant.input_type)}* {n}" for n in outputs])
+    return ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" + header
+            + f"\n__global__ void mlxflash_kernel({signature}) {{\n{body}\n}}\n")
+
+
+def compile_variant(variant, arch: str, tmp: str, ptx_dir=None) -> str:
+    """One line: the variant, its resources, or the compile error."""
+    path = os.path.join(tmp, variant.name + ".cu")
+    with open(path, "w") as f:
+        f.write(translation_unit(variant))
+    r = subprocess.run(["nvcc", f"-gencode=arch={arch.replace('sm_', 'compute_')},code={arch}", "-O3",
+                        "--resource-usage", "-cubin", path, "-o", path + ".cubin"], capture_output=True, text=True)
+    text = r.stdout + r.stderr
+    if r.returncode != 0:
+        return f"ERROR {variant.name} ({arch}): {text[-800:]}"
+    if ptx_dir:
+        subprocess.run(["nvcc", f"-arch={arch}", "-O3", "-ptx", path, "-o",
+                        os.path.join(ptx_dir, f"{variant.name}.{arch}.ptx")], check=True, capture_output=True)
+    regs = re.search(r"Used (\d+) registers", text)
+    spill = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    serialized = " SERIALIZED" if "serialized" in text else ""
+    return (f"{variant.name} ({arch}): P={variant.parallel_block} T={variant.traversal_block} H={variant.head_block} "
+            f"warps={variant.warps} smem={variant.shared_memory} regs={regs.group(1) if regs else '?'} "
+            f"stack/spill-st/spill-ld={'/'.join(spill.groups()) if spill else '?'}{serialized}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--families", nargs="+", default=list(ARCHES))
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 192, 256, 512])
+    parser.add_argument("--masks", nargs="+", default=["causal"], choices=inspect.MASKS)
+    parser.add_argument("--mma-only", action="store_true", help="sm90: the mma.sync kernels instead of wgmma")
+    parser.add_argument("--out", help="write each kernel's PTX here")
+    args = parser.parse_args(argv)
+    if shutil.which("nvcc") is None:
+        print("no nvcc")
+        return 2
+    tuning = cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False) if args.mma_only else cuda_source.Tuning()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.families:
+            family = cuda_source.family_named(name)
+            for head_dim in args.head_dims:
+                for mask in args.masks:
+                    spec = inspect.make_spec(head_dim, "bfloat16", mask)
+                    mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
+                    for kernel in KERNELS:
+                        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90=True)
+                        line = compile_variant(variant, ARCHES[name], tmp, args.out)
+                        failed |= line.startswith("ERROR") or "SERIALIZED" in line
+                        print(line, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,472 @@
+"""Plan -> CUDA source for the attention kernels: GPU families, tuning, variants and their text.
+
+The chain, as in metal_source.py: a call's spec and the GPU family (kernels/families_cuda.txt)
+give a block plan (kernels/blocks_cuda.txt through mlx_flash.planner); the plan, the call's
+compile-time features and the `Tuning` value make a `KernelVariant` (frozen: the compile-cache
+key); `source(variant)` renders kernels/attention_*.cu with the variant's constants.
+
+Kernels: forward (O, L), a per-row preprocessing step for the backward (delta = rowsum(dO * O)
+- dL, L in base 2), dQ, and dK/dV. On sm_90 the forward, dQ and dK/dV for head_dim <= 256 are
+warp-specialized warpgroup-MMA kernels (kernels/attention_*_wgmma.cu, rows of family
+"sm90_wgmma"); elsewhere, and past 256, mma.sync kernels (the family's own rows).
+A plan that breaks its family's limits is an error, never shrunk at run time: each family's rows
+are chosen for its shared memory (tests/test_plans.py checks every head dim 1..512).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import FrozenSet, List, Mapping, Optional, Tuple
+
+import mlx.core as mx
+
+from .. import planner
+from ..render import render, template_text
+from ..spec import AttentionSpec
+from .common import MASK_KINDS
+
+MAX_HEAD_DIM = 512
+DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
+PREPARE_ROWS_PER_BLOCK = 4  # ROWS_PER_BLOCK of kernels/attention_backward_prepare.cu
+CUDA_TYPES = MappingProxyType({mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
+                               mx.bool_: "bool"})
+HEADER = "attention_common.cuh"
+TEMPLATES = MappingProxyType({"forward": "attention_forward.cu", "backward_query": "attention_backward_query.cu",
+                              "backward_key_value": "attention_backward_key_value.cu"})
+WGMMA_TEMPLATES = MappingProxyType({"forward": "attention_forward_wgmma.cu",
+                                    "backward_query": "attention_backward_query_wgmma.cu",
+                                    "backward_key_value": "attention_backward_key_value_wgmma.cu"})
+# wgmma kernels: P = 64 rows per consumer warpgroup of 4 warps, plus a producer warpgroup. The O /
+# dQ / dK / dV tile is wgmma's N, at most 256 columns. dK/dV: the dK and dV accumulators of a
+# 64-row warpgroup hold D / 2 floats each per thread, which beside the score tiles fit the
+# consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); past the row's H the kernel
+# splits D into 128-column parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each
+# (column groups).
+WGMMA_MAX_COLUMNS = 256
+WGMMA_SLICE_WIDTH = 128
+WGMMA_WHOLE_MAX_COLUMNS = 160
+WGMMA_STAGES = 2  # STAGES in the wgmma templates (K / V or Q / dO buffers of the producer's ring)
+# The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
+# (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
+PINGPONG = "pingpong"
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+# ----------------------------------------------------------------------------------- families
+@dataclass(frozen=True)
+class Family:
+    """One row of kernels/families_cuda.txt.
+
+    Attributes:
+        name: e.g. "sm80"; the block table's rows of this family carry the name (and
+            "<name>_wgmma" for the warpgroup-MMA kernels).
+        capabilities: compute capabilities (10 * major + minor) in the family.
+        shared_memory: opt-in dynamic shared memory per block, bytes.
+        threads: most threads per block.
+        wgmma: whether the warpgroup-MMA kernels exist for the family.
+        gpus: examples, for people.
+    """
+
+    name: str
+    capabilities: FrozenSet[int]
+    shared_memory: int
+    threads: int
+    wgmma: bool
+    gpus: str
+
+
+@functools.lru_cache(maxsize=None)
+def families() -> Tuple[Family, ...]:
+    """The families of kernels/families_cuda.txt, in table order."""
+    rows = []
+    for number, line in enumerate(template_text("families_cuda.txt").splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        fields = line.split(None, 5)
+        if len(fields) != 6 or fields[4] not in ("yes", "no"):
+            raise ValueError(f"families_cuda.txt line {number}: expected 'family capabilities shared_memory "
+                             f"threads yes|no GPUs', got {line!r}")
+        name, capabilities, memory, threads, wgmma, gpus = fields
+        rows.append(Family(name, frozenset(int(c) for c in capabilities.split(",")), int(memory), int(threads),
+                           wgmma == "yes", gpus))
+    return tuple(rows)
+
+
+def family_of(capability: Optional[int]) -> Optional[Family]:
+    """The family of a compute capability (e.g. 86 -> sm86), None where no family has it."""
+    return next((f for f in families() if capability in f.capabilities), None)
+
+
+def family_named(name: str) -> Family:
+    """The family called `name` (ValueError naming the known ones otherwise)."""
+    found = next((f for f in families() if f.name == name), None)
+    if found is None:
+        raise ValueError(f"[cuda] family must be one of {[f.name for f in families()]}, got {name!r}.")
+    return found
+
+
+# ------------------------------------------------------------------------------------- tuning
+@dataclass(frozen=True)
+class Tuning:
+    """Every knob the exploration tools turn, as one value; part of each variant's cache key.
+
+    The default, Tuning(), is the block table's choice everywhere.
+
+    Attributes:
+        blocks: {kernel: (P, T, H[, warps])} replacing the table's row at every head dim; a
+            kernel name with the suffix "_wgmma" replaces the warpgroup-MMA kernel's row. Given
+            as a dict, kept as a sorted tuple of pairs (hashable).
+        wgmma_forward: None = the wgmma forward where the family has it and the GPU is a real
+            sm_90; False = mma.sync everywhere; True = wgmma wherever a row covers D, whatever the
+            GPU (rendering and nvcc resource checks on any machine).
+        wgmma_backward: the same for the dQ and dK/dV kernels.
+        pingpong: None = the table's options column; True / False forces the wgmma forward's
+            consumer warpgroups to take turns issuing MMAs, or not.
+        block_major: None = block-major CTA order under causal masks (head-major otherwise);
+            True / False forces one order (see `block_major`).
+    """
+
+    blocks: Tuple[Tuple[str, Tuple[int, ...]], ...] = field(default=())
+    wgmma_forward: Optional[bool] = None
+    wgmma_backward: Optional[bool] = None
+    pingpong: Optional[bool] = None
+    block_major: Optional[bool] = None
+
+    def __post_init__(self):
+        blocks = dict(self.blocks) if isinstance(self.blocks, (Mapping, tuple, list)) else None
+        if blocks is None:
+            raise TypeError(f"[cuda] Tuning.blocks must be a dict {{kernel: (P, T, H[, warps])}}, got {self.blocks!r}.")
+        for name, shape in blocks.items():
+            if name.removesuffix("_wgmma") not in planner.KERNELS or not 3 <= len(shape) <= 4:
+                raise ValueError(f"[cuda] Tuning.blocks: {name!r}: {shape!r} must name a kernel of "
+                                 f"{planner.KERNELS} (optionally + '_wgmma') with (P, T, H[, warps]).")
+        object.__setattr__(self, "blocks", tuple(sorted((k, tuple(v)) for k, v in blocks.items())))
+
+    def block_override(self, name: str) -> Optional[Tuple[int, ...]]:
+        return dict(self.blocks).get(name)
+
+    def wgmma_override(self, kernel: str) -> Optional[bool]:
+        return self.wgmma_forward if kernel == "forward" else self.wgmma_backward
+
+
+def block_major(spec: AttentionSpec, tuning: Tuning) -> bool:
+    """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
+    than head-major: under a causal mask blocks differ in work by up to N / block times, and
+    block-major order starts every head's longest blocks first. H100, causal / non-causal time in
+    an interleaved A/B, head-major vs block-major: forward D=160 0.89 vs 0.68, D=256 0.67 vs 0.58,
+    D=512 0.61 vs 0.54, D <= 128 within 0.01; fwd+bwd D=64 0.71 vs 0.65, N=16K D=128 0.51 vs
+    0.54, elsewhere within 0.03. (A single comparison per row favoured whichever order was timed
+    second, in both directions.)"""
+    return spec.causal if tuning.block_major is None else tuning.block_major
+
+
+# ----------------------------------------------------------------------------------- variants
+@dataclass(frozen=True)
+class KernelVariant:
+    """Compile-time constants of one attention kernel (hashable: the kernel cache key).
+
+    Attributes:
+        kernel: "forward", "backward_query" or "backward_key_value".
+        family: the GPU family whose rows planned it (e.g. "sm86").
+        instruction: "mma.sync" (sm_80+) or "wgmma" (sm_90: one consumer warpgroup per 64 rows,
+            m_tiles = 1, warps = 4 * consumer warpgroups, plus a producer warpgroup).
+        input_type: CUDA element type of q, k, v ("__half" or "__nv_bfloat16").
+        head_dim: D. padded_dim: D rounded up to 16 (the QK^T / dO V^T contraction).
+        head_block: output columns per warp (mma.sync) or per warpgroup (wgmma), a multiple of 16.
+        col_groups: warps (warpgroups) of one CTA side by side along the output columns; the CTA
+            covers col_groups * head_block columns. slices: CTAs per parallel block.
+        warps: warps per CTA (row groups = warps / col_groups), producer not counted.
+        m_tiles: 16-row m-tiles per warp (parallel block = 16 * m_tiles * row groups).
+        traversal_block: keys (forward, dQ) or queries (dK/dV) streamed per step.
+        causal, window, softcap: which index masks / transforms are compiled in.
+        mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
+        pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
+        tuning: the Tuning value it was planned with (part of the key).
+    """
+
+    kernel: str
+    family: str
+    instruction: str
+    input_type: str
+    head_dim: int
+    padded_dim: int
+    head_block: int
+    slices: int
+    m_tiles: int
+    traversal_block: int
+    causal: bool
+    window: bool
+    softcap: bool
+    mask_kind: int
+    mask_type: str
+    warps: int = DEFAULT_WARPS
+    col_groups: int = 1
+    pingpong: bool = False
+    tuning: Tuning = Tuning()
+
+    @property
+    def row_groups(self) -> int:
+        return self.warps // self.col_groups
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps + (128 if self.instruction == "wgmma" else 0)  # + the producer warpgroup
+
+    @property
+    def parallel_block(self) -> int:
+        return 16 * self.m_tiles * self.row_groups
+
+    @property
+    def staged_dim(self) -> int:
+        """Columns of each shared-memory tile in the backward kernels (every slice fits)."""
+        return self.slices * self.col_groups * self.head_block
+
+    @property
+    def shared_memory(self) -> int:
+        """Bytes of dynamic shared memory (the templates' SMEM_BYTES; they static_assert it)."""
+        bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
+        if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
+            row, stages = -(-self.padded_dim // 64) * 128, WGMMA_STAGES
+            if self.kernel == "forward":  # Q; K and V rings
+                return 1024 + row * (bm + 2 * stages * bn) + 32 * stages
+            if self.kernel == "backward_query":  # Q and dO; K and V rings
+                return 1024 + row * (2 * bm + 2 * stages * bn) + 32 * stages
+            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
+            tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
+            swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
+            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + stages * (8 * bn + 24)
+        if self.kernel == "forward":
+            row = self.padded_dim + 8
+            return (bm * row + 2 * bn * row + 2 * bn * (cg * self.head_block + 8)) * 2
+        row = self.staged_dim + 8
+        shared_scores = bm * (bn + 8) if cg > 1 else 0  # P^T and dS^T (dK/dV) or dS (dQ) tiles
+        if self.kernel == "backward_query":
+            return (2 * bm * row + 4 * bn * row + shared_scores) * 2
+        return (2 * bm * row + 4 * bn * row + 2 * shared_scores) * 2 + 4 * bn * 4
+
+    @property
+    def name(self) -> str:
+        flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
+                                         ("p", self.pingpong)) if on)
+        kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
+        return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
+                f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
+                f"_k{self.mask_kind}{self.mask_type.replace('__', '').replace('nv_', '')}_{flags or 'x'}")
+
+    def constants(self) -> dict:
+        """The template's {{name}} values."""
+        values = dict(input_type=self.input_type, mask_type=self.mask_type, head_dim=self.head_dim,
+                      padded_dim=self.padded_dim, traversal_block=self.traversal_block, causal=self.causal,
+                      window=self.window, softcap=self.softcap, mask_kind=self.mask_kind)
+        if self.instruction == "wgmma":
+            values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
+            if self.kernel == "forward":
+                values["pingpong"] = self.pingpong
+            if self.kernel == "backward_key_value":
+                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
+            return values
+        values.update(head_block=self.head_block, slices=self.slices, m_tiles=self.m_tiles,
+                      row_groups=self.row_groups, col_groups=self.col_groups)
+        if self.kernel != "forward":
+            values["staged_dim"] = self.staged_dim
+        return values
+
+
+def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int, int]:
+    """(warp column width H, column groups CG, CTA slices) covering head_dim.
+
+    ceil(D / head_block) slices are rounded up to a count the CTA's warps divide evenly (a
+    divisor of `warps`, or a multiple of it past that), then made as narrow as the head dim
+    allows (H = D / slices rounded up to 16): D = 160 with head_block 128 gives 2 x 80, not 2 x 128.
+    """
+    slices = -(-head_dim // head_block)
+    if slices <= warps:
+        slices = min(c for c in range(slices, warps + 1) if warps % c == 0)
+    else:
+        slices = _round_up(slices, warps)
+    width = _round_up(-(-head_dim // slices), 16)
+    col_groups = min(slices, warps)
+    return width, col_groups, slices // col_groups
+
+
+def wgmma_covers(kernel: str, head_dim: int, family: Family) -> bool:
+    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d; wgmma's N)."""
+    if not family.wgmma:
+        return False
+    rows = [r for r in planner.load_table("cuda") if r.kernel == kernel and r.family == family.name + "_wgmma"]
+    return bool(rows) and head_dim <= min(WGMMA_MAX_COLUMNS, max(r.max_head_dim for r in rows))
+
+
+def uses_wgmma(kernel: str, head_dim: int, family: Family, tuning: Tuning, real_sm90: bool) -> bool:
+    """Whether `kernel` runs its warpgroup-MMA version: the family has it at this head dim and
+    either the GPU is a real sm_90 (wgmma is sm_90a; Blackwell dropped it) or the tuning forces it."""
+    override = tuning.wgmma_override(kernel)
+    if override is False or not wgmma_covers(kernel, head_dim, family):
+        return False
+    return bool(override) or real_sm90
+
+
+# Cached: working the table out took 8 us of the call's ~50 us host time (CI machine, D=64).
+@functools.lru_cache(maxsize=4096)
+def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], family: Family,
+                 tuning: Tuning = Tuning(), real_sm90: bool = False) -> KernelVariant:
+    """The variant serving `spec` with `kernel` on `family`.
+
+    Args:
+        kernel: one of planner.KERNELS.
+        spec: the call (fp16 / bf16, head_dim 1..512).
+        mask_dtype: the array mask's dtype, None without one.
+        family: the GPU family (family_of(capability)).
+        tuning: overrides of the table's choices.
+        real_sm90: the GPU is an sm_90 (the wgmma kernels may run).
+
+    Raises:
+        ValueError: a table row (or a tuning override) that the kernels cannot take or that
+            breaks the family's shared memory / thread limits.
+    """
+    if uses_wgmma(kernel, spec.head_dim, family, tuning, real_sm90):
+        variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning)
+    else:
+        variant = _mma_variant(kernel, spec, mask_dtype, family, tuning)
+    check_limits(variant, family)
+    return variant
+
+
+def check_limits(variant: KernelVariant, family: Family) -> None:
+    """Raise before compiling if the variant breaks its family's limits (it would fail at launch)."""
+    if variant.shared_memory > family.shared_memory:
+        raise ValueError(f"[cuda] blocks_cuda.txt: {variant.name} needs {variant.shared_memory} bytes of shared "
+                         f"memory, over family {family.name}'s {family.shared_memory}; give the row smaller blocks.")
+    if variant.threads > family.threads:
+        raise ValueError(f"[cuda] blocks_cuda.txt: {variant.name} needs {variant.threads} threads per block, over "
+                         f"family {family.name}'s {family.threads}.")
+
+
+def _features(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> dict:
+    return dict(input_type=CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=_round_up(spec.head_dim, 16),
+                causal=spec.causal, window=spec.window is not None, softcap=spec.softcap is not None,
+                mask_kind=MASK_KINDS[spec.mask_kind],
+                mask_type=CUDA_TYPES[mask_dtype] if mask_dtype is not None else CUDA_TYPES[spec.dtype])
+
+
+def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning) -> KernelVariant:
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, family.name)
+    block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps
+    override = tuning.block_override(kernel)
+    if override is not None:
+        block, keys, columns, *rest = override
+        warps = rest[0] if rest else warps
+    warps = warps or DEFAULT_WARPS
+    features = _features(spec, mask_dtype)
+    padded = features["padded_dim"]
+    width, col_groups, cta_slices = column_slices(spec.head_dim, min(_round_up(columns, 16), padded), warps)
+    row_groups = warps // col_groups
+    where = f"the {family.name} {kernel} at head_dim={spec.head_dim}"
+    if block % (16 * row_groups):
+        raise ValueError(f"[cuda] blocks_cuda.txt: P={block} for {where} must be a multiple of 16 * {row_groups} "
+                         f"(row groups of {warps} warps, {col_groups} column groups).")
+    # The backward kernels split the traversal block over the column groups in 8-wide tiles.
+    min_block = 16 if kernel == "forward" or col_groups == 1 else max(16, 8 * col_groups)
+    if keys % min_block:
+        raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of {min_block} "
+                         f"({col_groups} column groups).")
+    return KernelVariant(kernel=kernel, family=family.name, instruction="mma.sync", head_block=width,
+                         slices=cta_slices, m_tiles=block // (16 * row_groups), traversal_block=keys,
+                         warps=warps, col_groups=col_groups, tuning=tuning, **features)
+
+
+def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning) -> KernelVariant:
+    rows = family.name + "_wgmma"
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows)
+    block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
+    override = tuning.block_override(kernel + "_wgmma")
+    if override is not None:
+        block, keys, columns, *rest = override
+        warps = rest[0] if rest else block // 16
+    # Consumer warps (4 per warpgroup): the dK/dV kernel's register split needs exactly two.
+    consumers = (8,) if kernel == "backward_key_value" else (8, 12)
+    features = _features(spec, mask_dtype)
+    padded = features["padded_dim"]
+    where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
+    # dK/dV past the row's H columns: P = 128 keys (64 per warpgroup) splits D into 128-column
+    # CTAs (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
+    wide = kernel == "backward_key_value" and padded > _round_up(columns, 16)
+    if kernel == "backward_key_value" and (padded > WGMMA_WHOLE_MAX_COLUMNS if not wide else columns != WGMMA_SLICE_WIDTH):
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: a warpgroup holds dK / dV for all of D "
+                         f"up to {WGMMA_WHOLE_MAX_COLUMNS} columns, past that H must be {WGMMA_SLICE_WIDTH} "
+                         f"(slices or column groups).")
+    col_groups = 2 if wide and block == 8 * warps else 1
+    if warps not in consumers or block * col_groups != 16 * warps:
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where} needs P = 64 rows per consumer warpgroup of 4 warps, "
+                         f"{' or '.join(str(w // 4) for w in consumers)} of them"
+                         f"{' (or 64 shared by both past D = 128)' if wide else ''}; got P={block} with {warps} warps.")
+    most = 256 if kernel == "forward" else 128
+    if keys % 16 or not 16 <= keys <= most:
+        raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of 16 in [16, {most}].")
+    slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and col_groups == 1 else 1
+    pingpong = kernel == "forward" and (plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
+    return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
+                         head_block=WGMMA_SLICE_WIDTH if wide else padded, slices=slices, m_tiles=1,
+                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong, tuning=tuning,
+                         **features)
+
+
+# ------------------------------------------------------------------------------------- source
+def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, input names, output names) of the variant, for mx.fast.cuda_kernel."""
+    has_mask = variant.mask_kind != 0
+    mask_arg = "mask" if has_mask else f"(const {variant.mask_type}*)nullptr"
+    if variant.instruction == "wgmma":
+        parts = [template_text(HEADER), _wgmma_wrappers(variant), template_text("wgmma_common.cuh"),
+                 render(WGMMA_TEMPLATES[variant.kernel], **variant.constants())]
+        suffix = "_wgmma"
+    else:
+        parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
+        suffix = ""
+    inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix)
+    return "\n".join(parts), body, inputs, outputs
+
+
+def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str) -> Tuple[List[str], List[str], str]:
+    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>."""
+    if kernel == "forward":
+        inputs, outputs = ["q", "k", "v"], ["out", "lse"]
+    else:
+        inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
+        outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
+    inputs += (["mask"] if has_mask else []) + ["params", "fparams"]
+    args = [name for name in inputs if name != "mask"]
+    args.insert(len(args) - 2, mask_arg)
+    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args + outputs)});"
+    return inputs, outputs, body
+
+
+def prepare_source(input_type: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, inputs, outputs) of the backward preprocessing kernel."""
+    header = template_text(HEADER) + "\n" + render(
+        "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse)
+    body = "mlxflash::attention_backward_prepare(out, d_out, lse, d_lse, params, delta, lse2);"
+    return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"]
+
+
+def prepare_name(input_type: str, head_dim: int, has_d_lse: bool) -> str:
+    return f"mlxflash_prepare_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_{int(has_d_lse)}"
+
+
+def _wgmma_wrappers(variant: KernelVariant) -> str:
+    """kernels/wgmma_ops.cuh cut to the two widths the kernel uses (scores: traversal_block; O,
+    dQ or a dK / dV slice: head_block). MLX copies and hashes a kernel's source on every call:
+    the whole file (148 KB) made that host time 3x."""
+    text = template_text("wgmma_ops.cuh")
+    marker = "template <> struct Wgmma<"
+    first = text.index(marker)
+    head, structs = text[:first], text[first:].split(marker)[1:]
+    widths = {variant.traversal_block, variant.head_block}
+    keep = [marker + body for body in structs
+            if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == variant.input_type]
+    return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"

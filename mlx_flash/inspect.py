@@ -1,0 +1,155 @@
+"""What each GPU kernel of a call would run with: `plans()`, behind `python -m mlx_flash plan`.
+
+For one backend ("cuda" or "metal"), GPU (compute capability / Metal family), head dim, dtype and
+mask it returns, per kernel, the instruction family (wgmma / mma.sync / simdgroup_matrix, or
+fallback with the reason), the block sizes, warps, threads, shared memory bytes and the GPU
+family's limits: the same variants the backends compile, with nothing re-derived here.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import List, Optional
+
+import mlx.core as mx
+
+from .planner import KERNELS
+from .spec import AttentionSpec
+
+MASKS = ("none", "causal", "window", "bool", "additive")
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """How one kernel of a call runs on one GPU family.
+
+    Attributes:
+        kernel: "forward", "backward_query" or "backward_key_value".
+        family: the GPU family ("sm86", "sm90_wgmma", "m3", ...), None for a fallback without one.
+        instruction: "wgmma", "mma.sync", "simdgroup_matrix" or "fallback".
+        parallel_block, traversal_block, head_block: P, T, H (0 for a fallback).
+        warps: warps (SIMD-groups) per block, the wgmma producer warpgroup included.
+        threads: threads per block. shared_memory: bytes of shared (threadgroup) memory.
+        shared_memory_limit, threads_limit: the family's limits (0 for a fallback).
+        name: the compiled kernel's name (the variant), or the fallback's reason.
+    """
+
+    kernel: str
+    family: Optional[str]
+    instruction: str
+    parallel_block: int
+    traversal_block: int
+    head_block: int
+    warps: int
+    threads: int
+    shared_memory: int
+    shared_memory_limit: int
+    threads_limit: int
+    name: str
+
+    @property
+    def fits(self) -> bool:
+        return self.shared_memory <= self.shared_memory_limit and self.threads <= self.threads_limit
+
+    def as_dict(self) -> dict:
+        return dict(asdict(self), fits=self.fits)
+
+
+def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> AttentionSpec:
+    """The spec of a one-row call with this head dim, dtype and mask (sizes do not change a plan)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"[plan] dtype must be one of {tuple(DTYPES)}, got {dtype!r}.")
+    if mask not in MASKS:
+        raise ValueError(f"[plan] mask must be one of {MASKS}, got {mask!r}.")
+    if not isinstance(head_dim, int) or head_dim < 1:
+        raise ValueError(f"[plan] head_dim must be a positive int, got {head_dim!r}.")
+    mask_kind = mask if mask in ("bool", "additive") else "none"
+    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=1, kv_len=1, head_dim=head_dim, value_dim=head_dim,
+                         dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
+                         window=(16, 0) if mask == "window" else None, mask_kind=mask_kind,
+                         mask_shape=(1, 1, 1, 1) if mask_kind != "none" else None)
+
+
+def _fallback(kernel: str, reason: str, family: Optional[str] = None) -> KernelPlan:
+    return KernelPlan(kernel, family, "fallback", 0, 0, 0, 0, 0, 0, 0, 0, reason)
+
+
+def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "none",
+          capability: Optional[int] = None, family: Optional[str] = None, tuning=None) -> List[KernelPlan]:
+    """The plan of every kernel of a call.
+
+    Args:
+        backend: "cuda" or "metal".
+        head_dim: D (value dim = D).
+        dtype: "float16", "bfloat16" or "float32".
+        mask: "none", "causal", "window", "bool" or "additive".
+        capability: cuda: compute capability (10 * major + minor) of the GPU to plan for; the
+            plan is what a GPU of that capability runs (wgmma on sm_90). None = this machine's
+            backend (MLX_FLASH_CUDA_CAPABILITY, else its GPU).
+        family: metal: "m1" or "m3"; None = this machine's (MLX_FLASH_METAL_FAMILY, else detected).
+        tuning: cuda: a cuda_source.Tuning (default: the block table's choices).
+
+    Returns:
+        One KernelPlan per kernel (forward, backward_query, backward_key_value).
+    """
+    spec = make_spec(head_dim, dtype, mask)
+    mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
+    if backend == "cuda":
+        return _cuda_plans(spec, mask_dtype, capability, tuning)
+    if backend == "metal":
+        return _metal_plans(spec, family)
+    raise ValueError(f"[plan] backend must be 'cuda' or 'metal', got {backend!r}.")
+
+
+def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuning) -> List[KernelPlan]:
+    from .backends import cuda, cuda_source
+
+    tuning = tuning if tuning is not None else cuda_source.Tuning()
+    if capability is None:
+        backend = cuda.CUDABackend(tuning=tuning)
+        real_sm90 = backend.real_sm90()
+    else:
+        backend = cuda.CUDABackend(tuning=tuning, capability=capability)
+        real_sm90 = True  # what a GPU of that capability runs: wgmma where its family has it
+    reason = backend.unsupported_reason(spec)
+    if reason is not None:
+        return [_fallback(kernel, reason) for kernel in KERNELS]
+    family = backend.family()
+    result = []
+    for kernel in KERNELS:
+        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90)
+        result.append(KernelPlan(kernel, variant.family, variant.instruction, variant.parallel_block,
+                                 variant.traversal_block, variant.head_block, variant.threads // 32, variant.threads,
+                                 variant.shared_memory, family.shared_memory, family.threads, variant.name))
+    return result
+
+
+def _metal_plans(spec: AttentionSpec, family: Optional[str]) -> List[KernelPlan]:
+    from .backends import metal, metal_source
+
+    backend = metal.MetalBackend(family=family)
+    reason = backend.unsupported_reason(spec)
+    if reason is not None:
+        return [_fallback(kernel, reason, backend.family()) for kernel in KERNELS]
+    result = []
+    for kernel in KERNELS:
+        variant = metal_source.make_variant(kernel, spec, backend.family())
+        p = variant.plan
+        result.append(KernelPlan(kernel, backend.family(), "simdgroup_matrix", p.parallel_block, p.traversal_block,
+                                 p.head_block, variant.threads_per_threadgroup // 32, variant.threads_per_threadgroup,
+                                 variant.threadgroup_memory_bytes, metal_source.THREADGROUP_MEMORY_LIMIT,
+                                 metal_source.MAX_THREADS_PER_THREADGROUP, variant.name))
+    return result
+
+
+def format_table(rows: List[KernelPlan]) -> str:
+    """A fixed-width table of plans, one kernel per line."""
+    header = ("kernel", "family", "instruction", "P", "T", "H", "warps", "threads", "shared", "limit")
+    lines = [header] + [(r.kernel, r.family or "-", r.instruction, *(
+        "-" if r.instruction == "fallback" else str(x) for x in (
+            r.parallel_block, r.traversal_block, r.head_block, r.warps, r.threads, r.shared_memory,
+            r.shared_memory_limit))) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    text = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in lines]
+    text += [f"{r.kernel}: {r.name}" for r in rows if r.instruction == "fallback"][:1]
+    return "\n".join(text)

@@ -1,0 +1,47 @@
+"""`python -m mlx_flash plan`: print how each GPU kernel of a call is planned (mlx_flash.inspect).
+
+    python -m mlx_flash plan --backend cuda --capability 86 --head-dim 128 --dtype bfloat16 [--mask causal] [--json]
+    python -m mlx_flash plan --backend metal --family m1 --head-dim 96 --dtype float16
+
+Per kernel: the GPU family, instruction family (wgmma / mma.sync / simdgroup_matrix / fallback),
+block sizes P / T / H, warps, threads, shared memory bytes and the family's limit.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from . import inspect
+from .cli import dtype_argument, positive_int
+
+
+def add_plan_parser(subparsers) -> argparse.ArgumentParser:
+    """Register the `plan` subcommand on an argparse subparsers object (it runs run_plan)."""
+    parser = subparsers.add_parser("plan", help="print each kernel's plan for a GPU, head dim, dtype and mask",
+                                   description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", choices=("cuda", "metal"), default="cuda")
+    parser.add_argument("--capability", type=int,
+                        help="cuda: compute capability as 10 * major + minor, e.g. 80, 86, 90, 120 (default: this "
+                             "machine's, or MLX_FLASH_CUDA_CAPABILITY)")
+    parser.add_argument("--family", help="metal: m1 or m3 (default: this machine's, or MLX_FLASH_METAL_FAMILY)")
+    parser.add_argument("--head-dim", type=positive_int, required=True, help="D")
+    parser.add_argument("--dtype", default="bfloat16", type=dtype_argument,
+                        help="float32/fp32, float16/fp16 or bfloat16/bf16 (default: %(default)s)")
+    parser.add_argument("--mask", default="none", choices=inspect.MASKS)
+    parser.add_argument("--json", action="store_true", help="print JSON (one object per kernel)")
+    parser.set_defaults(run=run_plan)
+    return parser
+
+
+def run_plan(args) -> int:
+    """Print the plans of `args` (parsed by add_plan_parser's parser); 2 on a bad argument."""
+    try:
+        rows = inspect.plans(args.backend, args.head_dim, args.dtype, args.mask, capability=args.capability,
+                             family=args.family)
+    except ValueError as error:
+        print(f"python -m mlx_flash plan: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else inspect.format_table(rows))
+    return 0
+

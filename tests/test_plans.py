@@ -1,0 +1,156 @@
+"""Every GPU family's plans fit its limits, through the plan inspector (mlx_flash.inspect).
+
+For each CUDA family of kernels/families_cuda.txt and each Metal family, every kernel at every
+head dim 1..512, each dtype and mask kind: the block sizes the backend would compile fit the
+family's shared memory and threads (planned from the family's own rows; nothing shrinks a plan
+at run time). Capabilities without a family (below sm_80) plan the fallback. Also: the
+`python -m mlx_flash plan` command, and that no backend module keeps mutable module-level state.
+"""
+import ast
+import importlib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from mlx_flash import inspect
+from mlx_flash.backends import cuda_source
+from mlx_flash.backends.cuda_source import Tuning
+
+HEAD_DIMS = range(1, 513)
+CUDA_DTYPES = ("float16", "bfloat16")
+MASKS = ("none", "causal", "bool", "additive")
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("family", [f.name for f in cuda_source.families()])
+@pytest.mark.parametrize("tuning", [Tuning(), Tuning(wgmma_forward=False, wgmma_backward=False)],
+                         ids=["table", "mma-sync-only"])
+def test_cuda_family_plans_fit(family, tuning):
+    fam = cuda_source.family_named(family)
+    capability = min(fam.capabilities)
+    seen = set()
+    for head_dim in HEAD_DIMS:
+        for dtype in CUDA_DTYPES:
+            for mask in MASKS:
+                for plan in inspect.plans("cuda", head_dim, dtype, mask, capability=capability, tuning=tuning):
+                    assert plan.instruction in ("mma.sync", "wgmma"), plan
+                    assert plan.fits, plan
+                    assert plan.family in (family, family + "_wgmma"), plan
+                    assert plan.shared_memory_limit == fam.shared_memory
+                    seen.add(plan.instruction)
+    assert seen == ({"mma.sync", "wgmma"} if fam.wgmma and tuning == Tuning() else {"mma.sync"})
+
+
+def test_cuda_families_have_their_own_rows():
+    """Each family plans from rows of its own name in blocks_cuda.txt (no shared or borrowed rows)."""
+    from mlx_flash import planner
+    table_families = {row.family for row in planner.load_table("cuda")}
+    for family in cuda_source.families():
+        assert family.name in table_families
+        assert (family.name + "_wgmma" in table_families) == family.wgmma
+    assert table_families <= {f.name for f in cuda_source.families()} | {
+        f.name + "_wgmma" for f in cuda_source.families() if f.wgmma}
+
+
+def test_cuda_family_limits():
+    """The limits of the CUDA C++ Programming Guide's table (kernels/families_cuda.txt)."""
+    limits = {f.name: (f.shared_memory, f.threads, f.wgmma) for f in cuda_source.families()}
+    assert limits == {"sm80": (163 * 1024, 1024, False), "sm86": (99 * 1024, 1024, False),
+                      "sm90": (227 * 1024, 1024, True), "sm100": (227 * 1024, 1024, False),
+                      "sm120": (99 * 1024, 1024, False)}
+    for capability, family in ((80, "sm80"), (87, "sm80"), (86, "sm86"), (89, "sm86"), (90, "sm90"),
+                               (100, "sm100"), (120, "sm120"), (75, None), (70, None), (61, None)):
+        found = cuda_source.family_of(capability)
+        assert (found.name if found else None) == family
+
+
+@pytest.mark.parametrize("capability", [75, 70, 60])
+def test_cuda_below_sm80_plans_the_fallback(capability):
+    for head_dim in (1, 64, 128, 512):
+        for plan in inspect.plans("cuda", head_dim, "bfloat16", capability=capability):
+            assert plan.instruction == "fallback" and f"compute capability {capability}" in plan.name
+
+
+def test_cuda_unsupported_calls_plan_the_fallback():
+    assert {p.instruction for p in inspect.plans("cuda", 64, "float32", capability=90)} == {"fallback"}
+    assert {p.instruction for p in inspect.plans("cuda", 513, "bfloat16", capability=86)} == {"fallback"}
+
+
+def test_cuda_rows_past_the_limit_are_an_error():
+    """A row too large for its family is reported, not shrunk."""
+    spec = inspect.make_spec(512, "bfloat16")
+    too_big = Tuning(blocks={"forward": (128, 128, 256, 8)})
+    with pytest.raises(ValueError, match="shared memory, over family sm86"):
+        cuda_source.make_variant("forward", spec, None, cuda_source.family_named("sm86"), too_big)
+
+
+@pytest.mark.parametrize("family", ["m1", "m3"])
+def test_metal_family_plans_fit(family):
+    for head_dim in range(1, 513, 7):
+        for dtype in ("float32", "float16", "bfloat16"):
+            for plan in inspect.plans("metal", head_dim, dtype, "causal", family=family):
+                assert plan.instruction == "simdgroup_matrix" and plan.fits, plan
+
+
+def _run_plan(*args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("MLX_FLASH_CUDA_CAPABILITY", None)
+    return subprocess.run([sys.executable, "-m", "mlx_flash", "plan", *args], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+
+
+def test_plan_command():
+    result = _run_plan("--backend", "cuda", "--capability", "86", "--head-dim", "128", "--dtype", "bfloat16",
+                       "--mask", "causal", "--json")
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert rows == [p.as_dict() for p in inspect.plans("cuda", 128, "bfloat16", "causal", capability=86)]
+    assert [r["instruction"] for r in rows] == ["mma.sync"] * 3 and all(r["fits"] for r in rows)
+    text = _run_plan("--backend", "cuda", "--capability", "90", "--head-dim", "128").stdout
+    assert "wgmma" in text and "232448" in text
+    text = _run_plan("--backend", "metal", "--family", "m1", "--head-dim", "64", "--dtype", "float32").stdout
+    assert "simdgroup_matrix" in text
+    assert "fallback" in _run_plan("--backend", "cuda", "--capability", "75", "--head-dim", "64").stdout
+    bad = _run_plan("--backend", "cuda", "--head-dim", "0")
+    assert bad.returncode == 2 and "--head-dim" in bad.stderr
+
+
+BACKEND_MODULES = sorted(p.stem for p in (ROOT / "mlx_flash" / "backends").glob("*.py") if p.stem != "__init__")
+
+
+@pytest.mark.parametrize("name", ["__init__"] + BACKEND_MODULES)
+def test_backend_modules_keep_no_mutable_state(name):
+    """No module-level switch in mlx_flash/backends: no mutable containers among a module's
+    globals, no `global` statement, and nothing in the repository assigns a backend module's
+    attribute (the old tuning hooks); tuning is a Tuning value, the emulator a kernel factory."""
+    module = importlib.import_module("mlx_flash.backends" + ("" if name == "__init__" else "." + name))
+    for attr, value in vars(module).items():
+        if not attr.startswith("__"):
+            assert not isinstance(value, (dict, list, set, bytearray)), f"{module.__name__}.{attr} is a mutable {type(value).__name__}"
+    tree = ast.parse(pathlib.Path(module.__file__).read_text())
+    assert not [n for n in ast.walk(tree) if isinstance(n, ast.Global)], f"{module.__name__} rebinds module state"
+
+
+def test_nothing_assigns_backend_module_attributes():
+    names = {"cuda", "metal", "cuda_source", "metal_source", "common", "cuda_emulator", "mlx_ops"}
+    offenders = []
+    for path in list((ROOT / "mlx_flash").rglob("*.py")) + list((ROOT / "tests").rglob("*.py")) + \
+            list((ROOT / "benchmarks").glob("*.py")):
+        if path.name == "gpu_check.py":  # exploration script, being retired
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in names:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, offenders
+
+
+def test_no_test_imports_gpu_check():
+    for path in (ROOT / "tests").rglob("*.py"):
+        assert "gpu_check" not in path.read_text() or path.name == "test_plans.py", path
