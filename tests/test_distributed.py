@@ -118,11 +118,10 @@ def test_diagonal_shift_metal_simulated(monkeypatch):
 @pytest.mark.skipif(cuda_emulator.compiler() is None, reason="no host C++ compiler for the CUDA emulator")
 def test_diagonal_shift_cuda_emulated():
     """The CUDA kernels take spec.diagonal from their parameter array (CPU emulator; bf16 is their dtype)."""
-    backend = get_backend("cuda")
-    with cuda_emulator.emulated(seed=3):
-        for case in (SHIFTS[2], SHIFTS[3]):
-            assert_within(run_shifted(backend, *case, dtype=mx.bfloat16, head_dim=64), "bfloat16",
-                          what=f"cuda {case}")
+    backend = cuda_emulator.backend(seed=3)
+    for case in (SHIFTS[2], SHIFTS[3]):
+        assert_within(run_shifted(backend, *case, dtype=mx.bfloat16, head_dim=64), "bfloat16",
+                      what=f"cuda {case}")
 
 
 @pytest.mark.skipif(not (hasattr(mx, "cuda") and mx.cuda.is_available()), reason="no CUDA device")
