@@ -40,7 +40,7 @@
   ctx.scale = fparams[0];
   ctx.cap = fparams[1];
   ctx.inv_cap = fparams[2];
-  ctx.diagonal = Nk - Nq;
+  ctx.diagonal = Nk - Nq + params[7];  // params[7]: AttentionSpec.diagonal_shift
   ctx.left = params[4];
   ctx.right = params[5];
 

@@ -225,7 +225,7 @@ struct ScoreContext {
   float scale;    // multiplies q . k
   float cap;      // softcap c (when compiled in)
   float inv_cap;  // 1 / c
-  int diagonal;   // Nk - Nq: query i's own key is i + diagonal (bottom-right aligned)
+  int diagonal;   // Nk - Nq (+ AttentionSpec.diagonal_shift): query i's own key is i + diagonal
   int left;       // sliding window sides, -1 = unbounded
   int right;
 };

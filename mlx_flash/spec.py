@@ -27,6 +27,10 @@ class AttentionSpec:
         softcap: c in c * tanh(s / c), or None.
         mask_kind: "none", "bool" or "additive" for the array mask.
         mask_shape: the array mask's shape after left-padding to rank 4 (dims of size 1 broadcast).
+        diagonal_shift: internal, never set by the public API: moves the causal / window diagonal
+            by this many keys. Context parallelism (mlx_flash.distributed) runs one call per
+            (query shard, key shard) pair of a longer sequence; the pair's band is the global
+            one, which sits (query start - key start) keys off the pair's own bottom-right diagonal.
     """
 
     batch: int
@@ -43,6 +47,7 @@ class AttentionSpec:
     softcap: Optional[float] = None
     mask_kind: str = "none"
     mask_shape: Optional[Tuple[int, int, int, int]] = None
+    diagonal_shift: int = 0
 
     @property
     def group(self) -> int:
@@ -52,7 +57,7 @@ class AttentionSpec:
     @property
     def diagonal(self) -> int:
         """Offset of the bottom-right aligned diagonal: query i's own key is i + diagonal."""
-        return self.kv_len - self.q_len
+        return self.kv_len - self.q_len + self.diagonal_shift
 
     def key_range(self, q_start: int, q_stop: int) -> Tuple[int, int]:
         """Keys [lo, hi) that any query in [q_start, q_stop) may see under causal/window.

@@ -240,7 +240,7 @@ def _accepts_compile_options() -> bool:
 def _params(spec: AttentionSpec) -> mx.array:
     left, right = window_bounds(spec)
     return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
-                     spec.kv_heads, 0], dtype=mx.int32)
+                     spec.kv_heads, spec.diagonal_shift], dtype=mx.int32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
