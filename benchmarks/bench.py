@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from mlx_flash import benchmark as bm
 from mlx_flash.backends import BACKEND_NAMES, auto_backend_name, get_backend
+from mlx_flash.cli import positive_int
 from mlx_flash.fallback import fallback_counts
 
 IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2", "torch-cudnn")
@@ -473,17 +474,6 @@ PRESETS = {
     "gpu-quick": dict(_GPU_SETTINGS, cases=[_GPU_SHAPES[i] for i in (0, 1, 5)], warmup=2, min_repeats=3,
                       max_repeats=5, target_seconds=0.1),
 }
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1 (a bad value is a usage error, exit 2)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def non_negative_float(text: str) -> float:

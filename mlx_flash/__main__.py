@@ -66,13 +66,6 @@ DEVICE_DEFAULTS = {
 QUICK_SETTINGS = bm.Settings(warmup=0, min_repeats=1, max_repeats=2, target_seconds=0.0)
 
 
-def relative_error(x, ref: np.ndarray) -> float:
-    x = np.asarray(x, dtype=np.float64)
-    norm = np.linalg.norm(ref)
-    diff = np.linalg.norm(x - ref)
-    return float(diff / norm) if norm > 0 else float(diff)
-
-
 def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> List[Dict]:
     """Relative errors of O, lse, dQ, dK, dV against the float64 reference for CHECK_CASES."""
     results = []
@@ -102,10 +95,10 @@ def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> Lis
         as_np = [np.array(x.astype(mx.float32)) for x in (q, k, v, d_out)]
         ref_out, ref_lse = reference.attention_forward(*as_np[:3], spec)
         ref_grads = reference.attention_backward(*as_np, spec, d_lse=None if d_lse is None else np.array(d_lse))
-        errors = {"out": relative_error(np.array(out.astype(mx.float32)), ref_out),
-                  "lse": relative_error(np.array(lse), ref_lse)}
+        errors = {"out": reference.relative_error(np.array(out.astype(mx.float32)), ref_out),
+                  "lse": reference.relative_error(np.array(lse), ref_lse)}
         for name, gradient, ref in zip(("dq", "dk", "dv"), gradients, ref_grads):
-            errors[name] = relative_error(np.array(gradient.astype(mx.float32)), ref)
+            errors[name] = reference.relative_error(np.array(gradient.astype(mx.float32)), ref)
         passed = (max(errors["out"], errors["lse"]) <= FORWARD_TOLERANCE[dtype]
                   and max(errors["dq"], errors["dk"], errors["dv"]) <= GRADIENT_TOLERANCE[dtype])
         fallbacks = [r for r, n in fallback_counts().items() if n > before.get(r, 0)]
@@ -282,7 +275,7 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
     print()
     fwd_bwd = "fwd+bwd: out, (dq, dk, dv) = mx.vjp(attention, ...), all evaluated (what training pays per call)"
     print("\n".join([
-        f"  N             sequence length, Nq = Nk",
+        "  N             sequence length, Nq = Nk",
         f"  pass          {fwd_bwd}" + ("; fwd: the forward alone" if "forward" in passes else ""),
         "  memory        peak bytes allocated during one call above the resident inputs (mx.get_peak_memory):",
         "                mlx-flash keeps one block of scores at a time, so it grows with N; MLX's unfused",

@@ -111,17 +111,6 @@ def plan_for(device: mx.Device, quick: bool, max_cases: Optional[int] = None,
 # Correctness
 
 
-def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
-    """||x - ref|| / max(||ref||, 0.01 sqrt(size)) in float64 (the test suite's measure); NaN
-    or a non-finite entry where the reference is finite -> inf."""
-    x = np.asarray(x, dtype=np.float64)
-    if x.size == 0:
-        return 0.0
-    if not np.isfinite(x).all():
-        return math.inf
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 0.01 * np.sqrt(x.size)))
-
-
 def _case_arrays(case: CheckCase, seed: int):
     rng = np.random.default_rng(seed)
     dtype = bm.DTYPES[case.dtype]
@@ -215,11 +204,11 @@ def _reference_errors(inputs, kwargs, results) -> Dict[str, float]:
     ref_out, ref_lse = reference.attention_forward(*as_np[:3], spec, np_mask)
     ref_grads = reference.attention_backward(*as_np, spec, np_mask)
     lse_np, finite = np.array(lse), np.isfinite(ref_lse)
-    errors = {"out": relative_error(np.array(out.astype(mx.float32)), ref_out),
-              "lse": (relative_error(lse_np[finite], ref_lse[finite])
+    errors = {"out": reference.relative_error(np.array(out.astype(mx.float32)), ref_out),
+              "lse": (reference.relative_error(lse_np[finite], ref_lse[finite])
                       if np.array_equal(np.isneginf(lse_np), np.isneginf(ref_lse)) else math.inf)}
     for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
-        errors[name] = relative_error(np.array(got.astype(mx.float32)), want)
+        errors[name] = reference.relative_error(np.array(got.astype(mx.float32)), want)
     return errors
 
 

@@ -175,22 +175,10 @@ class Job:
             limit = reference.GRADIENT_TOLERANCE
         dtype = bm.dtype_name(str(spec.dtype).split(".")[-1])
         for name, got, ref in zip(names, results, want):
-            error = relative_error(np.asarray(got.astype(mx.float32), dtype=np.float64), ref)
+            error = reference.relative_error(np.asarray(got.astype(mx.float32), dtype=np.float64), ref)
             if not error <= limit[dtype]:
                 return f"{name} relative error {error:.3g} > {limit[dtype]:g} ({dtype}) against the float64 reference"
         return None
-
-
-def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
-    """||x - ref|| / max(||ref||, 0.01 sqrt(size)) over the reference's finite entries; a
-    non-finite pattern that differs from the reference's is inf."""
-    finite = np.isfinite(ref)
-    if not np.array_equal(np.isfinite(x), finite):
-        return math.inf
-    x, ref = x[finite], ref[finite]
-    if x.size == 0:
-        return 0.0
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 0.01 * np.sqrt(x.size)))
 
 
 def gate(space, table: planner.Table, point: Point) -> Optional[str]:

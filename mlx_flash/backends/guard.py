@@ -35,7 +35,6 @@ Environment:
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import threading
 import time
@@ -112,19 +111,6 @@ def probe_inputs(spec, mask_dtype: Optional[mx.Dtype], seed: int = 0) -> ProbeIn
     # half-encoded conversions of the inputs are left behind on the stream).
     mx.eval([a for a in (getattr(inputs, f.name) for f in dataclasses.fields(inputs)) if a is not None])
     return inputs
-
-
-def _relative_error(x: mx.array, ref: mx.array) -> float:
-    """||x - ref|| / max(||ref||, 0.01 sqrt(size)) in float64 (the test suite's measure); NaN -> inf."""
-    x = np.asarray(x.astype(mx.float32), dtype=np.float64)
-    r = np.asarray(ref.astype(mx.float32), dtype=np.float64)
-    finite = np.isfinite(r)
-    if not np.array_equal(np.isfinite(x), finite):
-        return math.inf
-    x, r = x[finite], r[finite]
-    if x.size == 0:
-        return 0.0
-    return float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 0.01 * np.sqrt(x.size)))
 
 
 _UNKNOWN = object()
@@ -235,7 +221,7 @@ class FirstContact:
             if got is None or want is None:
                 continue
             limit = (reference.FORWARD_TOLERANCE if name in ("out", "lse") else reference.GRADIENT_TOLERANCE)[dtype]
-            error = _relative_error(got, want)
+            error = reference.relative_error(np.asarray(got.astype(mx.float32)), np.asarray(want.astype(mx.float32)))
             if not error <= limit:
                 return (f"{backend.name} {_variant_name(backend, stages[name], spec, mask_dtype)} failed its "
                         f"first-use self-check: {name} differs from the 'mlx' backend by relative error "
