@@ -8,6 +8,9 @@ A backend is an object with:
     backward(q, k, v, mask, out, lse, d_out, d_lse, spec) -> (dq, dk, dv)
 mask is None or a rank-4 array broadcastable to [B, Hq, Nq, Nk]; lse is fp32 [B, Hq, Nq]
 (natural log, -inf for rows that see no key); d_lse is None when lse's cotangent is known zero.
+The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a
+whole-function backend (`whole_function = True`) with attention(q, k, v, mask, spec) -> out that
+MLX differentiates itself; only the fallback rule below chooses it.
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations
@@ -21,13 +24,14 @@ import mlx.core as mx
 from ..fallback import record_fallback
 
 _MODULES = {"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
-            "cuda": "mlx_flash.backends.cuda"}
-BACKEND_NAMES = ("auto",) + tuple(_MODULES)
+            "cuda": "mlx_flash.backends.cuda", "fast": "mlx_flash.backends.fast"}
+# What the `backend` argument accepts ("fast" is reached through the fallback rule only).
+BACKEND_NAMES = ("auto", "mlx", "metal", "cuda")
 
 
 @functools.lru_cache(maxsize=None)
 def get_backend(name: str):
-    """The backend object for `name` ("mlx", "metal" or "cuda")."""
+    """The backend object for `name` ("mlx", "metal", "cuda" or "fast")."""
     try:
         module = importlib.import_module(_MODULES[name])
     except ModuleNotFoundError as e:
@@ -66,12 +70,20 @@ def auto_backend_name(device: mx.Device) -> str:
     return "mlx"
 
 
-def select_backend(name, spec, stream):
+def select_backend(name, spec, stream, lse_is_used: bool = False):
     """Resolve the `backend` argument to a backend object for this call.
 
     An unknown name or an explicitly requested backend that cannot run on the stream's
-    device raises. A backend that runs but cannot serve this particular call natively
-    hands it to the "mlx" backend, warning once per reason and counting it.
+    device raises. Otherwise, when the chosen backend cannot serve the call (it is unavailable
+    under "auto", or its unsupported_reason -- an unsupported dtype, shape or architecture, or a
+    kernel variant that failed its first-contact check -- names a reason), `fallback_backend`
+    picks the path that serves it, warning once per reason and counting every call.
+
+    Args:
+        name: the `backend` argument ("auto", "mlx", "metal" or "cuda").
+        spec: the call's AttentionSpec.
+        stream: the `stream` argument (None, a Stream, a Device or mx.cpu / mx.gpu).
+        lse_is_used: whether the caller asked for lse (return_lse), which mx.fast cannot give.
     """
     if not isinstance(name, str) or name not in BACKEND_NAMES:
         raise ValueError(f"[flash_attention] backend must be one of {BACKEND_NAMES}, got {name!r}.")
@@ -84,10 +96,32 @@ def select_backend(name, spec, stream):
     if reason is not None:
         if explicit:
             raise ValueError(f"[flash_attention] backend {name!r} is not available: {reason}")
-        record_fallback(f"backend {name!r} unavailable ({reason}); using 'mlx'")
-        return get_backend("mlx")
+        return fallback_backend(f"backend {name!r} unavailable ({reason})", spec, device, lse_is_used)
     reason = backend.unsupported_reason(spec)
     if reason is not None:
-        record_fallback(f"backend {name!r} cannot serve this call ({reason}); using 'mlx'")
-        return get_backend("mlx")
+        return fallback_backend(f"backend {name!r} cannot serve this call ({reason})", spec, device,
+                                lse_is_used)
     return backend
+
+
+def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool):
+    """The rule, in one place: which path serves a call that the chosen backend cannot.
+
+    MLX's mx.fast.scaled_dot_product_attention ("fast") where it computes exactly our function
+    (no window, softcap, sinks or lse; masks and rows that see no key are made equal, see fast.py)
+    and, unless it runs fused forward and backward there, its unfused memory fits the budget;
+    otherwise the blocked "mlx" backend. Counted and warned once per (reason, destination).
+
+    Args:
+        why: what the chosen backend could not do (the first part of the counted reason).
+        spec: the call's AttentionSpec.
+        device: the device that runs the call.
+        lse_is_used: whether the caller asked for lse.
+    """
+    fast = get_backend("fast")
+    refused = fast.unsupported_reason(spec, lse_is_used, device)
+    if refused is None:
+        record_fallback(f"{why}; using mx.fast.scaled_dot_product_attention")
+        return fast
+    record_fallback(f"{why}; using 'mlx' (mx.fast cannot: {refused})")
+    return get_backend("mlx")
