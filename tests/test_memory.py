@@ -42,3 +42,23 @@ def test_peak_memory_grows_linearly():
     small, large = peak_bytes(flash(None), 1024), peak_bytes(flash(None), 4096)
     # 4x the length: O(N) memory grows ~4x, O(N^2) would grow 16x.
     assert large < 6 * small, f"peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_mlx_backend_peak_grows_linearly_in_each_dtype(dtype):
+    """fp16 / bf16 compute in their dtype with fp32 statistics; no dtype may bring O(N^2) back."""
+
+    def peak(n):
+        q, k, v = (mx.random.normal((1, 2, n, D), key=mx.random.key(i)).astype(dtype) for i in range(3))
+        mx.eval(q, k, v)
+        grad = mx.grad(lambda q, k, v: flash_attention(q, k, v, backend="mlx").astype(mx.float32).sum(),
+                       argnums=(0, 1, 2))
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(grad(q, k, v))
+        return mx.get_peak_memory() - base
+
+    small, large = peak(1024), peak(4096)
+    # 4x the length: O(N) memory grows ~4x, O(N^2) would grow 16x.
+    assert large < 6 * small, f"{dtype}: peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
