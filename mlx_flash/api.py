@@ -68,10 +68,14 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     spec, mask_array = check_inputs(q, k, v, scale=scale, mask=mask, window_size=window_size, softcap=softcap)
     if not isinstance(return_lse, bool):
         raise TypeError(f"[flash_attention] return_lse must be a bool, got {return_lse!r}.")
-    chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype)
-    attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
-    inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
+    chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype,
+                            lse_is_used=return_lse)
     with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
+        if getattr(chosen, "whole_function", False):
+            # mx.fast with MLX's own VJP (the fallback rule never picks it when lse is asked for).
+            return chosen.attention(q, k, v, mask_array, spec)
+        attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
+        inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
         out, lse = attention(*inputs)
     return (out, lse) if return_lse else out
 

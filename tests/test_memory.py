@@ -42,3 +42,40 @@ def test_peak_memory_grows_linearly():
     small, large = peak_bytes(flash(None), 1024), peak_bytes(flash(None), 4096)
     # 4x the length: O(N) memory grows ~4x, O(N^2) would grow 16x.
     assert large < 6 * small, f"peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_mlx_backend_peak_grows_linearly_in_each_dtype(dtype):
+    """fp16 / bf16 compute in their dtype with fp32 statistics; no dtype may bring O(N^2) back."""
+
+    def peak(n):
+        q, k, v = (mx.random.normal((1, 2, n, D), key=mx.random.key(i)).astype(dtype) for i in range(3))
+        mx.eval(q, k, v)
+        grad = mx.grad(lambda q, k, v: flash_attention(q, k, v, backend="mlx").astype(mx.float32).sum(),
+                       argnums=(0, 1, 2))
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(grad(q, k, v))
+        return mx.get_peak_memory() - base
+
+    small, large = peak(1024), peak(4096)
+    # 4x the length: O(N) memory grows ~4x, O(N^2) would grow 16x.
+    assert large < 6 * small, f"{dtype}: peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
+
+
+def test_block_plan_follows_the_problem_and_the_device():
+    from mlx_flash.backends import mlx_ops
+    from mlx_flash.spec import check_inputs
+
+    def plan(n, heads=16, memory=80 << 30):
+        spec, _ = check_inputs(*[mx.zeros((1, heads, n, 8))] * 3)
+        return mlx_ops.plan_blocks(spec, memory)[1]
+
+    assert plan(256, heads=2) == 128                        # small: two key blocks
+    assert plan(4096) == 128                                # 1/32 of the 1 GiB score matrix
+    assert plan(8192, memory=80 << 30) == 256               # 1/32 of 4 GiB = 128 MiB < 160 MiB (1/512 of 80 GiB)
+    assert plan(16384, memory=80 << 30) == 128              # the device share (160 MiB) bounds it
+    assert plan(16384, memory=8 << 30) == 128               # 32 MiB floor, then the 128-key minimum
+    for n in (1000, 3000, 5000):
+        assert plan(n) % 64 == 0 or plan(n) == n

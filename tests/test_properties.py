@@ -22,8 +22,9 @@ def test_auto_backend_matches_reference(case):
 def test_multiple_key_blocks(monkeypatch):
     """Small blocks force many key blocks, band-edge masks and skipped blocks at test sizes."""
     from mlx_flash.backends import mlx_ops
-    monkeypatch.setattr(mlx_ops, "SCORE_BLOCK_ELEMENTS", 512)
-    monkeypatch.setattr(mlx_ops, "MIN_KEY_BLOCK", 7)
+    for knob, value in (("MIN_BLOCK_BYTES", 2048), ("MAX_BLOCK_BYTES", 2048), ("KEY_BLOCK_ALIGN", 1),
+                        ("MIN_KEY_BLOCK", 7)):
+        monkeypatch.setattr(mlx_ops, knob, value)
     for mask in ("none", "causal", "window", "causal_window", "bool", "additive"):
         for q_len, kv_len in ((61, 45), (45, 61), (33, 33)):
             check_case(Case(batch=2, kv_heads=2, group=2, q_len=q_len, kv_len=kv_len, head_dim=12,

@@ -11,6 +11,9 @@ and, for backends of compiled kernels, what the first-contact guard (backends/gu
     variant_name(kernel, spec, mask_dtype) -> str # readable name of one of them
 mask is None or a rank-4 array broadcastable to [B, Hq, Nq, Nk]; lse is fp32 [B, Hq, Nq]
 (natural log, -inf for rows that see no key); d_lse is None when lse's cotangent is known zero.
+The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a
+whole-function backend (`whole_function = True`) with attention(q, k, v, mask, spec) -> out that
+MLX differentiates itself; only the fallback rule below chooses it.
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations
@@ -26,13 +29,14 @@ import mlx.core as mx
 from ..fallback import record_fallback
 
 _MODULES = MappingProxyType({"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
-                             "cuda": "mlx_flash.backends.cuda"})
-BACKEND_NAMES = ("auto",) + tuple(_MODULES)
+                             "cuda": "mlx_flash.backends.cuda", "fast": "mlx_flash.backends.fast"})
+# What the `backend` argument accepts ("fast" is reached through the fallback rule only).
+BACKEND_NAMES = ("auto", "mlx", "metal", "cuda")
 
 
 @functools.lru_cache(maxsize=None)
 def get_backend(name: str):
-    """The backend object for `name` ("mlx", "metal" or "cuda")."""
+    """The backend object for `name` ("mlx", "metal", "cuda" or "fast")."""
     try:
         module = importlib.import_module(_MODULES[name])
     except ModuleNotFoundError as e:
@@ -76,14 +80,22 @@ def _is_backend(value) -> bool:
         hasattr(value, a) for a in ("name", "unavailable_reason", "unsupported_reason", "forward", "backward"))
 
 
-def select_backend(name, spec, stream, mask_dtype=None):
+def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = False):
     """Resolve the `backend` argument to a backend object for this call.
 
-    `name` may also be a backend object (e.g. a CUDABackend with its own tuning, or the CUDA
-    emulator's): it is used as if requested by name. An unknown name or an explicitly requested
-    backend that cannot run on the stream's device raises. A backend that runs but cannot serve
-    this particular call natively, or whose kernel variants for it failed their first contact
-    (guard.py), hands it to the "mlx" backend, warning once per reason and counting it.
+    An unknown name or an explicitly requested backend that cannot run on the stream's
+    device raises. Otherwise, when the chosen backend cannot serve the call (it is unavailable
+    under "auto", or its unsupported_reason -- an unsupported dtype, shape or architecture -- or
+    the first-contact guard (guard.py) names a reason), `fallback_backend` picks the path that
+    serves it, warning once per reason and counting every call.
+
+    Args:
+        name: the `backend` argument ("auto", "mlx", "metal" or "cuda"), or a backend object
+            (e.g. a CUDABackend with its own tuning, or the CUDA emulator's), used as if requested.
+        spec: the call's AttentionSpec.
+        stream: the `stream` argument (None, a Stream, a Device or mx.cpu / mx.gpu).
+        mask_dtype: the array mask's dtype (part of a compiled kernel variant), or None.
+        lse_is_used: whether the caller needs lse (return_lse), which mx.fast cannot give.
     """
     device = stream_device(stream)
     if _is_backend(name):
@@ -99,8 +111,7 @@ def select_backend(name, spec, stream, mask_dtype=None):
     if reason is not None:
         if explicit:
             raise ValueError(f"[flash_attention] backend {name!r} is not available: {reason}")
-        record_fallback(f"backend {name!r} unavailable ({reason}); using 'mlx'")
-        return get_backend("mlx")
+        return fallback_backend(f"backend {name!r} unavailable ({reason})", spec, device, lse_is_used)
     reason = backend.unsupported_reason(spec)
     if reason is None and hasattr(backend, "variant_key"):
         from ..autotune import FIRST_USE  # MLX_FLASH_AUTOTUNE=1: tune this shape's rows once, first
@@ -109,6 +120,29 @@ def select_backend(name, spec, stream, mask_dtype=None):
             FIRST_USE.maybe_tune(backend, spec)
             reason = GUARD.verdict(backend, spec, mask_dtype)
     if reason is not None:
-        record_fallback(f"backend {name!r} cannot serve this call ({reason}); using 'mlx'")
-        return get_backend("mlx")
+        return fallback_backend(f"backend {name!r} cannot serve this call ({reason})", spec, device,
+                                lse_is_used)
     return backend
+
+
+def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool):
+    """The rule, in one place: which path serves a call that the chosen backend cannot.
+
+    MLX's mx.fast.scaled_dot_product_attention ("fast") where it computes exactly our function
+    (no window, softcap, sinks or lse; masks and rows that see no key are made equal, see fast.py)
+    and, unless it runs fused forward and backward there, its unfused memory fits the budget;
+    otherwise the blocked "mlx" backend. Counted and warned once per (reason, destination).
+
+    Args:
+        why: what the chosen backend could not do (the first part of the counted reason).
+        spec: the call's AttentionSpec.
+        device: the device that runs the call.
+        lse_is_used: whether the caller asked for lse.
+    """
+    fast = get_backend("fast")
+    refused = fast.unsupported_reason(spec, lse_is_used, device)
+    if refused is None:
+        record_fallback(f"{why}; using mx.fast.scaled_dot_product_attention")
+        return fast
+    record_fallback(f"{why}; using 'mlx' (mx.fast cannot: {refused})")
+    return get_backend("mlx")

@@ -18,10 +18,23 @@ next step reads makes every temporary die inside its own step (and `mx.depends` 
 help: its outputs keep the whole upstream graph alive). Measured after the change: see
 tests/test_memory.py.
 
-Precision: q, k, v (and dO) are upcast to fp32 once per call, so every product accumulates
-and is stored in fp32 like the kernels' accumulators; with fp16 inputs, rounding dP to fp16
-before dP - D cancels to a 10% error in dQ when a row sees one key (found by the property
-tests). The copies are O(N * D), the same order as the inputs.
+Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in
+fp32 and rounds the product to the input dtype, as its own unfused attention does); scores,
+softmax statistics (row max, row sum, lse), P before its rounding for the P V / P^T dO products,
+dS and the O / dQ accumulators are fp32, and dK / dV blocks are summed over GQA heads in fp32.
+The scale is folded into q once (q * scale in the input dtype, as MLX does). dP is a rounded
+product, and when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32
+the rounding of dP alone survives (a 10% error in dQ, found by the property tests), so for
+fp16 / bf16 D is rounded to the input dtype too, the same rounding that dP gets, and the
+cancellation is exact again. fp32 inputs compute everything in fp32.
+
+Block sizes (plan_blocks): one fp32 score block [B, Hq, Nq, key_block] may take 1/32 of the
+whole score matrix (half of it for small problems, up to 8 MiB: fewer steps where memory is
+cheap), and at most 1/512 of the device's memory clamped to [32, 256] MiB; key blocks are
+multiples of 64 columns, at least 128. Forward+backward peaks at about 8 to 16 score blocks (MLX
+keeps about ten operations in flight), so the 1/32 keeps the peak at a quarter to a half of one
+score matrix (MLX's unfused attention: about 3.2 score matrices), and
+the device share bounds the block of large problems, so memory grows linearly in N past it.
 
 GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
 broadcasting shares each kv head with its query heads without tiling k or v.
@@ -34,34 +47,57 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..spec import AttentionSpec
+from .budget import device_memory_bytes
 
-# Score-block budget in elements (B * Hq * Nq * key_block, per chunk of batch entries).
-# Measured on a 2-core x86 CPU at B=1, H=8, N=4096, D=64, fp32 (see the closing notes of
-# the foundation issue): 2^22 elements (16 MiB fp32 blocks) keeps forward+backward peak
-# memory near a fifth of the unfused path, and key blocks under 128 columns cost speed.
-SCORE_BLOCK_ELEMENTS = 1 << 22
+# Block plan (see the module docstring). Peak memory of forward+backward in fp32 score blocks,
+# measured on the CPU (B=1 H=8, N=1024/2048): 4.2 with one key block, 5.1-5.2 with two, 7.9-8.5
+# with four; 16 at N=4096 H=2 with 4 MiB blocks. MLX's unfused attention: ~3.2 score matrices.
+SCORE_FRACTION = 32            # a score block is at most 1/32 of the whole Nq x Nk score matrix
+SMALL_BLOCK_BYTES = 8 << 20    # ... or up to half of it while that is at most 8 MiB (fewer steps)
+DEVICE_FRACTION = 512          # ... and at most 1/512 of the device's memory,
+MIN_BLOCK_BYTES = 32 << 20     # clamped to [32, 256] MiB
+MAX_BLOCK_BYTES = 256 << 20
+KEY_BLOCK_ALIGN = 64
 MIN_KEY_BLOCK = 128
-MAX_KEY_BLOCK = 1024
 
 
-def plan_blocks(spec: AttentionSpec) -> Tuple[int, int]:
-    """(batch_chunk, key_block): batch entries per independent chunk and keys per block."""
+def score_block_bytes(spec: AttentionSpec, memory_bytes: int) -> int:
+    """Bytes one fp32 score block of this call may take on a device with `memory_bytes`."""
+    device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
+    whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
+    problem_share = max(whole // SCORE_FRACTION, min(whole // 2, SMALL_BLOCK_BYTES))
+    return max(1, min(device_share, problem_share))
+
+
+def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """(batch_chunk, key_block): batch entries per independent chunk and keys per block.
+
+    Args:
+        spec: the call.
+        memory_bytes: the device's memory; default: the default device's (budget.py).
+    """
+    if memory_bytes is None:
+        memory_bytes = device_memory_bytes(mx.default_device())
+    elements = score_block_bytes(spec, memory_bytes) // 4
     rows = max(1, spec.q_heads * spec.q_len)
-    key_block = max(MIN_KEY_BLOCK, SCORE_BLOCK_ELEMENTS // rows)
-    key_block = max(1, min(key_block, MAX_KEY_BLOCK, spec.kv_len))
-    batch_chunk = max(1, min(spec.batch, SCORE_BLOCK_ELEMENTS // (rows * key_block)))
+    key_block = elements // (spec.batch * rows)
+    key_block = max(MIN_KEY_BLOCK, key_block // KEY_BLOCK_ALIGN * KEY_BLOCK_ALIGN)
+    key_block = max(1, min(key_block, spec.kv_len))
+    batch_chunk = max(1, min(spec.batch, elements // (rows * key_block)))
     return batch_chunk, key_block
 
 
 class _Problem:
-    """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test."""
+    """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test.
+
+    q is stored pre-scaled (q * scale) in the input dtype; k, v, too, stay in the input dtype.
+    """
 
     def __init__(self, q, k, v, mask, spec: AttentionSpec, key_block: int):
         B, Hkv, G = q.shape[0], spec.kv_heads, spec.group
         self.spec = spec
         self.key_block = key_block
-        q, k, v = (x.astype(mx.float32) for x in (q, k, v))
-        self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
+        self.q = (q * mx.array(spec.scale, q.dtype)).reshape(B, Hkv, G, spec.q_len, spec.head_dim)
         self.k = mx.expand_dims(k, 2)
         self.v = mx.expand_dims(v, 2)
         self.mask = None
@@ -84,8 +120,7 @@ class _Problem:
     def scores(self, q0, q1, k0, k1):
         """Final fp32 scores [B, Hkv, G, q1-q0, k1-k0] (softcapped, -inf where masked) and tanh(s/c)."""
         spec = self.spec
-        s = mx.matmul(self.q[..., q0:q1, :], mx.swapaxes(self.k[..., k0:k1, :], -1, -2))
-        s = s * spec.scale
+        s = mx.matmul(self.q[..., q0:q1, :], mx.swapaxes(self.k[..., k0:k1, :], -1, -2)).astype(mx.float32)
         t = None
         if spec.softcap is not None:
             t = mx.tanh(s * (1.0 / spec.softcap))
@@ -160,14 +195,17 @@ def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
     return out, lse
 
 
+def _initial_state(B, Hkv, G, Nq, Dv):
+    """The online-softmax state before any key: [acc (Dv) | row_sum | row_max] = [0 | 0 | -inf]."""
+    return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
+                           mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
+
+
 def _forward_chunk(q, k, v, mask, spec, key_block):
     problem = _Problem(q, k, v, mask, spec, key_block)
     B, Hkv, G, Nq, Dv = q.shape[0], spec.kv_heads, spec.group, spec.q_len, spec.value_dim
-    # A ones column on V makes P @ [V | 1] also produce the row sums: one matmul, one chain.
-    v_ones = mx.concatenate([problem.v, mx.ones((*problem.v.shape[:-1], 1), mx.float32)], axis=-1)
-    # Packed state per query row: [acc (Dv) | row_sum | row_max].
-    state = mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
-                            mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
+    # Packed state per query row: [acc (Dv) | row_sum | row_max], fp32.
+    state = _initial_state(B, Hkv, G, Nq, Dv)
     for k0, k1, q0, q1 in problem.steps():
         s, _ = problem.scores(q0, q1, k0, k1)
         rows = state[..., q0:q1, :]
@@ -177,8 +215,10 @@ def _forward_chunk(q, k, v, mask, spec, key_block):
         safe_max = mx.where(new_max == -math.inf, 0.0, new_max)
         p = mx.exp(s - safe_max[..., None])
         correction = mx.exp(row_max - safe_max)[..., None]
-        pv = mx.matmul(p, v_ones[..., k0:k1, :])
-        updated = mx.concatenate([rows[..., :-1] * correction + pv, new_max[..., None]], axis=-1)
+        pv = mx.matmul(p.astype(v.dtype), problem.v[..., k0:k1, :]).astype(mx.float32)
+        updated = mx.concatenate([rows[..., :Dv] * correction + pv,
+                                  rows[..., Dv:Dv + 1] * correction + p.sum(-1, keepdims=True),
+                                  new_max[..., None]], axis=-1)
         state = _splice(state, q0, q1, updated)
     acc, row_sum, row_max = state[..., :Dv], state[..., Dv], state[..., Dv + 1]
     seen = row_sum > 0
@@ -193,6 +233,10 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
     # D_i = rowsum(dO * O), minus the lse cotangent (dlse/ds = P folds into the same term).
     row_term = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+    if spec.dtype != mx.float32:
+        # dP is a product rounded to the input dtype: round D alike so that dP - D cancels
+        # exactly where it should (a row that sees one key); see the module docstring.
+        row_term = row_term.astype(spec.dtype).astype(mx.float32)
     if d_lse is not None:
         row_term = row_term - d_lse.astype(mx.float32)
     # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
@@ -213,7 +257,7 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
                                 spec.kv_len, spec.head_dim, spec.value_dim)
     safe_lse = safe_lse.reshape(B, Hkv, G, Nq)
     row_term = row_term.reshape(B, Hkv, G, Nq)
-    d_out = d_out.astype(mx.float32).reshape(B, Hkv, G, Nq, Dv)
+    d_out = d_out.astype(q.dtype).reshape(B, Hkv, G, Nq, Dv)
     # Packed state: dQ rows (all of them, [.., G, Nq, D]) and the dK | dV rows of the key blocks
     # done so far ([.., Nk_done, D + Dv]); each step reads the previous state and writes a new one.
     dq = mx.zeros((B, Hkv, G, Nq, D), mx.float32)
@@ -225,13 +269,15 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
         s, t = problem.scores(q0, q1, k0, k1)
         p = mx.exp(s - safe_lse[..., q0:q1, None])
         do_blk = d_out[..., q0:q1, :]
-        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2))
+        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2)).astype(mx.float32)
         ds = p * (dp - row_term[..., q0:q1, None])
         if t is not None:
             ds = ds * (1.0 - t * t)
-        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds, problem.k[..., k0:k1, :])
-        dk_blk = mx.matmul(mx.swapaxes(ds, -1, -2), problem.q[..., q0:q1, :]).sum(2)
-        dv_blk = mx.matmul(mx.swapaxes(p, -1, -2), do_blk).sum(2)
+        ds, p = ds.astype(q.dtype), p.astype(q.dtype)
+        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds, problem.k[..., k0:k1, :]).astype(mx.float32)
+        # dK from the pre-scaled q: scale * dS^T q, so dK needs no further scaling.
+        dk_blk = _sum_groups(mx.matmul(mx.swapaxes(ds, -1, -2), problem.q[..., q0:q1, :]))
+        dv_blk = _sum_groups(mx.matmul(mx.swapaxes(p, -1, -2), do_blk))
         dq = _splice(dq, q0, q1, dq_rows)
         dkv.append(mx.concatenate([dk_blk, dv_blk], axis=-1))
         # Tie the new dK|dV rows to dQ so the step is one packed result (see the module docstring).
@@ -248,9 +294,16 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
         dkv.append(mx.zeros((B, Hkv, Nk - done, D + Dv), mx.float32))
     dkv = dkv[0] if len(dkv) == 1 else mx.concatenate(dkv, axis=2)
     dq = (dq * spec.scale).astype(q.dtype).reshape(q.shape)
-    dk = (dkv[..., :D] * spec.scale).astype(k.dtype)
+    dk = dkv[..., :D].astype(k.dtype)
     dv = dkv[..., D:].astype(v.dtype)
     return dq, dk, dv
+
+
+def _sum_groups(x):
+    """Sum a [B, Hkv, G, n, d] product over the G query heads of each kv head, in fp32."""
+    if x.shape[2] == 1:
+        return x.squeeze(2).astype(mx.float32)
+    return x.astype(mx.float32).sum(2)
 
 
 class MLXOpsBackend:

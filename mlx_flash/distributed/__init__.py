@@ -130,7 +130,7 @@ def ring_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[flo
     ring = Ring(group)
     q_segments = lambda r: segments(layout, r, size, spec.q_len)  # noqa: E731
     k_segments = lambda r: segments(layout, r, size, spec.kv_len)  # noqa: E731
-    attention = RingAttention(lambda s: select_backend(backend, s, None), spec, ring, q_segments, k_segments,
+    attention = RingAttention(lambda s: select_backend(backend, s, None, lse_is_used=True), spec, ring, q_segments, k_segments,
                               size * spec.q_len, size * spec.kv_len)
 
     def forward(q_, k_, v_):

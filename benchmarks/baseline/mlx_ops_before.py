@@ -1,0 +1,273 @@
+"""A frozen copy of the "mlx" backend as of commit e0c05c8, for before/after benchmarks (benchmarks/bench_fallback.py); not used by the package.
+
+The "mlx" backend: blocked attention from MLX ops alone. Runs on every MLX device.
+
+Shape of the computation: all query rows at once, streaming key blocks of `key_block`
+columns. The forward keeps an online-softmax state; the backward is the one-pass,
+five-product variant of ALGORITHM.md (per key block: recompute S and P, then dV, dP, dS,
+dQ += dS K and dK), race-free here because each block is whole-array ops. No array larger
+than one score block [B, Hq, Nq, key_block] is built, so memory grows O(N * block), not
+O(N^2). Causal and window masks skip whole key blocks and, inside a key block, touch only
+the query rows that can see it (a contiguous range); an index mask is built only for
+blocks that straddle the band edge.
+
+Why one packed state per step: MLX evaluates the graph in depth-first order of the inputs,
+so when a block's temporaries feed several independent accumulator chains (max, sum and
+output; or dQ, dK and dV) it computes every block's temporaries while walking the first
+chain and keeps them all until the others are walked -- O(N^2) memory (measured: fwd peak
+525 MiB at N=4096 with 4 MiB blocks). Packing each step's results into ONE array that the
+next step reads makes every temporary die inside its own step (and `mx.depends` is no
+help: its outputs keep the whole upstream graph alive). Measured after the change: see
+tests/test_memory.py.
+
+Precision: q, k, v (and dO) are upcast to fp32 once per call, so every product accumulates
+and is stored in fp32 like the kernels' accumulators; with fp16 inputs, rounding dP to fp16
+before dP - D cancels to a 10% error in dQ when a row sees one key (found by the property
+tests). The copies are O(N * D), the same order as the inputs.
+
+GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
+broadcasting shares each kv head with its query heads without tiling k or v.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from mlx_flash.spec import AttentionSpec
+
+# Score-block budget in elements (B * Hq * Nq * key_block, per chunk of batch entries).
+# Measured on a 2-core x86 CPU at B=1, H=8, N=4096, D=64, fp32 (see the closing notes of
+# the foundation issue): 2^22 elements (16 MiB fp32 blocks) keeps forward+backward peak
+# memory near a fifth of the unfused path, and key blocks under 128 columns cost speed.
+SCORE_BLOCK_ELEMENTS = 1 << 22
+MIN_KEY_BLOCK = 128
+MAX_KEY_BLOCK = 1024
+
+
+def plan_blocks(spec: AttentionSpec) -> Tuple[int, int]:
+    """(batch_chunk, key_block): batch entries per independent chunk and keys per block."""
+    rows = max(1, spec.q_heads * spec.q_len)
+    key_block = max(MIN_KEY_BLOCK, SCORE_BLOCK_ELEMENTS // rows)
+    key_block = max(1, min(key_block, MAX_KEY_BLOCK, spec.kv_len))
+    batch_chunk = max(1, min(spec.batch, SCORE_BLOCK_ELEMENTS // (rows * key_block)))
+    return batch_chunk, key_block
+
+
+class _Problem:
+    """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test."""
+
+    def __init__(self, q, k, v, mask, spec: AttentionSpec, key_block: int):
+        B, Hkv, G = q.shape[0], spec.kv_heads, spec.group
+        self.spec = spec
+        self.key_block = key_block
+        q, k, v = (x.astype(mx.float32) for x in (q, k, v))
+        self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
+        self.k = mx.expand_dims(k, 2)
+        self.v = mx.expand_dims(v, 2)
+        self.mask = None
+        if mask is not None:
+            mb, mh, mq, mk = mask.shape
+            if mh == spec.q_heads and mh > 1:
+                self.mask = mask.reshape(mb, Hkv, G, mq, mk)
+            else:
+                self.mask = mask.reshape(mb, 1, 1, mq, mk)
+
+    def steps(self):
+        """Key blocks (k0, k1) with the query rows (q0, q1) that can see them; empty ones skipped."""
+        spec = self.spec
+        for k0 in range(0, spec.kv_len, self.key_block):
+            k1 = min(k0 + self.key_block, spec.kv_len)
+            q0, q1 = spec.query_range(k0, k1)
+            if q0 < q1:
+                yield k0, k1, q0, q1
+
+    def scores(self, q0, q1, k0, k1):
+        """Final fp32 scores [B, Hkv, G, q1-q0, k1-k0] (softcapped, -inf where masked) and tanh(s/c)."""
+        spec = self.spec
+        s = mx.matmul(self.q[..., q0:q1, :], mx.swapaxes(self.k[..., k0:k1, :], -1, -2))
+        s = s * spec.scale
+        t = None
+        if spec.softcap is not None:
+            t = mx.tanh(s * (1.0 / spec.softcap))
+            s = t * spec.softcap
+        keep = self._band(q0, q1, k0, k1)
+        if self.mask is not None:
+            m = self.mask
+            m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
+            m = m[..., k0:k1] if m.shape[-1] > 1 else m
+            if m.dtype == mx.bool_:
+                keep = m if keep is None else mx.logical_and(keep, m)
+            else:
+                s = s + m.astype(mx.float32)
+        if keep is not None:
+            s = mx.where(keep, s, -math.inf)
+        return s, t
+
+    def _band(self, q0, q1, k0, k1) -> Optional[mx.array]:
+        """Bool [q, k] index mask for a block straddling the causal/window edge; None if all visible."""
+        spec = self.spec
+        if not spec.has_band:
+            return None
+        lo_last, _ = spec.key_range(q1 - 1, q1)
+        _, hi_first = spec.key_range(q0, q0 + 1)
+        lo_first, _ = spec.key_range(q0, q0 + 1)
+        _, hi_last = spec.key_range(q1 - 1, q1)
+        if max(lo_first, lo_last) <= k0 and k1 <= min(hi_first, hi_last):
+            return None  # every query row of the block sees every key in it
+        i = mx.arange(q0, q1)[:, None] + spec.diagonal
+        j = mx.arange(k0, k1)[None, :]
+        keep = None
+        if spec.causal:
+            keep = j <= i
+        if spec.window is not None:
+            left, right = spec.window
+            for cond in ((j >= i - left) if left >= 0 else None, (j <= i + right) if right >= 0 else None):
+                if cond is not None:
+                    keep = cond if keep is None else mx.logical_and(keep, cond)
+        return keep
+
+
+def _splice(state, q0, q1, rows):
+    """state with rows [q0, q1) (axis -2) replaced by `rows`: one new array, the packed step result."""
+    n = state.shape[-2]
+    if q0 == 0 and q1 == n:
+        return rows
+    parts = ([state[..., :q0, :]] if q0 > 0 else []) + [rows] + ([state[..., q1:, :]] if q1 < n else [])
+    return mx.concatenate(parts, axis=-2)
+
+
+def _chunks(spec: AttentionSpec, batch_chunk: int):
+    return [(b, min(b + batch_chunk, spec.batch)) for b in range(0, spec.batch, batch_chunk)]
+
+
+def _slice_batch(x, b0, b1):
+    return None if x is None else (x[b0:b1] if x.shape[0] > 1 else x)
+
+
+def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+    """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
+    B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
+    if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
+        return mx.zeros((B, Hq, Nq, Dv), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+    batch_chunk, key_block = plan_blocks(spec)
+    outs, lses = [], []
+    for b0, b1 in _chunks(spec, batch_chunk):
+        out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, key_block)
+        outs.append(out)
+        lses.append(lse)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
+    lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=0)
+    return out, lse
+
+
+def _forward_chunk(q, k, v, mask, spec, key_block):
+    problem = _Problem(q, k, v, mask, spec, key_block)
+    B, Hkv, G, Nq, Dv = q.shape[0], spec.kv_heads, spec.group, spec.q_len, spec.value_dim
+    # A ones column on V makes P @ [V | 1] also produce the row sums: one matmul, one chain.
+    v_ones = mx.concatenate([problem.v, mx.ones((*problem.v.shape[:-1], 1), mx.float32)], axis=-1)
+    # Packed state per query row: [acc (Dv) | row_sum | row_max].
+    state = mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
+                            mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
+    for k0, k1, q0, q1 in problem.steps():
+        s, _ = problem.scores(q0, q1, k0, k1)
+        rows = state[..., q0:q1, :]
+        row_max = rows[..., -1]
+        new_max = mx.maximum(row_max, s.max(-1))
+        # Rows that have seen no key yet keep max -inf; subtract 0 instead (exp(-inf) = 0).
+        safe_max = mx.where(new_max == -math.inf, 0.0, new_max)
+        p = mx.exp(s - safe_max[..., None])
+        correction = mx.exp(row_max - safe_max)[..., None]
+        pv = mx.matmul(p, v_ones[..., k0:k1, :])
+        updated = mx.concatenate([rows[..., :-1] * correction + pv, new_max[..., None]], axis=-1)
+        state = _splice(state, q0, q1, updated)
+    acc, row_sum, row_max = state[..., :Dv], state[..., Dv], state[..., Dv + 1]
+    seen = row_sum > 0
+    out = mx.where(seen[..., None], acc / mx.where(seen, row_sum, 1.0)[..., None], 0.0)
+    lse = mx.where(seen, row_max + mx.log(mx.where(seen, row_sum, 1.0)), -math.inf)
+    return out.astype(spec.dtype).reshape(B, spec.q_heads, Nq, Dv), lse.reshape(B, spec.q_heads, Nq)
+
+
+def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+    """Returns (dq, dk, dv) in the input dtype. d_lse (or None) is the cotangent of lse."""
+    if min(spec.batch, spec.kv_heads, spec.q_len, spec.kv_len) == 0:
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+    # D_i = rowsum(dO * O), minus the lse cotangent (dlse/ds = P folds into the same term).
+    row_term = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+    if d_lse is not None:
+        row_term = row_term - d_lse.astype(mx.float32)
+    # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
+    safe_lse = mx.where(lse == -math.inf, math.inf, lse)
+    batch_chunk, key_block = plan_blocks(spec)
+    grads = []
+    for b0, b1 in _chunks(spec, batch_chunk):
+        grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
+                                     safe_lse[b0:b1], row_term[b0:b1], d_out[b0:b1], spec, key_block))
+    if len(grads) == 1:
+        return grads[0]
+    return tuple(mx.concatenate(parts, axis=0) for parts in zip(*grads))
+
+
+def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
+    problem = _Problem(q, k, v, mask, spec, key_block)
+    B, Hkv, G, Nq, Nk, D, Dv = (q.shape[0], spec.kv_heads, spec.group, spec.q_len,
+                                spec.kv_len, spec.head_dim, spec.value_dim)
+    safe_lse = safe_lse.reshape(B, Hkv, G, Nq)
+    row_term = row_term.reshape(B, Hkv, G, Nq)
+    d_out = d_out.astype(mx.float32).reshape(B, Hkv, G, Nq, Dv)
+    # Packed state: dQ rows (all of them, [.., G, Nq, D]) and the dK | dV rows of the key blocks
+    # done so far ([.., Nk_done, D + Dv]); each step reads the previous state and writes a new one.
+    dq = mx.zeros((B, Hkv, G, Nq, D), mx.float32)
+    dkv = []
+    done = 0
+    for k0, k1, q0, q1 in problem.steps():
+        if k0 > done:
+            dkv.append(mx.zeros((B, Hkv, k0 - done, D + Dv), mx.float32))
+        s, t = problem.scores(q0, q1, k0, k1)
+        p = mx.exp(s - safe_lse[..., q0:q1, None])
+        do_blk = d_out[..., q0:q1, :]
+        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2))
+        ds = p * (dp - row_term[..., q0:q1, None])
+        if t is not None:
+            ds = ds * (1.0 - t * t)
+        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds, problem.k[..., k0:k1, :])
+        dk_blk = mx.matmul(mx.swapaxes(ds, -1, -2), problem.q[..., q0:q1, :]).sum(2)
+        dv_blk = mx.matmul(mx.swapaxes(p, -1, -2), do_blk).sum(2)
+        dq = _splice(dq, q0, q1, dq_rows)
+        dkv.append(mx.concatenate([dk_blk, dv_blk], axis=-1))
+        # Tie the new dK|dV rows to dQ so the step is one packed result (see the module docstring).
+        packed = mx.concatenate([dq.reshape(B, Hkv, G * Nq * D)] + [x.reshape(B, Hkv, -1) for x in dkv], axis=-1)
+        dq = packed[..., :G * Nq * D].reshape(B, Hkv, G, Nq, D)
+        offset, rebuilt = G * Nq * D, []
+        for x in dkv:
+            size = x.shape[2] * (D + Dv)
+            rebuilt.append(packed[..., offset:offset + size].reshape(x.shape))
+            offset += size
+        dkv = [mx.concatenate(rebuilt, axis=2)] if len(rebuilt) > 1 else rebuilt
+        done = k1
+    if done < Nk:
+        dkv.append(mx.zeros((B, Hkv, Nk - done, D + Dv), mx.float32))
+    dkv = dkv[0] if len(dkv) == 1 else mx.concatenate(dkv, axis=2)
+    dq = (dq * spec.scale).astype(q.dtype).reshape(q.shape)
+    dk = (dkv[..., :D] * spec.scale).astype(k.dtype)
+    dv = dkv[..., D:].astype(v.dtype)
+    return dq, dk, dv
+
+
+class MLXOpsBackend:
+    """Backend protocol implementation for the blocked MLX-ops path (always available)."""
+
+    name = "mlx"
+
+    def unavailable_reason(self, device) -> Optional[str]:
+        return None
+
+    def unsupported_reason(self, spec: AttentionSpec) -> Optional[str]:
+        return None
+
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
+
+
+BACKEND = MLXOpsBackend()
