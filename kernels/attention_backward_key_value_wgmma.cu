@@ -306,11 +306,6 @@ __device__ void attention_backward_key_value_wgmma(
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
-      // Every lane's reads of the stage's lse / delta (ordinary shared loads, lanes may have
-      // diverged on masks) come before lane 0 frees the stage for the producer's next stores:
-      // compute-sanitizer's racecheck flagged these reads (D = 96 bool mask, 160 causal, 200
-      // additive) without the warp barrier.
-      __syncwarp();
       if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
     }
   }
