@@ -15,6 +15,17 @@ from mlx_flash.backends import fast, get_backend
 from mlx_flash.spec import check_inputs
 
 from attention_cases import (FORWARD_TOLERANCE, GRADIENT_TOLERANCE, Case, make_arrays, relative_error,
+
+
+@pytest.fixture(autouse=True)
+def _on_the_cpu():
+    """These tests pin the routing and fp32 tolerances of a CPU device; on a CUDA machine MLX's
+    defaults (the GPU under "auto", tf32-rounded fp32 matmuls) would change what they check."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)
+
                              to_numpy)
 
 FAST = "using mx.fast.scaled_dot_product_attention"
