@@ -17,6 +17,9 @@ from mlx_flash.spec import check_inputs
 from attention_cases import (FORWARD_TOLERANCE, GRADIENT_TOLERANCE, Case, make_arrays, relative_error,
 
 
+                             to_numpy)
+
+
 @pytest.fixture(autouse=True)
 def _on_the_cpu():
     """These tests pin the routing and fp32 tolerances of a CPU device; on a CUDA machine MLX's
@@ -25,8 +28,6 @@ def _on_the_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(previous)
-
-                             to_numpy)
 
 FAST = "using mx.fast.scaled_dot_product_attention"
 MLX = "using 'mlx'"
