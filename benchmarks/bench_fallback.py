@@ -1,15 +1,13 @@
-"""The fallback paths side by side: the "mlx" backend now and before, unfused MLX ops, mx.fast.
+"""The fallback paths side by side: the "mlx" backend, unfused MLX ops, mx.fast.
 
 For each shape: forward+backward (mx.vjp of out with a random cotangent, all evaluated) time
 (median of interleaved rounds) and peak memory above the inputs, for
     mlx          mlx_flash.flash_attention(backend="mlx"), this checkout
-    mlx-before   the "mlx" backend as of e0c05c8 (benchmarks/baseline/mlx_ops_before.py)
     unfused      plain MLX ops (mlx_flash.benchmark.unfused_attention; N x N scores)
     mx.fast      mx.fast.scaled_dot_product_attention (cuDNN on CUDA where it applies)
 and the ratios mlx / unfused and mlx / mx.fast (time, memory).
 
     python benchmarks/bench_fallback.py --preset gpu     # H100: bf16 and fp32 shapes, < 10 min
-    python benchmarks/bench_fallback.py --preset gpu --score-fractions 16 8   # also other block plans
     python benchmarks/bench_fallback.py --preset cpu     # the 2-core CPU: fp32 B=1 H=8 D=64
 
 Writes the rows as JSON to --out (default benchmarks/results/fallback_<device>.json).
@@ -18,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -27,13 +24,10 @@ import mlx.core as mx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks" / "baseline"))
 
 from mlx_flash import benchmark as bm  # noqa: E402
 from mlx_flash.api import flash_attention  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
-
-import mlx_ops_before  # noqa: E402
 
 # (B, H, N, D, dtype, causal)
 PRESETS = {
@@ -46,33 +40,7 @@ PRESETS = {
     "cpu": [(1, 8, n, 64, "float32", c) for n in (512, 1024, 2048, 4096) for c in (False, True)],
     "smoke": [(1, 2, 256, 32, "float32", True), (1, 2, 256, 32, "bfloat16", False)],  # a dry run
 }
-IMPLS = ("mlx", "mlx-before", "unfused", "mx.fast")
-
-
-def before_attention(q, k, v, causal, scale):
-    """The frozen "mlx" backend under the same custom_function as the package's."""
-    spec, _ = check_inputs(q, k, v, scale=scale, mask="causal" if causal else None)
-    fn = mx.custom_function(lambda q, k, v: mlx_ops_before.forward(q, k, v, None, spec))
-
-    @fn.vjp
-    def vjp(primals, cotangents, outputs):
-        return mlx_ops_before.backward(*primals, None, outputs[0], outputs[1], cotangents[0], None, spec)
-
-    return fn(q, k, v)[0]
-
-
-def with_score_fraction(fraction):
-    """The "mlx" backend with another SCORE_FRACTION (a benchmark-only patch of the module constant)."""
-    from mlx_flash.backends import mlx_ops
-
-    def attention(q, k, v, causal, scale):
-        saved, mlx_ops.SCORE_FRACTION = mlx_ops.SCORE_FRACTION, fraction
-        try:
-            return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend="mlx")
-        finally:
-            mlx_ops.SCORE_FRACTION = saved
-
-    return attention
+IMPLS = ("mlx", "unfused", "mx.fast")
 
 
 def route(inputs, case):
@@ -89,12 +57,10 @@ def route(inputs, case):
 
 
 def implementation(name):
-    if name.startswith("mlx/"):
-        return with_score_fraction(int(name[4:]))
     if name == "mlx":
         return lambda q, k, v, causal, scale: flash_attention(
             q, k, v, scale=scale, mask="causal" if causal else None, backend="mlx")
-    return {"mlx-before": before_attention, "unfused": bm.unfused_attention,
+    return {"unfused": bm.unfused_attention,
             "mx.fast": bm.fast_attention}[name]
 
 
@@ -102,15 +68,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if mx.default_device().type == mx.gpu else "cpu")
     parser.add_argument("--impls", nargs="+", choices=IMPLS, default=list(IMPLS))
-    parser.add_argument("--score-fractions", nargs="*", type=int, default=[],
-                        help="also run the mlx backend with these SCORE_FRACTION values (as mlx/F)")
     parser.add_argument("--target-seconds", type=float, default=0.5)
     parser.add_argument("--max-repeats", type=int, default=9)
     parser.add_argument("--time-budget-s", type=float, default=540.0, help="start no new shape after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    args.impls = list(args.impls) + [f"mlx/{f}" for f in args.score_fractions]
     settings = bm.Settings(warmup=1, min_repeats=3, max_repeats=args.max_repeats, target_seconds=args.target_seconds)
     env = bm.environment("mlx", "mlx")
     print(f"# {env['device_name']} ({env['device']}), mlx {env['mlx_version']}, commit {env['git_commit']}")
