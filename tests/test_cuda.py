@@ -197,7 +197,8 @@ def test_backward_kernels_separately_match_backward():
     spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask)
     backend = get_backend("cuda")
     out, lse = backend.forward(a.q, a.k, a.v, mask4, spec)
-    dq, dk, dv = backend.backward(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    dq, dk, dv, d_sinks = backend.backward(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    assert d_sinks is None
     dq2 = backend.backward_query(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
     dk2, dv2 = backend.backward_key_value(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
     for x, y in ((dq, dq2), (dk, dk2), (dv, dv2)):

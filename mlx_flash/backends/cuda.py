@@ -474,7 +474,7 @@ def _empty(spec: AttentionSpec) -> bool:
     return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len) == 0
 
 
-def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
     """Returns (out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
     B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
     if _empty(spec):
@@ -544,14 +544,14 @@ def backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpe
     return _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
 
 
-def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
-    """Returns (dq, dk, dv) in the input dtype. d_lse (or None) is the cotangent of lse."""
+def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+    """Returns (dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse."""
     if _empty(spec):
-        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), None
     delta, lse2 = prepare_backward(out, lse, d_out, d_lse, spec)
     dq = _backward_query(q, k, v, mask, d_out, lse2, delta, spec)
     dk, dv = _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
-    return dq, dk, dv
+    return dq, dk, dv, None
 
 
 def cuda_available() -> bool:
@@ -577,6 +577,8 @@ class CUDABackend:
             return f"value_dim {spec.value_dim} != head_dim {spec.head_dim}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}"
+        if spec.has_sinks:
+            return "attention sinks"
         return None
 
     forward = staticmethod(forward)

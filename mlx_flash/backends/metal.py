@@ -100,12 +100,14 @@ class MetalBackend:
         if spec.value_dim != spec.head_dim:
             return (f"value_dim {spec.value_dim} != head_dim {spec.head_dim} is not implemented "
                     f"in the Metal kernels")
+        if spec.has_sinks:
+            return "attention sinks"
         return None
 
     def family(self) -> str:
         return self._family or detect_family()
 
-    def forward(self, q, k, v, mask, spec: AttentionSpec):
+    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
         """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         if min(B, Hq, Nq, D) == 0 or spec.kv_len == 0:
@@ -120,13 +122,13 @@ class MetalBackend:
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
         return out, lse
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
-        """(dq, dk, dv) in the input dtype; d_lse is None or the cotangent of lse."""
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse."""
         if self._empty(spec):
-            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), None
         dq, delta = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)
         dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
-        return dq, dk, dv
+        return dq, dk, dv, None
 
     # -- the two backward kernels, separately (the benchmark times them apart) -------------------
 
