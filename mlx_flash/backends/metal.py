@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from ..spec import AttentionSpec
 from . import metal_simulated
+from .sinks import empty_lse, row_term, sinks_gradient
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits,
                            make_variant, source)
 
@@ -100,43 +101,47 @@ class MetalBackend:
         if spec.value_dim != spec.head_dim:
             return (f"value_dim {spec.value_dim} != head_dim {spec.head_dim} is not implemented "
                     f"in the Metal kernels")
-        if spec.has_sinks:
-            return "attention sinks"
         return None
 
     def family(self) -> str:
         return self._family or detect_family()
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
-        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
+        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log, sinks included)."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         if min(B, Hq, Nq, D) == 0 or spec.kv_len == 0:
-            return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+            return mx.zeros((B, Hq, Nq, D), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
         variant = make_variant("forward", spec, self.family())
         mask_array, mask_strides = _mask_operands(mask)
         spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
         out, lse, _ = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
-            inputs=[q, k, v, mask_array, mask_strides, _params(spec), _fparams(spec)],
+            inputs=[q, k, v, mask_array, mask_strides, _sinks_operand(sinks), _params(spec), _fparams(spec)],
             output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
         return out, lse
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
-        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse."""
+        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse.
+
+        d_sinks (None without sinks) is fused into the dQ kernel: each simdgroup writes the
+        part of its 8 query rows, summed here in a fixed order (deterministic, no atomics).
+        """
         if self._empty(spec):
-            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), None
-        dq, delta = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)
+            d_sinks = None if sinks is None else sinks_gradient(sinks, lse, row_term(out, d_out, d_lse))
+            return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
+        dq, delta, d_sinks_part = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)
         dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
-        return dq, dk, dv, None
+        d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
+        return dq, dk, dv, d_sinks
 
     # -- the two backward kernels, separately (the benchmark times them apart) -------------------
 
-    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
         """dq from the dQ kernel alone."""
         if self._empty(spec):
             return mx.zeros_like(q)
-        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)[0]
+        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
                            delta=None):
@@ -171,20 +176,25 @@ class MetalBackend:
     def _empty(spec: AttentionSpec) -> bool:
         return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0
 
-    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
+    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
+        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         variant = make_variant("backward_query", spec, self.family())
         mask_array, mask_strides = _mask_operands(mask)
         if d_lse is None:
             d_lse = mx.zeros((B, Hq, Nq), mx.float32)
         spill = (B * Hq * Nq * D,) if variant.spills("dQ") else (1,)
-        dq, delta, _ = self._launch(
+        # One sink-gradient part per simdgroup (8 query rows) of each query block.
+        P = variant.plan.parallel_block
+        parts = (B, Hq, -(-Nq // P) * (P // 8)) if variant.sinks else (1,)
+        dq, delta, _, d_sinks_part = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
             inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    d_lse.astype(mx.float32), mask_array, mask_strides, _params(spec), _fparams(spec)],
-            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
-            output_dtypes=[spec.dtype, mx.float32, mx.float32])
-        return dq, delta
+                    d_lse.astype(mx.float32), mask_array, mask_strides, _sinks_operand(sinks), _params(spec),
+                    _fparams(spec)],
+            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill, parts],
+            output_dtypes=[spec.dtype, mx.float32, mx.float32, mx.float32])
+        return dq, delta, d_sinks_part
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -237,6 +247,11 @@ def _params(spec: AttentionSpec) -> mx.array:
 def _fparams(spec: AttentionSpec) -> mx.array:
     cap = spec.softcap if spec.softcap is not None else 1.0
     return mx.array([spec.scale, cap, 1.0 / cap, 0, 0, 0, 0, 0], dtype=mx.float32)
+
+
+def _sinks_operand(sinks) -> mx.array:
+    """fp32 sinks [Hq], or a 1-element dummy that keeps the kernel signature fixed (never read)."""
+    return mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:

@@ -34,6 +34,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..spec import AttentionSpec
+from .sinks import empty_lse, sinks_gradient
 
 # Score-block budget in elements (B * Hq * Nq * key_block, per chunk of batch entries).
 # Measured on a 2-core x86 CPU at B=1, H=8, N=4096, D=64, fp32 (see the closing notes of
@@ -151,10 +152,7 @@ def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, m
     """
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
-        lse = mx.full((B, Hq, Nq), -math.inf, mx.float32)
-        if sinks is not None:  # the sink takes all the probability: lse = sink, out = 0
-            lse = mx.broadcast_to(sinks.astype(mx.float32)[None, :, None], (B, Hq, Nq))
-        return mx.zeros((B, Hq, Nq, Dv), spec.dtype), lse
+        return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
     batch_chunk, key_block = plan_blocks(spec)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
@@ -203,14 +201,6 @@ def _forward_chunk(q, k, v, mask, spec, key_block, sinks=None):
     out = mx.where(seen[..., None], acc / mx.where(seen, row_sum, 1.0)[..., None], 0.0)
     lse = mx.where(seen, row_max + mx.log(mx.where(seen, row_sum, 1.0)), -math.inf)
     return out.astype(spec.dtype).reshape(B, spec.q_heads, Nq, Dv), lse.reshape(B, spec.q_heads, Nq)
-
-
-def sinks_gradient(sinks, lse, row_term) -> mx.array:
-    """d_sinks [Hq] in sinks' dtype: -sum over batches and queries of p_sink * D_i, with
-    p_sink = exp(sink - lse) (0 where lse = -inf: a sink of -inf on a row with no key)."""
-    p_sink = mx.exp(sinks.astype(mx.float32)[None, :, None] - lse)
-    p_sink = mx.where(lse == -math.inf, 0.0, p_sink)
-    return (-(p_sink * row_term).sum(axis=(0, 2))).astype(sinks.dtype)
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
