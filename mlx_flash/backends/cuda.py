@@ -29,6 +29,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
+from .sinks import empty_lse, row_term, sinks_gradient
 
 FAMILY = "sm90"
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
@@ -114,6 +115,7 @@ class KernelConfig:
     instruction: str = "mma"
     pingpong: bool = False
     stages: int = 2
+    sinks: bool = False  # attention sinks (forward and dQ kernels; dK/dV needs none: lse includes them)
 
     @property
     def row_groups(self) -> int:
@@ -159,7 +161,7 @@ class KernelConfig:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("q", self.cache_q),
-                                         ("p", self.pingpong)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks)) if on)
         kernel = self.kernel + (f"_wgmma{self.stages}" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.dtype else 'f16'}_d{self.head_dim}"
                 f"_h{self.slice_width}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -205,8 +207,10 @@ def _tuning_key() -> tuple:
 # Cached: working the table out took 8 us of the call's ~50 us host time (CI machine, D=64).
 @functools.lru_cache(maxsize=1024)
 def _kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], tuning: tuple) -> KernelConfig:
+    sinks = spec.has_sinks and kernel != "backward_key_value"
     if use_wgmma(kernel, spec):
-        return _wgmma_config(kernel, spec, mask_dtype)
+        config = _wgmma_config(kernel, spec, mask_dtype)
+        return replace(config, sinks=True) if sinks else config
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, FAMILY)
     warps = plan.warps or DEFAULT_WARPS
     if kernel in BLOCK_OVERRIDES:
@@ -239,7 +243,7 @@ def _kernel_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dty
     if config.shared_memory > SHARED_MEMORY_LIMIT:
         raise ValueError(f"[cuda] {kernel} at head_dim={spec.head_dim} needs {config.shared_memory} bytes of "
                          f"shared memory (limit {SHARED_MEMORY_LIMIT}); reduce P or H in blocks_cuda.txt.")
-    return config
+    return replace(config, sinks=True) if sinks else config
 
 
 def _wgmma_config(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> KernelConfig:
@@ -342,9 +346,11 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
                          STAGES=config.stages, PINGPONG=config.pingpong, LAUNCH_SMEM=config.shared_memory)
         if config.kernel == "backward_key_value":
             constants.update(NSLICE=config.slices, DS=config.slice_width, CG=config.col_groups)
+        else:
+            constants["SINKS"] = config.sinks
         header = "\n".join([template_text("attention_common.cuh"), _wgmma_wrappers(config),
                             template_text("wgmma_common.cuh"), render(_WGMMA_TEMPLATES[config.kernel], **constants)])
-        inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma")
+        inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "_wgmma", config.sinks)
         return header, body, inputs, outputs
     constants = dict(T=config.dtype, MASK_T=config.mask_type, HEAD_DIM=config.head_dim,
                      DP=config.padded_dim, HB=config.slice_width, NSLICE=config.slices,
@@ -355,22 +361,33 @@ def kernel_source(config: KernelConfig) -> Tuple[str, str, List[str], List[str]]
         constants["CACHE_Q"] = config.cache_q
     else:
         constants["DS"] = config.staged_dim
+    if config.kernel != "backward_key_value":
+        constants["SINKS"] = config.sinks
     header = template_text("attention_common.cuh") + "\n" + render(_TEMPLATES[config.kernel], **constants)
-    inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "")
+    inputs, outputs, body = _signature(config.kernel, has_mask, mask_arg, "", config.sinks)
     return header, body, inputs, outputs
 
 
-def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str) -> Tuple[List[str], List[str], str]:
-    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>."""
+def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
+               sinks: bool = False) -> Tuple[List[str], List[str], str]:
+    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
+
+    The forward and dQ kernels take a sinks pointer after the mask (null without sinks); the dQ
+    kernel also writes d_sinks_part after dq (null without sinks)."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
         inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
         outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
-    inputs += (["mask"] if has_mask else []) + ["params", "fparams"]
-    args = [name for name in inputs if name != "mask"]
-    args.insert(len(args) - 2, mask_arg)
-    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args + outputs)});"
+    args = list(inputs) + [mask_arg]
+    if kernel != "backward_key_value":
+        args.append("sinks" if sinks else "(const float*)nullptr")
+    inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + ["params", "fparams"]
+    args += ["params", "fparams"] + outputs
+    if kernel == "backward_query":
+        outputs = outputs + (["d_sinks_part"] if sinks else [])
+        args.append("d_sinks_part" if sinks else "(float*)nullptr")
+    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args)});"
     return inputs, outputs, body
 
 
@@ -475,16 +492,16 @@ def _empty(spec: AttentionSpec) -> bool:
 
 
 def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
-    """Returns (out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
+    """Returns (out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log, sinks included)."""
     B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
     if _empty(spec):
-        return mx.zeros((B, Hq, Nq, D), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+        return mx.zeros((B, Hq, Nq, D), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
     config = kernel_config("forward", spec, None if mask is None else mask.dtype)
     blocks = -(-Nq // config.parallel_block)
     total = B * Hq * blocks * config.slices
     grid, group = _grid(total, config.threads)
-    inputs = [q, k, v] + ([mask] if mask is not None else []) + [_int_params(spec, blocks, total),
-                                                                 _float_params(spec)]
+    inputs = [q, k, v] + ([mask] if mask is not None else []) + _sinks_input(sinks) + [
+        _int_params(spec, blocks, total), _float_params(spec)]
     out, lse = _kernel(config)(inputs=inputs, output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)],
                                output_dtypes=[spec.dtype, mx.float32], grid=grid, threadgroup=group)
     return out, lse
@@ -505,15 +522,27 @@ def prepare_backward(out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.ar
     return delta, lse2
 
 
-def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> mx.array:
+def _sinks_input(sinks) -> List[mx.array]:
+    return [] if sinks is None else [sinks.astype(mx.float32)]
+
+
+def _backward_query(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec, sinks=None):
+    """dq, or (dq, d_sinks_part [B, Hq, parts]) with sinks: one part per warp's rows (mma.sync: a row
+    group, wgmma: a consumer warp's 16 rows), summed by the caller."""
     config = kernel_config("backward_query", spec, None if mask is None else mask.dtype)
     blocks = -(-spec.q_len // config.parallel_block)
     total = spec.batch * spec.q_heads * blocks * config.slices
     grid, group = _grid(total, config.threads)
-    inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + [
+    inputs = [q, k, v, d_out, lse2, delta] + ([mask] if mask is not None else []) + _sinks_input(sinks) + [
         _int_params(spec, blocks, total), _float_params(spec)]
-    return _kernel(config)(inputs=inputs, output_shapes=[q.shape], output_dtypes=[spec.dtype],
-                           grid=grid, threadgroup=group)[0]
+    shapes, dtypes = [q.shape], [spec.dtype]
+    if sinks is not None:
+        parts = config.parallel_block // 16 if config.instruction == "wgmma" else config.row_groups
+        shapes.append((spec.batch, spec.q_heads, blocks * parts))
+        dtypes.append(mx.float32)
+    results = _kernel(config)(inputs=inputs, output_shapes=shapes, output_dtypes=dtypes, grid=grid,
+                              threadgroup=group)
+    return results[0] if sinks is None else (results[0], results[1])
 
 
 def _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
@@ -545,13 +574,21 @@ def backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpe
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
-    """Returns (dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse."""
+    """Returns (dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse.
+
+    d_sinks (None without sinks) is fused into the dQ kernel: per-warp parts, summed here in a
+    fixed order (deterministic, no atomics)."""
     if _empty(spec):
-        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), None
+        d_sinks = None if sinks is None else sinks_gradient(sinks, lse, row_term(out, d_out, d_lse))
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     delta, lse2 = prepare_backward(out, lse, d_out, d_lse, spec)
-    dq = _backward_query(q, k, v, mask, d_out, lse2, delta, spec)
+    dq = _backward_query(q, k, v, mask, d_out, lse2, delta, spec, sinks)
+    d_sinks = None
+    if sinks is not None:
+        dq, parts = dq
+        d_sinks = parts.sum(axis=(0, 2)).astype(sinks.dtype)
     dk, dv = _backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
-    return dq, dk, dv, None
+    return dq, dk, dv, d_sinks
 
 
 def cuda_available() -> bool:
@@ -577,8 +614,6 @@ class CUDABackend:
             return f"value_dim {spec.value_dim} != head_dim {spec.head_dim}"
         if spec.head_dim > MAX_HEAD_DIM:
             return f"head_dim {spec.head_dim} > {MAX_HEAD_DIM}"
-        if spec.has_sinks:
-            return "attention sinks"
         return None
 
     forward = staticmethod(forward)
