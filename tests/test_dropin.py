@@ -108,3 +108,24 @@ def test_flash_attention_keeps_strict_checks():
         flash_attention(Q, K.astype(F16), V)
     with pytest.raises(TypeError, match="mask"):
         flash_attention(Q, K, V, mask=mx.zeros((6, 9), mx.int32))
+
+
+@pytest.mark.parametrize("head_dim", [72, 96, 256])
+@pytest.mark.parametrize("mask", [None, "causal", "bool", "additive"])
+def test_head_dims_and_caches_sliced_as_mlx_lm_hands_them_over(head_dim, mask):
+    """K/V sliced out of a longer preallocated cache (strided views, what mlx-lm passes), ragged
+    lengths, the head dims MLX has fused kernels for, each mask kind: equal to MLX."""
+    rng = np.random.default_rng(head_dim)
+    q_len, kv_len, cache_len = 19, 33, 48
+    q = mx.array(rng.standard_normal((1, 4, q_len, head_dim)).astype(np.float32))
+    k_cache, v_cache = (mx.array(rng.standard_normal((1, 2, cache_len, head_dim)).astype(np.float32) * 100)
+                        for _ in range(2))
+    k_cache[:, :, :kv_len] = rand(1, 2, kv_len, head_dim, seed=1)
+    v_cache[:, :, :kv_len] = rand(1, 2, kv_len, head_dim, seed=2)
+    k, v = k_cache[:, :, :kv_len], v_cache[:, :, :kv_len]
+    if mask == "bool":
+        mask = mx.array(rng.random((1, 4, q_len, kv_len)) < 0.7)
+    elif mask == "additive":
+        mask = mx.array(rng.standard_normal((q_len, kv_len)).astype(np.float32))
+    ours, mlx = both(q, k, v, mask=mask)
+    assert np.allclose(np.array(ours), np.array(mlx), atol=1e-5)
