@@ -451,3 +451,17 @@ def test_lora_step_on_gpt_oss_with_learnable_sinks_matches_unpatched(compiled):
     assert sum(n.endswith("sinks") for n in grads) == 2 and len(grads) == 10
     for name in grads:
         assert relative_error(patched_grads[name], grads[name]) < TOLERANCE, name
+
+
+def test_gear_softcap_attention_adapter():
+    from mlx_lm.models import gear
+    original = gear._softcap_attention
+    q = mx.random.normal((1, 4, SEQUENCE, 16), key=mx.random.key(1))
+    k = mx.random.normal((1, 2, SEQUENCE, 16), key=mx.random.key(2))
+    reference = original(q, k, k, scale=0.25, softcap=5.0, mask="causal")
+    with flash_mlx_lm.patched():
+        assert gear._softcap_attention is not original
+        out = gear._softcap_attention(q, k, k, scale=0.25, softcap=5.0, mask="causal")
+    assert gear._softcap_attention is original
+    assert relative_error(out, reference) < TOLERANCE
+    assert flash_mlx_lm.call_counts(by_model=True) == {"gear": {"flash": 1, "original": {}}}
