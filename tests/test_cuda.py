@@ -417,6 +417,24 @@ def test_empty_calls_return_the_mlx_backends_result():
             assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
+def test_empty_calls_with_sinks_match_the_mlx_backend():
+    """With sinks, no keys or head_dim 0 still give the "mlx" backend's out, lse (the sink takes
+    the probability left over) and d_sinks (common.empty_forward / empty_sinks_gradient)."""
+    backend = cuda_emulator.backend()
+    sinks = mx.array([0.5, -1.0], mx.bfloat16)
+    for shape_q, shape_k in (((1, 2, 5, 0), (1, 2, 7, 0)), ((1, 2, 5, 16), (1, 2, 0, 16))):
+        q, k = mx.ones(shape_q, mx.bfloat16), mx.zeros(shape_k, mx.bfloat16)
+
+        def results(name):
+            out, lse = flash_attention(q, k, k, mask="causal", sinks=sinks, return_lse=True, backend=name)
+            d_sinks = mx.grad(lambda s: flash_attention(q, k, k, mask="causal", sinks=s, return_lse=True,
+                                                        backend=name)[1].sum())(sinks)
+            return [np.array(x.astype(mx.float32)) for x in (out, lse, d_sinks)]
+
+        for got, want in zip(results(backend), results("mlx")):
+            assert got.shape == want.shape and np.allclose(got, want)
+
+
 @gpu
 @sm90_only
 @pytest.mark.parametrize("case", [
