@@ -10,7 +10,6 @@ to calls with nothing to compute.
 from __future__ import annotations
 
 import functools
-import math
 from types import MappingProxyType
 from typing import List, Optional, Sequence, Tuple
 

@@ -36,6 +36,10 @@ keeps about ten operations in flight), so the 1/32 keeps the peak at a quarter t
 score matrix (MLX's unfused attention: about 3.2 score matrices), and
 the device share bounds the block of large problems, so memory grows linearly in N past it.
 
+Sinks: a row's sink is the first score its online softmax sees (_initial_state: row max = sink,
+row sum = 1); its gradient -sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no
+rounded dP cancels against D there.
+
 GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
 broadcasting shares each kv head with its query heads without tiling k or v.
 """
