@@ -12,6 +12,7 @@ LoRA-fine-tunes it on the held-out topics. Both phases run `mlx_lm.tuner.trainer
     python examples/finetune_llm.py --compare        # then: the same steps with MLX's
                                                      # attention and with flash attention
     python examples/finetune_llm.py --quick          # a few steps (CI)
+    python examples/finetune_llm.py --sinks          # a gpt-oss model: learnable attention sinks
     python examples/finetune_llm.py --model PATH [--data DIR]   # a local Hugging Face model
 
 A couple of CPU minutes teach a model this small little more than word frequencies: the point
@@ -20,6 +21,11 @@ on flash attention, with the same losses as MLX's attention. At the default 256 
 attention scores are small next to everything else, so both attentions use about the same
 memory; the difference shows once the score matrix outgrows flash attention's blocks, e.g.
 `--seq-len 2048 --batch-size 1 --pretrain-steps 0 --steps 2 --compare`.
+
+The offline model has head dim 64 (--head-dim; real models use 64 or 128). With --sinks it is a
+small gpt-oss (mlx-lm's gpt_oss: attention sinks, alternating sliding-window and full layers,
+mixture of experts) and the sinks are trained in both phases (LoRA leaves them trainable), so
+the sink gradient of the fused backward runs end to end through mlx-lm's trainer.
 
 --data takes a folder with train.jsonl / valid.jsonl ({"text": ...} per line) as mlx-lm's
 own `mlx_lm.lora` does. The adapters (and, for the offline model, the pre-trained base model
@@ -71,6 +77,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=256, help="Tokens per training sequence.")
     parser.add_argument("--hidden-size", type=int, default=128, help="Offline model width.")
+    parser.add_argument("--head-dim", type=int, default=64, help="Offline model head dim (64 or 128 in "
+                        "real models); query heads = max(2, hidden size / head dim), half as many kv heads.")
+    parser.add_argument("--sinks", action="store_true", help="Offline model: a small gpt-oss with learnable "
+                        "attention sinks (trained in both phases) instead of a Llama.")
     parser.add_argument("--num-layers", type=int, default=2, help="Offline model depth.")
     parser.add_argument("--vocab-size", type=int, default=1024, help="Offline BPE vocabulary.")
     parser.add_argument("--lora-rank", type=int, default=8)
@@ -96,6 +106,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.pretrain_steps, args.steps, args.compare_steps = 3, 3, 3
         args.batch_size, args.seq_len = 2, 64
         args.hidden_size, args.num_layers, args.vocab_size = 64, 2, 384
+    if args.head_dim < 1:
+        parser.error(f"--head-dim must be positive, got {args.head_dim}")
+    if args.sinks and args.model is not None:
+        parser.error("--sinks builds the offline gpt-oss model; it does not combine with --model")
     for name in ("pretrain_steps", "steps", "batch_size", "seq_len", "compare_steps"):
         if getattr(args, name) < (0 if name == "pretrain_steps" else 1):
             parser.error(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -185,15 +199,33 @@ def load_data(data_dir, tokenizer, texts, args):
 # ---------------------------------------------------------------- model and training
 
 def build_model(args, vocab_size: int):
-    """A small Llama (GQA: half as many kv heads as query heads) and its config dict."""
-    heads = max(2, args.hidden_size // 32)
-    config = dict(model_type="llama", hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
-                  intermediate_size=2 * args.hidden_size, num_attention_heads=heads,
-                  num_key_value_heads=heads // 2, rms_norm_eps=1e-5, vocab_size=vocab_size,
-                  max_position_embeddings=4096, rope_theta=10000.0, tie_word_embeddings=True)
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    """A small Llama (GQA: half as many kv heads as query heads), or with --sinks a small gpt-oss
+    (learnable sinks, sliding-window and full layers, 4 experts), and its config dict."""
+    heads = max(2, args.hidden_size // args.head_dim)
+    config = dict(hidden_size=args.hidden_size, num_hidden_layers=args.num_layers,
+                  intermediate_size=2 * args.hidden_size, num_attention_heads=heads, head_dim=args.head_dim,
+                  num_key_value_heads=max(1, heads // 2), rms_norm_eps=1e-5, vocab_size=vocab_size,
+                  rope_theta=10000.0)
+    if args.sinks:
+        from mlx_lm.models import gpt_oss
+        config.update(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+                      sliding_window=min(128, args.seq_len // 2),
+                      layer_types=["sliding_attention", "full_attention"] * (args.num_layers // 2)
+                      + ["sliding_attention"] * (args.num_layers % 2))
+        model = gpt_oss.Model(gpt_oss.ModelArgs.from_dict(config))
+        for layer in model.layers:  # gpt-oss starts its sinks at 0; learned ones are a few units
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape)
+    else:
+        config.update(model_type="llama", max_position_embeddings=4096, tie_word_embeddings=True)
+        model = llama.Model(llama.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     return model, config
+
+
+def sinks_of(model):
+    """{layer index: sinks} of a model with attention sinks (empty otherwise)."""
+    return {i: layer.self_attn.sinks for i, layer in enumerate(model.layers)
+            if hasattr(getattr(layer, "self_attn", None), "sinks")}
 
 
 def run_trainer(model, train_set, valid_set, args, iters: int, learning_rate: float, weights_file: Path):
@@ -318,8 +350,9 @@ def main(argv=None):
             tokenizer = train_tokenizer(pretrain_texts + finetune_texts, args.vocab_size)
             model, config = build_model(args, len(tokenizer))
             n_params = sum(v.size for _, v in tree_flatten(model.parameters()))
-            print(f"== a Llama ({args.num_layers} layers, width {args.hidden_size}, "
-                  f"{config['num_attention_heads']} heads / {config['num_key_value_heads']} kv heads, "
+            print(f"== a {'gpt-oss with attention sinks' if args.sinks else 'Llama'} ({args.num_layers} layers, "
+                  f"width {args.hidden_size}, {config['num_attention_heads']} heads / "
+                  f"{config['num_key_value_heads']} kv heads of dim {args.head_dim}, "
                   f"{n_params / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}): pre-training on "
                   f"{len(pretrain_texts)} pydoc topics, {args.pretrain_steps} steps")
             base_path = args.adapter_path / "base_model"
@@ -341,7 +374,12 @@ def main(argv=None):
         model.freeze()
         lora_layers = args.lora_layers or len(model.layers)
         lora_parameters = {"rank": args.lora_rank, "scale": args.lora_scale, "dropout": 0.0}
+        if args.sinks:  # LoRA on the attention projections; the sinks stay trainable
+            lora_parameters["keys"] = [f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linear_to_lora_layers(model, lora_layers, lora_parameters)
+        sinks_before = {i: mx.array(s) for i, s in sinks_of(model).items()}
+        for i in sinks_before:
+            model.layers[i].self_attn.unfreeze(keys=["sinks"], recurse=False)
         print_trainable_parameters(model)
         run_trainer(model, train_set, valid_set, args, args.steps, args.learning_rate,
                     args.adapter_path / "adapters.safetensors")
@@ -357,6 +395,10 @@ def main(argv=None):
     print(f"   adapters saved in {args.adapter_path}")
 
     summary = {"train_seconds": trained, "attention_calls": counts}
+    if sinks_before:
+        change = max(mx.abs(model.layers[i].self_attn.sinks - s).max().item() for i, s in sinks_before.items())
+        print(f"   attention sinks trained by LoRA fine-tuning: largest change {change:.2e}")
+        summary["sinks_max_change"] = change
     if args.compare:
         summary["compare"] = compare(model, train_set, args)
     with open(args.adapter_path / "finetune_summary.json", "w") as f:

@@ -7,7 +7,9 @@
 // registers straight into the A operand; with CG > 1 the CG warps of a row group split the BN
 // keys of the score tile, write dS to shared memory and read whole rows back (each score is
 // computed once per CTA). No atomics: each dQ element has one owner, so the result is bitwise
-// reproducible.
+// reproducible. With SINKS, each row-group warp (cg = 0, slice 0) also writes its rows' part of the
+// sink gradient, -sum_i exp2(sink2 - lse2_i) delta_i, to d_sinks_part[b, h, qb * RG + rg]; the
+// caller sums the parts.
 namespace mlxflash {
 namespace bwdq {
 typedef {{input_type}} T;
@@ -25,6 +27,7 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+constexpr bool SINKS = {{sinks}};
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int BNW = BN / CG;            // score columns (keys) per warp
 constexpr int ROW = DS + 8;
@@ -38,8 +41,9 @@ static_assert(BN % 16 == 0, "BN must be a multiple of 16");
 __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bwdq::T* __restrict__ k,
                                          const bwdq::T* __restrict__ v, const bwdq::T* __restrict__ d_out,
                                          const float* __restrict__ lse2, const float* __restrict__ delta,
-                                         const bwdq::MaskT* __restrict__ mask, const i64* __restrict__ ip,
-                                         const float* __restrict__ fp, bwdq::T* __restrict__ dq) {
+                                         const bwdq::MaskT* __restrict__ mask, const float* __restrict__ sinks,
+                                         const i64* __restrict__ ip, const float* __restrict__ fp,
+                                         bwdq::T* __restrict__ dq, float* __restrict__ d_sinks_part) {
   using namespace bwdq;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -94,6 +98,17 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     }
   }
   const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+  if (SINKS && cg == 0 && cslice == 0) {
+    const float sink2 = sinks[h] * 1.4426950408889634f;
+    float part = 0.f;
+#pragma unroll
+    for (int mt = 0; mt < WM; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)  // rows past Nq: lse2 = +inf, delta = 0
+        if (tq == 0) part -= fast_exp2(sink2 - row_l2[mt][hf]) * row_d[mt][hf];
+    part = sink_gradient_part(part);
+    if (lane == 0) d_sinks_part[bh * nqb * RG + (i64)qb * RG + rg] = part;
+  }
 
   if (kb_begin < kb_end) {
     load_tile<BM, DS, ROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);

@@ -5,10 +5,14 @@
   //   dS = P * (dP - delta) [* softcap'(s)], dQ += dS K;   finally dQ *= scale.
   // Nothing is accumulated across threadgroups: no atomics, bitwise-reproducible gradients.
   //
+  // With SINKS, each simdgroup (8 query rows) also writes its rows' part of the sink gradient,
+  //   -sum_i exp2(sink - L_i) * delta_i, to d_sinks_part; the caller sums the parts (MLX ops).
+  //
   // Inputs: q, o, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], lse, d_lse fp32 [B,Hq,Nq],
-  //   mask, mask_layout, params, fparams (as the forward kernel).
+  //   mask, mask_layout, sinks, params, fparams (as the forward kernel).
   // Outputs: dq [B,Hq,Nq,D], delta fp32 [B,Hq,Nq], dq_acc (fp32 spill buffer of dQ when dQ is
-  //   not cached and the input is not fp32; otherwise 1 element, unused).
+  //   not cached and the input is not fp32; otherwise 1 element, unused), d_sinks_part fp32
+  //   [B, Hq, query blocks * P / 8] with SINKS (otherwise 1 element, unused).
   //
   // Compile-time constants (rendered by mlx_flash.backends.metal_source):
   constexpr int D = {{head_dim}};
@@ -25,6 +29,7 @@
   constexpr bool WINDOW = {{window}};
   constexpr bool SOFTCAP = {{softcap}};
   constexpr int MASK_KIND = {{mask_kind}};
+  constexpr bool SINKS = {{sinks}};
   typedef {{input_type}} in_t;
   typedef {{cache_type}} cache_t;
 
@@ -79,6 +84,16 @@
   // L in base 2; rows that saw no key have lse = -inf: use +inf so P = exp2(s - L) = 0.
   float lse2 = row_ok ? lse[head_row] * ATTN_LOG2E : INFINITY;
   if (lse2 == -INFINITY) lse2 = INFINITY;
+  if (SINKS) {
+    // d_sink: the sink's score gradient is p_sink * (0 - delta); one lane per row contributes
+    // (lc.x == 0), the simdgroup sums its 8 rows, lane 0 writes the part (no atomics).
+    const float p_sink = exp2(sinks[h] * ATTN_LOG2E - lse2);
+    const float part = simd_sum(lc.x == 0 && row_ok ? -p_sink * delta_row : 0.0f);
+    const int parts = (Nq + P - 1) / P * (P / 8);
+    if (thread_index_in_simdgroup == 0) {
+      d_sinks_part[(long(b) * Hq + h) * parts + q0 / 8 + sg] = part;
+    }
+  }
 
   vec<cache_t, 2> q_cache[Q_CACHED ? DR8 / 8 : 1];
   frag_t dq_cache[DQ_CACHED ? DR8 / 8 : 1];

@@ -11,7 +11,9 @@
 // - CONSUMERS consumer warpgroups own 64 query rows each: their Q and dO rows stay in shared
 //   memory, lse2 and delta of their rows in registers, the dQ accumulators (DP / 2 floats per
 //   thread, up to 128 at D = 256) in registers.
-// dQ needs no atomics: each CTA owns its rows (the two-kernel backward).
+// dQ needs no atomics: each CTA owns its rows (the two-kernel backward). With SINKS each consumer
+// warp also writes its 16 rows' part of the sink gradient, -sum_i exp2(sink2 - lse2_i) delta_i, to
+// d_sinks_part[b, h, qb * BM / 16 + warpgroup * 4 + warp] (as attention_backward_query.cu per warp).
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. Q, dO: K-major A operands.
 // K: K-major B operand of S and MN-major B operand of dQ += dS K; V: K-major B operand of dP.
@@ -28,6 +30,7 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+constexpr bool SINKS = {{sinks}};
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int PANELS = (DP + 63) / 64;
@@ -48,8 +51,8 @@ static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 1
 __device__ void attention_backward_query_wgmma(
     const bwdqwg::T* __restrict__ q, const bwdqwg::T* __restrict__ k, const bwdqwg::T* __restrict__ v,
     const bwdqwg::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
-    const bwdqwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
-    bwdqwg::T* __restrict__ dq) {
+    const bwdqwg::MaskT* __restrict__ mask, const float* __restrict__ sinks, const i64* __restrict__ ip,
+    const float* __restrict__ fp, bwdqwg::T* __restrict__ dq, float* __restrict__ d_sinks_part) {
   using namespace bwdqwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
@@ -98,6 +101,17 @@ __device__ void attention_backward_query_wgmma(
   float dqa[DP / 8][4];
 #pragma unroll
   for (int n = 0; n < DP / 8; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+  if (SINKS) {  // every row, also those that see no key block (steps == 0)
+    const float sink2 = sinks[h] * 1.4426950408889634f;
+    float part = 0.f;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int i = row0 + 8 * hf;
+      if (tq == 0 && i < Nq) part -= fast_exp2(sink2 - lse2[bh * Nq + i]) * delta[bh * Nq + i];
+    }
+    part = sink_gradient_part(part);
+    if (lane == 0) d_sinks_part[bh * nqb * (BM / 16) + (i64)qb * (BM / 16) + warpgroup * 4 + warp] = part;
+  }
 
   if (steps > 0) {
     float row_l2[2], row_d[2];

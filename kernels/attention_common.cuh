@@ -139,6 +139,23 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// Attention sinks (ALGORITHM.md): the online softmax of a row starts from the sink, a score
+// with no value: max = sink (log2 units), sum = 1 held by one lane of the quad (quad_sum adds
+// the four lanes' partial sums); a sink of -inf is no sink.
+__device__ __forceinline__ void sink_row_state(float sink, int tq, float& row_max, float& row_sum) {
+  row_max = sink * 1.4426950408889634f;
+  row_sum = tq == 0 && row_max != -INFINITY ? 1.f : 0.f;
+}
+
+// One warp's part of the sink gradient: -sum_i exp2(sink2 - lse2_i) * delta_i over its rows, given
+// per lane the value of each row it holds in lane tq == 0 of its quad (0 elsewhere); the warp sum
+// runs in a fixed shuffle order (bitwise reproducible, no atomics).
+__device__ __forceinline__ float sink_gradient_part(float x) {
+#pragma unroll
+  for (int m = 16; m >= 1; m /= 2) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
 // Copy a ROWS x COLS tile (global rows [0, rows_valid) of `g`, columns [col0, col0 + COLS))
 // into shared memory with row stride SROW; rows past rows_valid and columns past head_dim are
 // zero-filled. `vec` = 16-byte copies are legal (head_dim % 8 == 0 and g 16-byte aligned);

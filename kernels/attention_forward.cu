@@ -25,6 +25,7 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+constexpr bool SINKS = {{sinks}};       // attention sinks: sinks [Hq] fp32 start each row's softmax
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int VC = CG * HB;             // V columns staged per CTA
 constexpr int QROW = DP + 8, KROW = DP + 8, VROW = VC + 8;  // padded smem rows (elements)
@@ -34,8 +35,8 @@ constexpr int SMEM_BYTES = (Q_ELEMS + 2 * K_ELEMS + 2 * V_ELEMS) * 2;
 
 __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __restrict__ k,
                                   const fwd::T* __restrict__ v, const fwd::MaskT* __restrict__ mask,
-                                  const i64* __restrict__ ip, const float* __restrict__ fp,
-                                  fwd::T* __restrict__ out, float* __restrict__ lse) {
+                                  const float* __restrict__ sinks, const i64* __restrict__ ip,
+                                  const float* __restrict__ fp, fwd::T* __restrict__ out, float* __restrict__ lse) {
   using namespace fwd;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Qs = reinterpret_cast<T*>(smem_raw);
@@ -78,6 +79,10 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     for (int n = 0; n < HB / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
     row_max[mt][0] = row_max[mt][1] = -INFINITY;
     row_sum[mt][0] = row_sum[mt][1] = 0.f;
+    if (SINKS) {
+      sink_row_state(sinks[h], tq, row_max[mt][0], row_sum[mt][0]);
+      sink_row_state(sinks[h], tq, row_max[mt][1], row_sum[mt][1]);
+    }
   }
   const fwd::MaskT* mrow[WM][2];
   if (MASK_KIND != 0) {

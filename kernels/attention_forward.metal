@@ -4,6 +4,7 @@
   //
   // Inputs: q [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], mask (array mask, or a 1-element dummy),
   //   mask_layout int64 [b, h, query, key] (0 where the mask broadcasts),
+  //   sinks fp32 [Hq] (attention sinks when SINKS, else a 1-element dummy),
   //   params int32 [Nq, Nk, Hq, group, window_left, window_right, Hkv, -],
   //   fparams fp32 [scale, softcap, 1 / softcap, ...].
   // Outputs: out [B,Hq,Nq,D], lse [B,Hq,Nq], o_acc (fp32 spill buffer of O when O is not
@@ -23,6 +24,7 @@
   constexpr bool WINDOW = {{window}};
   constexpr bool SOFTCAP = {{softcap}};
   constexpr int MASK_KIND = {{mask_kind}};
+  constexpr bool SINKS = {{sinks}};
   typedef {{input_type}} in_t;
   typedef {{cache_type}} cache_t;
 
@@ -71,6 +73,11 @@
   const int2 keys = key_range<CAUSAL, WINDOW>(q0, min(q0 + P, Nq) - 1, Nk, ctx);
   float m = -INFINITY;  // running row max (base 2)
   float l = 0.0f;       // running row sum of exp2(s - m)
+  if (SINKS) {
+    // The sink is the first score every row sees (a score with no value): m = sink, l = 1.
+    m = sinks[h] * ATTN_LOG2E;
+    l = m == -INFINITY ? 0.0f : 1.0f;
+  }
   bool first = true;    // no key block visited yet: spilled O starts at zero
 
   for (int c0 = keys.x; c0 < keys.y; c0 += T) {
@@ -137,7 +144,7 @@
     first = false;
   }
 
-  // O /= l (rows that saw no key: O = 0, lse = -inf).
+  // O /= l (rows that saw no key: O = 0, lse = -inf, or lse = sink with a sink).
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
   auto out_row = out + head_row * D;
   if (O_CACHED) {

@@ -41,6 +41,7 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool PINGPONG = {{pingpong}};
+constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 // Two buffers: three measured slower on an H100 (TFLOP/s per call 2 / 3 stages: D=64 250 / 233,
 // D=128 412 / 388; the hardware announces each copy, so the producer never waits on its own).
@@ -68,8 +69,9 @@ static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 2
 
 __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fwdwg::T* __restrict__ k,
                                         const fwdwg::T* __restrict__ v, const fwdwg::MaskT* __restrict__ mask,
-                                        const i64* __restrict__ ip, const float* __restrict__ fp,
-                                        fwdwg::T* __restrict__ out, float* __restrict__ lse) {
+                                        const float* __restrict__ sinks, const i64* __restrict__ ip,
+                                        const float* __restrict__ fp, fwdwg::T* __restrict__ out,
+                                        float* __restrict__ lse) {
   using namespace fwdwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Panels must start on 1024-byte boundaries of the shared address space (swizzle phase).
@@ -116,6 +118,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
   float o[DP / 8][4];
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  if (SINKS) {
+    sink_row_state(sinks[h], tq, row_max[0], row_sum[0]);
+    sink_row_state(sinks[h], tq, row_max[1], row_sum[1]);
+  }
 #pragma unroll
   for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 

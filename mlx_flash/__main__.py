@@ -158,7 +158,7 @@ def time_kernels(backend_name: str, case: bm.BenchCase, settings: bm.Settings) -
         calls["backward_query"] = lambda _: backend.backward_query(q, k, v, mask, out, lse, d_out, None, spec)
         calls["backward_key_value"] = lambda _: backend.backward_key_value(q, k, v, mask, out, lse, d_out, None, spec)
     else:
-        calls["backward"] = lambda _: backend.backward(q, k, v, mask, out, lse, d_out, None, spec)
+        calls["backward"] = lambda _: backend.backward(q, k, v, mask, out, lse, d_out, None, spec)[:3]
     return bm.measure_many({kernel: (bm.Call(run), case, kernel, None) for kernel, run in calls.items()},
                            settings, catch=False)
 

@@ -12,27 +12,41 @@ from typing import Optional, Tuple, Union
 import mlx.core as mx
 
 from .backends import select_backend
-from .spec import check_inputs
+from .fallback import record_fallback
+from .spec import FLOAT_DTYPES, check_inputs, mlx_argument_rules
 
 
 def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
-    """A custom_function (q, k, v[, mask]) -> (out, lse) whose VJP runs the backend's backward."""
+    """A custom_function (q, k, v[, mask][, sinks]) -> (out, lse) whose VJP runs the backend's backward.
 
-    def forward(q, k, v, *mask):
-        return backend.forward(q, k, v, mask[0] if has_mask else None, spec)
+    sinks is a differentiable primal (its gradient comes from the backward); the mask gets none.
+    """
+
+    def split(primals):
+        q, k, v = primals[:3]
+        mask = primals[3] if has_mask else None
+        sinks = primals[-1] if spec.has_sinks else None
+        return q, k, v, mask, sinks
+
+    def forward(*primals):
+        q, k, v, mask, sinks = split(primals)
+        return backend.forward(q, k, v, mask, spec, sinks=sinks)
 
     attention = mx.custom_function(forward)
 
     @attention.vjp
     def attention_vjp(primals, cotangents, outputs):
-        q, k, v = primals[:3]
-        mask = primals[3] if has_mask else None
+        q, k, v, mask, sinks = split(primals)
         d_out, d_lse = cotangents
         out, lse = outputs
-        dq, dk, dv = backend.backward(q, k, v, mask, out, lse, d_out,
-                                      d_lse if lse_is_used else None, spec)
-        # Masks get no gradient.
-        return (dq, dk, dv, mx.zeros_like(mask)) if has_mask else (dq, dk, dv)
+        dq, dk, dv, d_sinks = backend.backward(q, k, v, mask, out, lse, d_out,
+                                               d_lse if lse_is_used else None, spec, sinks=sinks)
+        grads = (dq, dk, dv)
+        if has_mask:
+            grads += (mx.zeros_like(mask),)  # masks get no gradient
+        if spec.has_sinks:
+            grads += (d_sinks,)
+        return grads
 
     return attention
 
@@ -40,7 +54,7 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
 def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[float] = None,
                     mask: Union[None, str, mx.array] = None,
                     window_size: Optional[Tuple[int, int]] = None, softcap: Optional[float] = None,
-                    return_lse: bool = False, backend: str = "auto",
+                    sinks: Optional[mx.array] = None, return_lse: bool = False, backend: str = "auto",
                     stream: Union[None, mx.Stream, mx.Device] = None):
     """Fused, memory-efficient attention with gradients: softmax(q k^T * scale + mask) v.
 
@@ -55,8 +69,12 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
         window_size ((int, int), optional): (left, right) sliding window, FlashAttention-2
             semantics: query i sees keys in [i + Nk - Nq - left, i + Nk - Nq + right]; -1 = unbounded.
         softcap (float, optional): scores become softcap * tanh(s / softcap) before masking (Gemma 2).
+        sinks (array, optional): attention sinks [Hq], one logit per query head (as MLX's `sinks=`,
+            gpt-oss): an extra score in every row's softmax that adds no value. Its dtype must promote
+            to q's; it is differentiable (the gradient is fused into the backward).
         return_lse (bool): also return lse [B, Hq, Nq] fp32, the natural-log logsumexp of the
-            final scores (-inf for rows that see no key; those rows output 0).
+            final scores, sinks included (-inf for rows that see no key and have no sink; rows that
+            see no key output 0).
         backend (str): "auto" (by the stream's device: Metal GPU -> "metal", CUDA GPU -> "cuda",
             otherwise "mlx"), "mlx" (blocked MLX ops, any device), "metal" or "cuda"; or a backend
             object (e.g. mlx_flash.backends.cuda.CUDABackend(tuning=...)).
@@ -65,7 +83,8 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     Returns:
         array: out [B, Hq, Nq, Dv] in q's dtype; or (out, lse) when return_lse is True.
     """
-    spec, mask_array = check_inputs(q, k, v, scale=scale, mask=mask, window_size=window_size, softcap=softcap)
+    spec, mask_array = check_inputs(q, k, v, scale=scale, mask=mask, window_size=window_size, softcap=softcap,
+                                    sinks=sinks)
     if not isinstance(return_lse, bool):
         raise TypeError(f"[flash_attention] return_lse must be a bool, got {return_lse!r}.")
     chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype,
@@ -76,13 +95,29 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
             return chosen.attention(q, k, v, mask_array, spec)
         attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
         inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
+        if sinks is not None:
+            # As MLX: the sinks join the softmax in the output dtype (astype carries the gradient back).
+            inputs += (sinks if sinks.dtype == q.dtype else sinks.astype(q.dtype),)
         out, lse = attention(*inputs)
     return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,
-                                 mask: Union[None, str, mx.array] = None,
+                                 mask: Union[None, str, mx.array] = None, sinks: Optional[mx.array] = None,
+                                 force_fused: bool = False,
                                  stream: Union[None, mx.Stream, mx.Device] = None) -> mx.array:
-    """Drop-in for `mx.fast.scaled_dot_product_attention` (same signature and semantics), fused
-    forward and backward. See `flash_attention` for the argument meanings."""
-    return flash_attention(q, k, v, scale=scale, mask=mask, stream=stream)
+    """Drop-in for `mx.fast.scaled_dot_product_attention`: the same signature, semantics and argument
+    rules as MLX 0.32, fused forward and backward (the gradient of `sinks` included).
+
+    MLX's rules that `flash_attention` does not apply: q, k and v of different dtypes are promoted
+    to their common dtype; integer and other non-bool masks are additive (cast to that dtype);
+    bad arguments raise the error types MLX raises. `force_fused` is accepted and has no effect:
+    this path is always fused. float64 inputs (MLX runs them on the CPU) have no kernel here and
+    are handed to MLX, warned once and counted as a fallback.
+    See `flash_attention` for the argument meanings.
+    """
+    q, k, v, mask = mlx_argument_rules(q, k, v, mask, force_fused)
+    if q.dtype not in FLOAT_DTYPES:
+        record_fallback(f"scaled_dot_product_attention: {q.dtype} inputs have no mlx-flash path; using MLX's")
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)
+    return flash_attention(q, k, v, scale=scale, mask=mask, sinks=sinks, stream=stream)

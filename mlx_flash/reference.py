@@ -72,8 +72,16 @@ def _scores(q, k, spec, mask):
     return s, t
 
 
-def _softmax(s):
-    """Row softmax P and lse of scores with -inf where masked; rows with no key: P = 0, lse = -inf."""
+def _softmax(s, sinks=None):
+    """Row softmax P and lse of scores with -inf where masked; rows with no key: P = 0, lse = -inf.
+
+    sinks ([Hq] or None): one extra score per head with no value, as MLX concatenates it to the
+    scores; P then covers the keys only (its rows sum to 1 - p_sink) and lse includes the sink.
+    """
+    if sinks is not None:
+        column = np.broadcast_to(sinks[None, :, None, None], (*s.shape[:-1], 1))
+        p, lse = _softmax(np.concatenate([column, s], axis=-1))
+        return p[..., 1:], lse
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         m = s.max(axis=-1, keepdims=True)
         m_safe = np.where(np.isfinite(m), m, 0.0)
@@ -88,25 +96,31 @@ def _to64(x):
     return None if x is None else np.asarray(x).astype(np.float64) if np.asarray(x).dtype != np.bool_ else np.asarray(x)
 
 
-def attention_forward(q, k, v, spec: AttentionSpec, mask=None):
-    """Returns (out [B,Hq,Nq,Dv], lse [B,Hq,Nq]) in float64. Inputs: numpy arrays of any float dtype."""
-    q, k, v, mask = _to64(q), _to64(k), _to64(v), _to64(mask)
+def attention_forward(q, k, v, spec: AttentionSpec, mask=None, sinks=None):
+    """Returns (out [B,Hq,Nq,Dv], lse [B,Hq,Nq]) in float64. Inputs: numpy arrays of any float dtype.
+
+    sinks: optional [Hq] sink logits (see `_softmax`).
+    """
+    q, k, v, mask, sinks = _to64(q), _to64(k), _to64(v), _to64(mask), _to64(sinks)
     s, _ = _scores(q, k, spec, mask)
-    p, lse = _softmax(s)
+    p, lse = _softmax(s, sinks)
     group = spec.group
     vv = np.repeat(v, group, axis=1) if group > 1 else v
     out = np.einsum("bhij,bhjd->bhid", p, vv)
     return out, lse
 
 
-def attention_backward(q, k, v, d_out, spec: AttentionSpec, mask=None, d_lse=None):
-    """Analytic gradients (dq, dk, dv) in float64, with GQA heads summed onto their kv head.
+def attention_backward(q, k, v, d_out, spec: AttentionSpec, mask=None, d_lse=None, sinks=None):
+    """Analytic gradients (dq, dk, dv) in float64, with GQA heads summed onto their kv head;
+    (dq, dk, dv, d_sinks) when sinks are given.
 
-    d_lse, if given, is the cotangent of the lse output (dlse/ds = softmax).
+    d_lse, if given, is the cotangent of the lse output (dlse/ds = softmax). With sinks, the
+    sink is one more softmax column with no value: its score gradient is p_sink (0 - D_i), and
+    the sink logit of head h collects it over every row of h (batches and queries).
     """
-    q, k, v, d_out, mask = _to64(q), _to64(k), _to64(v), _to64(d_out), _to64(mask)
+    q, k, v, d_out, mask, sinks = _to64(q), _to64(k), _to64(v), _to64(d_out), _to64(mask), _to64(sinks)
     s, t = _scores(q, k, spec, mask)
-    p, _ = _softmax(s)
+    p, lse = _softmax(s, sinks)
     group = spec.group
     kk = np.repeat(k, group, axis=1) if group > 1 else k
     vv = np.repeat(v, group, axis=1) if group > 1 else v
@@ -125,4 +139,8 @@ def attention_backward(q, k, v, d_out, spec: AttentionSpec, mask=None, d_lse=Non
         B, Hq = dk.shape[:2]
         dk = dk.reshape(B, Hq // group, group, *dk.shape[2:]).sum(2)
         dv = dv.reshape(B, Hq // group, group, *dv.shape[2:]).sum(2)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    p_sink = np.exp(sinks[None, :, None] - lse)
+    d_sinks = -(p_sink * row[..., 0]).sum(axis=(0, 2))
+    return dq, dk, dv, d_sinks

@@ -185,7 +185,7 @@ def kernel_check(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]
     try:
         out, lse = kernels.forward(q, k, v, mask, spec)
         mx.eval(out, lse)
-        dq, dk, dv = kernels.backward(q, k, v, mask, out, lse, d_out, None, spec)
+        dq, dk, dv, _ = kernels.backward(q, k, v, mask, out, lse, d_out, None, spec)
         mx.eval(dq, dk, dv)
     except Exception as error:
         return {"error": _error_message(error)}

@@ -5,6 +5,7 @@ own messages. Nothing here touches array data, so checking costs no device work.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -31,6 +32,7 @@ class AttentionSpec:
             by this many keys. Context parallelism (mlx_flash.distributed) runs one call per
             (query shard, key shard) pair of a longer sequence; the pair's band is the global
             one, which sits (query start - key start) keys off the pair's own bottom-right diagonal.
+        has_sinks: a sinks array [Hq] joins each row's softmax (the logits themselves are data).
     """
 
     batch: int
@@ -48,6 +50,7 @@ class AttentionSpec:
     mask_kind: str = "none"
     mask_shape: Optional[Tuple[int, int, int, int]] = None
     diagonal_shift: int = 0
+    has_sinks: bool = False
 
     @property
     def group(self) -> int:
@@ -98,16 +101,39 @@ class AttentionSpec:
         return self.causal or self.window is not None
 
 
+@functools.lru_cache(maxsize=None)
+def promote(a: mx.Dtype, b: mx.Dtype) -> mx.Dtype:
+    """MLX's type promotion of two dtypes (as `a + b` would give)."""
+    return (mx.array(0, dtype=a) + mx.array(0, dtype=b)).dtype
+
+
 def _shape_str(x) -> str:
     return "(" + ", ".join(str(s) for s in x.shape) + ")"
 
 
-def check_inputs(q, k, v, *, scale=None, mask=None, window_size=None, softcap=None) -> Tuple[AttentionSpec, Optional[mx.array]]:
+def check_sinks(sinks, q_heads: int, dtype: mx.Dtype, name: str = "flash_attention") -> None:
+    """Validate attention sinks as MLX does: an array of shape [Hq] whose dtype promotes to `dtype`.
+
+    Raises:
+        TypeError: sinks is not an mx.array.
+        ValueError: a wrong rank, length (one logit per query head, also under GQA) or dtype.
+    """
+    if not isinstance(sinks, mx.array):
+        raise TypeError(f"[{name}] sinks must be None or an mx.array of shape [Hq], got {type(sinks).__name__}.")
+    if sinks.ndim != 1 or sinks.shape[0] != q_heads:
+        raise ValueError(f"[{name}] sinks must have shape [Hq] = ({q_heads},) (one logit per query head), "
+                         f"got shape {tuple(sinks.shape)}.")
+    if promote(sinks.dtype, dtype) != dtype:
+        raise ValueError(f"[{name}] the dtype of sinks ({sinks.dtype}) must promote to the output dtype {dtype}.")
+
+
+def check_inputs(q, k, v, *, scale=None, mask=None, window_size=None, softcap=None,
+                 sinks=None) -> Tuple[AttentionSpec, Optional[mx.array]]:
     """Validate a call and return its spec and the normalized array mask (rank 4, or None).
 
     Raises:
         TypeError: for non-arrays, non-floating or mismatched dtypes, or a mask of another dtype.
-        ValueError: for bad ranks, shapes, scale, softcap, window or mask values.
+        ValueError: for bad ranks, shapes, scale, softcap, window or mask values, or bad sinks.
     """
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, mx.array):
@@ -188,7 +214,7 @@ def check_inputs(q, k, v, *, scale=None, mask=None, window_size=None, softcap=No
             mask_kind = "bool"
         elif mx.issubdtype(mask.dtype, mx.floating):
             mask_kind = "additive"
-            if (mx.array(0, dtype=mask.dtype) + mx.array(0, dtype=q.dtype)).dtype != q.dtype:
+            if promote(mask.dtype, q.dtype) != q.dtype:
                 raise TypeError(f"[flash_attention] an additive mask must promote to q's dtype {q.dtype}, "
                                 f"got mask dtype {mask.dtype}.")
         else:
@@ -205,7 +231,47 @@ def check_inputs(q, k, v, *, scale=None, mask=None, window_size=None, softcap=No
         mask_shape = full
         mask_array = mask.reshape(full)
 
+    if sinks is not None:
+        check_sinks(sinks, Hq, q.dtype)
+
     spec = AttentionSpec(batch=B, q_heads=Hq, kv_heads=Hkv, q_len=Nq, kv_len=Nk, head_dim=D,
                          value_dim=v.shape[3], dtype=q.dtype, scale=scale, causal=causal,
-                         window=window, softcap=softcap, mask_kind=mask_kind, mask_shape=mask_shape)
+                         window=window, softcap=softcap, mask_kind=mask_kind, mask_shape=mask_shape,
+                         has_sinks=sinks is not None)
     return spec, mask_array
+
+
+def mlx_argument_rules(q, k, v, mask, force_fused):
+    """Apply `mx.fast.scaled_dot_product_attention`'s argument rules (MLX 0.32) ahead of the strict
+    checks, so the drop-in accepts what MLX accepts and raises what MLX raises.
+
+    q, k and v are promoted to their common dtype, which must be floating (MLX raises ValueError
+    otherwise); an array mask that is not bool is additive and is cast to that dtype, which its
+    dtype must promote to (integer masks included; ValueError otherwise). The rest (ranks, shapes,
+    sinks) is checked by `check_inputs` with the same error types as MLX.
+
+    Returns:
+        (q, k, v, mask) ready for `check_inputs`.
+
+    Raises:
+        TypeError: q, k, v not arrays, or force_fused not a bool.
+        ValueError: a non-floating common dtype, or a mask dtype that does not promote to it.
+    """
+    name = "[scaled_dot_product_attention]"
+    for arg, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, mx.array):
+            raise TypeError(f"{name} {arg} must be an mx.array, got {type(x).__name__}.")
+    if not isinstance(force_fused, bool):
+        raise TypeError(f"{name} force_fused must be a bool, got {force_fused!r}.")
+    dtype = promote(promote(q.dtype, k.dtype), v.dtype)
+    if not mx.issubdtype(dtype, mx.floating):
+        raise ValueError(f"{name} q, k and v must promote to a floating dtype, got q {q.dtype}, "
+                         f"k {k.dtype}, v {v.dtype} (promoted: {dtype}).")
+    q, k, v = (x if x.dtype == dtype else x.astype(dtype) for x in (q, k, v))
+    if isinstance(mask, mx.array) and mask.dtype != mx.bool_:
+        if promote(mask.dtype, dtype) != dtype:
+            raise ValueError(f"{name} an additive mask's dtype must promote to the output dtype {dtype}, "
+                             f"got mask dtype {mask.dtype}.")
+        if mask.dtype != dtype:
+            mask = mask.astype(dtype)
+    return q, k, v, mask

@@ -310,7 +310,7 @@ def ab_whole_call(space, tables: Dict[str, planner.Table], head_dim: int, dtype:
     def call(backend):
         def run(_):
             out, lse = backend.forward(q, k, v, None, spec)
-            return (out,) + tuple(backend.backward(q, k, v, None, out, lse, d_out, None, spec))
+            return (out,) + tuple(backend.backward(q, k, v, None, out, lse, d_out, None, spec)[:3])
         return bm.Call(run=run)
 
     calls = {name: call(space.backend(table)) for name, table in tables.items()}

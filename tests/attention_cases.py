@@ -38,6 +38,7 @@ class Case:
     softcap: Optional[float] = None
     mask_shape: Tuple[bool, bool, bool, bool] = (True, True, True, True)  # which dims are full (else 1)
     lse_gradient: bool = False      # also backpropagate a random cotangent through lse
+    sinks: bool = False             # per-head attention sinks (a learnable logit, gradient checked)
     seed: int = 0
 
     @property
@@ -46,11 +47,12 @@ class Case:
 
 
 def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=320,
-          dtypes=tuple(DTYPES), mask_kinds=MASK_KINDS, head_dims=None):
+          dtypes=tuple(DTYPES), mask_kinds=MASK_KINDS, head_dims=None, sinks=(False, True)):
     """Hypothesis strategy over `Case`s (lengths and head dims drawn independently).
 
     head_dims: optional explicit list of head dims to sample from instead of 1..max_head_dim
     (kernel backends use it to bound the number of compiled variants).
+    sinks: the choices of `Case.sinks` to draw from.
     """
     head_dim = st.sampled_from(head_dims) if head_dims else st.integers(1, max_head_dim)
 
@@ -73,6 +75,7 @@ def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=32
             softcap=draw(st.one_of(st.none(), st.sampled_from([0.5, 5.0, 30.0]))),
             mask_shape=tuple(draw(st.booleans()) for _ in range(4)),
             lse_gradient=draw(st.booleans()),
+            sinks=draw(st.sampled_from(sinks)),
             seed=draw(st.integers(0, 2**31 - 1)),
         )
 
@@ -87,6 +90,7 @@ class Arrays:
     d_out: mx.array
     d_lse: mx.array
     mask: object = None
+    sinks: object = None
     kwargs: dict = field(default_factory=dict)
 
 
@@ -116,9 +120,11 @@ def make_arrays(case: Case) -> Arrays:
         mask = mx.array(values).astype(dtype)
     if case.softcap is not None:
         kwargs["softcap"] = case.softcap
+    # Sinks of a few units, as learned ones are: comparable to the scores, so p_sink spans (0, 1).
+    sinks = normal(Hq) * 2 if case.sinks else None
     return Arrays(q=normal(B, Hq, Nq, D), k=normal(B, Hkv, Nk, D), v=normal(B, Hkv, Nk, D),
                   d_out=normal(B, Hq, Nq, D), d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
-                  mask=mask, kwargs=kwargs)
+                  mask=mask, sinks=sinks, kwargs=kwargs)
 
 
 def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
@@ -134,19 +140,21 @@ def to_numpy(x: mx.array) -> np.ndarray:
 
 def check_case(case: Case, backend: str = "mlx", gradients: bool = True,
                forward_tolerance=None, gradient_tolerance=None) -> dict:
-    """Run `case` on `backend` and assert O, lse (and dQ, dK, dV) match the float64 reference.
+    """Run `case` on `backend` and assert O, lse (and dQ, dK, dV, d_sinks) match the float64 reference.
 
     Returns the measured relative errors by name.
     """
     a = make_arrays(case)
-    spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)
+    spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, **a.kwargs)
     np_mask = None if mask4 is None else to_numpy(mask4)
+    np_sinks = None if a.sinks is None else to_numpy(a.sinks)
     q, k, v = (to_numpy(x) for x in (a.q, a.k, a.v))
-    ref_out, ref_lse = reference.attention_forward(q, k, v, spec, np_mask)
+    ref_out, ref_lse = reference.attention_forward(q, k, v, spec, np_mask, sinks=np_sinks)
     f_tol = forward_tolerance or FORWARD_TOLERANCE[case.dtype]
     g_tol = gradient_tolerance or GRADIENT_TOLERANCE[case.dtype]
 
-    out, lse = flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend=backend, **a.kwargs)
+    out, lse = flash_attention(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, return_lse=True, backend=backend,
+                               **a.kwargs)
     assert out.dtype == a.q.dtype and out.shape == a.q.shape
     assert lse.dtype == mx.float32 and lse.shape == a.q.shape[:3]
     errors = {"out": relative_error(to_numpy(out), ref_out)}
@@ -157,17 +165,22 @@ def check_case(case: Case, backend: str = "mlx", gradients: bool = True,
     if gradients:
         d_lse = mx.where(mx.isinf(lse), 0.0, a.d_lse) if case.lse_gradient else None
 
-        def loss(q_, k_, v_):
-            o, l = flash_attention(q_, k_, v_, mask=a.mask, return_lse=True, backend=backend, **a.kwargs)
+        def loss(q_, k_, v_, sinks_=None):
+            o, l = flash_attention(q_, k_, v_, mask=a.mask, sinks=sinks_, return_lse=True, backend=backend,
+                                   **a.kwargs)
             total = (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum()
             if d_lse is not None:
                 total = total + (mx.where(mx.isinf(l), 0.0, l) * d_lse).sum()
             return total
 
-        grads = mx.grad(loss, argnums=(0, 1, 2))(a.q, a.k, a.v)
+        if a.sinks is None:
+            grads = mx.grad(loss, argnums=(0, 1, 2))(a.q, a.k, a.v)
+        else:
+            grads = mx.grad(loss, argnums=(0, 1, 2, 3))(a.q, a.k, a.v, a.sinks)
         ref_grads = reference.attention_backward(q, k, v, to_numpy(a.d_out), spec, np_mask,
-                                                 d_lse=None if d_lse is None else np.array(d_lse))
-        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+                                                 d_lse=None if d_lse is None else np.array(d_lse),
+                                                 sinks=np_sinks)
+        for name, g, r in zip(("dq", "dk", "dv", "d_sinks"), grads, ref_grads):
             assert g.dtype == a.q.dtype
             errors[name] = relative_error(to_numpy(g), r)
     limits = {n: (f_tol if n in ("out", "lse") else g_tol) for n in errors}

@@ -66,6 +66,48 @@ def test_emulated_kernels(case, capability, layout, eager_copies):
     check_case(case, backend=backend)
 
 
+# Attention sinks: the forward's initial row state and the dQ kernel's per-warp parts of d_sink,
+# with column groups and slices (only warps of column group 0 / slice 0 write parts), GQA and
+# rows that see no key (causal with Nq > Nk: the sink takes all the probability).
+EMULATED_SINK_CASES = [
+    Case(head_dim=320, q_len=61, kv_len=67, dtype="bfloat16", mask="causal_window", window=(20, 3), group=3,
+         sinks=True, lse_gradient=True),
+    Case(head_dim=48, q_len=150, kv_len=40, dtype="float16", mask="causal", batch=2, kv_heads=2, sinks=True,
+         lse_gradient=True),
+]
+
+
+@emulator
+@pytest.mark.parametrize("case", EMULATED_SINK_CASES, ids=lambda c: f"d{c.head_dim}-{c.mask}")
+def test_emulated_sinks(case):
+    errors = check_case(case, backend=cuda_emulator.backend(seed=case.q_len))
+    assert "d_sinks" in errors
+
+
+@pytest.mark.parametrize("kernel", ["forward", "backward_query", "backward_key_value"])
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+def test_sinks_kernel_signature(kernel, wgmma):
+    """Sinks compile into the forward and dQ kernels (a sinks input; dQ writes d_sinks_part); the
+    dK/dV kernel is the one without sinks (the forward's lse includes them)."""
+    tuning = Tuning(wgmma_forward=wgmma, wgmma_backward=wgmma)
+    family = cuda_source.family_named("sm90")
+    q = mx.zeros((1, 2, 8, 64), mx.bfloat16)
+    plain = cuda_source.make_variant(kernel, check_inputs(q, q, q, mask="causal")[0], None, family, tuning)
+    variant = cuda_source.make_variant(
+        kernel, check_inputs(q, q, q, mask="causal", sinks=mx.zeros((2,), mx.bfloat16))[0], None, family, tuning)
+    assert variant.instruction == plain.instruction == ("wgmma" if wgmma else "mma.sync")
+    header, body, inputs, outputs = cuda_source.source(variant)
+    if kernel == "backward_key_value":
+        assert variant == plain
+        return
+    assert variant.sinks and variant.name != plain.name and variant != plain
+    assert "constexpr bool SINKS = true;" in header and "sinks" in inputs
+    assert ("d_sinks_part" in outputs) == (kernel == "backward_query")
+    plain_header, plain_body, plain_inputs, _ = cuda_source.source(plain)
+    assert "nullptr" in plain_body and "constexpr bool SINKS = false;" in plain_header
+    assert "sinks" not in plain_inputs
+
+
 def _block_orders_agree(make_backend):
     """Head-major and block-major CTA orders compute bitwise the same (only the schedule differs)."""
     case = Case(batch=2, kv_heads=2, group=2, q_len=140, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
@@ -87,13 +129,15 @@ def test_block_orders_agree():
 def _out_and_grads(case, backend="cuda"):
     a = make_arrays(case)
 
-    def f(q_, k_, v_):
-        o = flash_attention(q_, k_, v_, mask=a.mask, backend=backend, **a.kwargs)
+    def f(q_, k_, v_, sinks_=None):
+        o = flash_attention(q_, k_, v_, mask=a.mask, sinks=sinks_, backend=backend, **a.kwargs)
         return (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum(), o
 
-    (_, out), g = mx.value_and_grad(f, argnums=(0, 1, 2))(a.q, a.k, a.v)
+    primals = (a.q, a.k, a.v) + (() if a.sinks is None else (a.sinks,))
+    (_, out), g = mx.value_and_grad(f, argnums=tuple(range(len(primals))))(*primals)
     mx.eval(out, g)
     return [np.array(x.astype(mx.float32)) for x in (out, *g)]
+
 
 # Head dims the property test samples from (bounds the number of compiled kernel variants).
 PROPERTY_HEAD_DIMS = [8, 37, 64, 80, 128, 160, 256]
@@ -208,7 +252,8 @@ def test_backward_kernels_separately_match_backward():
     spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask)
     backend = get_backend("cuda")
     out, lse = backend.forward(a.q, a.k, a.v, mask4, spec)
-    dq, dk, dv = backend.backward(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    dq, dk, dv, d_sinks = backend.backward(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
+    assert d_sinks is None
     dq2 = backend.backward_query(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
     dk2, dv2 = backend.backward_key_value(a.q, a.k, a.v, mask4, out, lse, a.d_out, None, spec)
     for x, y in ((dq, dq2), (dk, dk2), (dv, dv2)):
@@ -372,6 +417,24 @@ def test_empty_calls_return_the_mlx_backends_result():
             assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
 
 
+def test_empty_calls_with_sinks_match_the_mlx_backend():
+    """With sinks, no keys or head_dim 0 still give the "mlx" backend's out, lse (the sink takes
+    the probability left over) and d_sinks (common.empty_forward / empty_sinks_gradient)."""
+    backend = cuda_emulator.backend()
+    sinks = mx.array([0.5, -1.0], mx.bfloat16)
+    for shape_q, shape_k in (((1, 2, 5, 0), (1, 2, 7, 0)), ((1, 2, 5, 16), (1, 2, 0, 16))):
+        q, k = mx.ones(shape_q, mx.bfloat16), mx.zeros(shape_k, mx.bfloat16)
+
+        def results(name):
+            out, lse = flash_attention(q, k, k, mask="causal", sinks=sinks, return_lse=True, backend=name)
+            d_sinks = mx.grad(lambda s: flash_attention(q, k, k, mask="causal", sinks=s, return_lse=True,
+                                                        backend=name)[1].sum())(sinks)
+            return [np.array(x.astype(mx.float32)) for x in (out, lse, d_sinks)]
+
+        for got, want in zip(results(backend), results("mlx")):
+            assert got.shape == want.shape and np.allclose(got, want)
+
+
 @gpu
 @sm90_only
 @pytest.mark.parametrize("case", [
@@ -386,7 +449,8 @@ def test_empty_calls_return_the_mlx_backends_result():
     # copying threads (load_swizzled's partial fast path); D = 150 takes the element-wise path.
     Case(head_dim=176, q_len=270, kv_len=333, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=150, q_len=90, kv_len=130, dtype="float16", mask="additive"),
-], ids=lambda c: f"d{c.head_dim}-{c.mask}")
+    Case(head_dim=128, q_len=300, kv_len=120, dtype="bfloat16", mask="causal", group=2, sinks=True),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else ""))
 def test_wgmma_forward_matches_reference_and_mma(case):
     check_case(case, backend="cuda", gradients=False)
     a = make_arrays(case)
@@ -409,7 +473,10 @@ def test_wgmma_forward_matches_reference_and_mma(case):
     Case(head_dim=200, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=256, q_len=100, kv_len=140, dtype="float16", mask="bool", softcap=20.0),
     Case(head_dim=160, q_len=210, kv_len=300, dtype="bfloat16", mask="window", window=(70, 20)),  # three panels
-], ids=lambda c: f"d{c.head_dim}")
+    # Sinks: the dQ kernel's per-warp parts of d_sink (3 consumer warpgroups at D <= 64), rows with no key.
+    Case(head_dim=64, q_len=333, kv_len=100, dtype="bfloat16", mask="causal", group=2, sinks=True, lse_gradient=True),
+    Case(head_dim=128, q_len=200, kv_len=260, dtype="float16", mask="bool", softcap=10.0, sinks=True),
+], ids=lambda c: f"d{c.head_dim}" + ("-sinks" if c.sinks else ""))
 def test_wgmma_backward_matches_reference_and_mma(case):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""
     _check_wgmma_backward(case)
@@ -421,7 +488,7 @@ def _check_wgmma_backward(case, blocks=()):
     check_case(case, backend=wgmma)
     grads = [_out_and_grads(case, backend)[1:]
              for backend in (wgmma, cuda.CUDABackend(tuning=Tuning(wgmma_backward=False)))]
-    for name, g_wgmma, g_mma in zip(("dq", "dk", "dv"), *grads):
+    for name, g_wgmma, g_mma in zip(("dq", "dk", "dv", "d_sinks"), *grads):
         assert relative_error(g_wgmma, g_mma) < 2e-2, (case.head_dim, name)
 
 

@@ -72,7 +72,7 @@ def run_shifted(backend, q_len, kv_len, causal, window, shift, dtype=mx.float32,
     spec, _ = check_inputs(q, k, v, mask="causal" if causal else None, window_size=window)
     shifted = dataclasses.replace(spec, diagonal_shift=shift)
     out, lse = backend.forward(q, k, v, None, shifted)
-    dq, dk, dv = backend.backward(q, k, v, None, out, lse, d_out, None, shifted)
+    dq, dk, dv, _ = backend.backward(q, k, v, None, out, lse, d_out, None, shifted)
     plain = dataclasses.replace(spec, causal=False, window=None)
     mask = explicit_band(q_len, kv_len, kv_len - q_len + shift, causal, window)
     qn, kn, vn = (to_numpy(x) for x in (q, k, v))

@@ -52,3 +52,14 @@ def test_finetune_example_quick_offline_compare_and_reload(tmp_path):
                 f.write(json.dumps({"text": f"Example {i}: the assert statement checks a condition."}) + "\n")
     output = run_example("--model", adapters / "base_model", "--data", data, "--adapter-path", tmp_path / "second")
     assert "LoRA fine-tuning on" in output and (tmp_path / "second" / "adapters.safetensors").is_file()
+
+
+def test_finetune_example_trains_sinks_through_flash(tmp_path):
+    """--sinks: a gpt-oss model whose learnable sinks train in both phases, every attention call
+    (sinks included) on the flash path, and the sink gradient reaching the optimizer."""
+    import json
+    output = run_example("--sinks", "--head-dim", 32, "--pretrain-steps", 2, "--adapter-path", tmp_path / "a")
+    assert "gpt-oss with attention sinks" in output
+    summary = json.loads((tmp_path / "a" / "finetune_summary.json").read_text())
+    assert summary["attention_calls"]["flash"] > 0 and summary["attention_calls"]["original"] == 0
+    assert summary["sinks_max_change"] > 0

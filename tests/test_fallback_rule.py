@@ -2,7 +2,6 @@
 exact (and its unfused memory fits), else to the "mlx" backend; counted once per call, warned
 once per reason, and the results equal the float64 reference either way."""
 import dataclasses
-import types
 import warnings
 
 import mlx.core as mx
@@ -138,8 +137,7 @@ def spec_of(nq, nk):
 
 def test_sinks_never_go_to_mx_fast():
     plain = spec_of(8, 8)
-    spec = types.SimpleNamespace(**{f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)},
-                                 has_sinks=True)
+    spec = dataclasses.replace(plain, has_sinks=True)
     assert "sinks" in get_backend("fast").unsupported_reason(spec, False, mx.cpu)
 
 

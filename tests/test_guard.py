@@ -33,7 +33,7 @@ class StandIn:
 
     Args:
         fail: "forward" or "backward": that stage raises like a compiler error.
-        corrupt: "dq": the dQ result is wrong by 50%.
+        corrupt: "dq" / "d_sinks": that gradient is wrong by 50%.
     """
 
     name = "metal"
@@ -54,17 +54,19 @@ class StandIn:
     def variant_name(self, kernel, spec, mask_dtype=None):
         return f"standin_{kernel}_d{spec.head_dim}"
 
-    def forward(self, q, k, v, mask, spec):
+    def forward(self, q, k, v, mask, spec, sinks=None):
         self.forward_calls += 1
         if self.fail == "forward":
             raise RuntimeError("program_source:12:3: error: use of undeclared identifier 'simd_foo'")
-        return mlx_ops.forward(q, k, v, mask, spec)
+        return mlx_ops.forward(q, k, v, mask, spec, sinks=sinks)
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
         if self.fail == "backward":
             raise RuntimeError("nvrtc: error: identifier \"wgmma_foo\" is undefined")
-        dq, dk, dv = mlx_ops.backward(q, k, v, mask, out, lse, d_out, d_lse, spec)
-        return (dq * 1.5 if self.corrupt == "dq" else dq), dk, dv
+        dq, dk, dv, d_sinks = mlx_ops.backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=sinks)
+        if self.corrupt == "d_sinks" and d_sinks is not None:
+            d_sinks = d_sinks * 1.5
+        return (dq * 1.5 if self.corrupt == "dq" else dq), dk, dv, d_sinks
 
 
 @pytest.fixture
@@ -113,6 +115,18 @@ def test_self_check_catches_wrong_numbers(stand_in, monkeypatch):
     stand_in(corrupt="dq")
     with pytest.warns(mlx_flash.FallbackWarning, match=r"self-check: dq differs .* relative error"):
         check_case(CASE, backend="metal")
+    assert sum(_fallbacks().values()) >= 1
+
+
+def test_self_check_compares_the_sink_gradient(stand_in, monkeypatch):
+    """With sinks the probe passes them to forward and backward and checks d_sinks (results[5])."""
+    monkeypatch.setenv("MLX_FLASH_SELF_CHECK", "1")
+    stand_in(corrupt="d_sinks")
+    case = Case(batch=1, kv_heads=2, group=2, q_len=40, kv_len=52, head_dim=24, dtype="float32", mask="causal",
+                sinks=True)
+    with pytest.warns(mlx_flash.FallbackWarning, match=r"self-check: d_sinks differs .* relative error"):
+        errors = check_case(case, backend="metal")  # served by the "mlx" backend: d_sinks exact
+    assert "d_sinks" in errors
     assert sum(_fallbacks().values()) >= 1
 
 

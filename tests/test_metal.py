@@ -319,3 +319,50 @@ def test_head_dim_zero_matches_the_mlx_backend():
         out, lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend="metal")
         ref_out, ref_lse = flash_attention(q, k, k, mask=mask, return_lse=True, backend="mlx")
         assert out.shape == ref_out.shape and np.allclose(np.array(lse), np.array(ref_lse))
+
+
+# Attention sinks: the forward's initial row state and the dQ kernel's per-simdgroup parts of the
+# sink gradient. The cases cover cached and spilled O / dQ (D = 257), GQA, rows that see no key
+# (causal with Nq > Nk, fully masked bool rows), the lse cotangent and both families.
+SINK_CASES = [
+    ("m3", Case(head_dim=24, q_len=45, kv_len=77, dtype="float16", mask="additive", softcap=30.0, group=2,
+                sinks=True, lse_gradient=True)),
+    ("m1", Case(head_dim=16, q_len=97, kv_len=61, mask="bool", mask_shape=(False, False, True, False),
+                sinks=True, kv_heads=2)),
+    ("m1", Case(head_dim=7, q_len=23, kv_len=5, dtype="float16", mask="causal", softcap=5.0, sinks=True,
+                batch=2, lse_gradient=True)),
+    ("m3", Case(head_dim=257, q_len=70, kv_len=45, dtype="bfloat16", mask="window", window=(9, 4), group=3,
+                sinks=True, lse_gradient=True)),
+]
+
+
+@pytest.mark.parametrize("family,case", SINK_CASES, ids=[f"{f}-d{c.head_dim}-{c.mask}" for f, c in SINK_CASES])
+def test_sinks(family, case):
+    errors = run_case(case, family)
+    assert "d_sinks" in errors
+
+
+def test_sinks_bounds_checked_reversed_and_deterministic():
+    family, case = SINK_CASES[0]
+    with environment(MLX_FLASH_METALSIM_CHECK="bounds", MLX_FLASH_METALSIM_ORDER="reversed"):
+        run_case(case, family)
+    a = make_arrays(case)
+
+    def d_sinks():
+        def loss(s):
+            o = flash_attention(a.q, a.k, a.v, mask=a.mask, sinks=s, backend="metal", **a.kwargs)
+            return (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum()
+        with environment(MLX_FLASH_METAL_FAMILY=family):
+            return np.array(mx.grad(loss)(a.sinks).astype(mx.float32))
+
+    assert np.array_equal(d_sinks(), d_sinks())
+
+
+def test_sinks_with_no_key():
+    q, sinks = mx.ones((1, 2, 3, 8)), mx.array([0.5, -1.0])
+    k = mx.zeros((1, 2, 0, 8))
+    out, lse = flash_attention(q, k, k, sinks=sinks, return_lse=True, backend="metal")
+    assert np.array_equal(np.array(out), np.zeros((1, 2, 3, 8)))
+    assert np.allclose(np.array(lse), np.array(sinks)[None, :, None])
+    d_sinks = mx.grad(lambda s: flash_attention(q, k, k, sinks=s, return_lse=True, backend="metal")[1].sum())(sinks)
+    assert np.allclose(np.array(d_sinks), [3.0, 3.0])

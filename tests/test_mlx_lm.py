@@ -213,26 +213,36 @@ def test_quantized_kv_cache_falls_back():
     assert any("quantized KV cache" in r and n == 2 for r, n in mlx_flash.fallback_counts().items())
 
 
-def test_sinks_and_unsupported_inputs_fall_back():
+def test_sinks_and_mixed_dtypes_go_through_flash():
+    """Sinks are forwarded (not a fallback); q fp32 with fp16 k/v promote as MLX does."""
     shape = (1, 4, SEQUENCE, 8)
     q, k, v = (mx.random.normal(shape, key=mx.random.key(i)) for i in range(3))
     sinks = mx.array([0.5, -1.0, 0.0, 2.0])
-    reference = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal", sinks=sinks)
-    mixed_reference = base.scaled_dot_product_attention(q, k.astype(mx.float16), v.astype(mx.float16),
-                                                        None, scale=0.35, mask="causal")
-    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning):
-        patched = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal", sinks=sinks)
-        # q fp32 with fp16 k/v: MLX promotes, flash_attention requires one dtype.
-        mixed = base.scaled_dot_product_attention(q, k.astype(mx.float16), v.astype(mx.float16),
-                                                  None, scale=0.35, mask="causal")
-        flashed = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask="causal")
-    assert relative_error(patched, reference) < 1e-6
-    assert relative_error(mixed, mixed_reference) < 1e-6
-    assert relative_error(flashed, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35, mask="causal")) < TOLERANCE
-    assert flash_mlx_lm.call_counts() == {"flash": 1, "original": 2}
-    reasons = mlx_flash.fallback_counts()
-    assert sum(reasons.values()) == 2
-    assert any("sinks" in r for r in reasons) and any("does not accept" in r and "dtype" in r for r in reasons)
+    calls = [(q, k, v, sinks), (q, k.astype(mx.float16), v.astype(mx.float16), None)]
+    references = [base.scaled_dot_product_attention(*c[:3], None, scale=0.35, mask="causal", sinks=c[3])
+                  for c in calls]
+    with flash_mlx_lm.patched():
+        patched = [base.scaled_dot_product_attention(*c[:3], None, scale=0.35, mask="causal", sinks=c[3])
+                   for c in calls]
+        # Integer masks are additive, as in MLX.
+        int_mask = mx.zeros((SEQUENCE, SEQUENCE), mx.int32)
+        masked = base.scaled_dot_product_attention(q, k, v, None, scale=0.35, mask=int_mask)
+    for x, reference in zip(patched, references):
+        assert x.dtype == reference.dtype and relative_error(x, reference) < TOLERANCE
+    assert relative_error(masked, mx.fast.scaled_dot_product_attention(q, k, v, scale=0.35)) < TOLERANCE
+    assert flash_mlx_lm.call_counts() == {"flash": 3, "original": 0}
+    assert mlx_flash.fallback_counts() == {}
+    assert flash_mlx_lm.call_counts(by_model=True) == {"test_mlx_lm": {"flash": 3, "original": {}}}
+
+
+def test_inputs_mlx_rejects_fall_back_with_their_reason():
+    q = mx.random.normal((1, 4, SEQUENCE, 8))
+    k = mx.random.normal((1, 3, SEQUENCE, 8))  # 4 query heads over 3 kv heads
+    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning, match="rules reject"):
+        with pytest.raises(ValueError):  # mlx-lm's own function raises MLX's error
+            base.scaled_dot_product_attention(q, k, k, None, scale=0.35, mask=None)
+    (reason, n), = flash_mlx_lm.call_counts(by_model=True)["test_mlx_lm"]["original"].items()
+    assert n == 1 and "multiple" in reason
 
 
 def test_fallback_warns_once_per_reason():
@@ -311,3 +321,147 @@ def test_patched_context_manager_nests_and_checks_backend():
         with flash_mlx_lm.patched():
             raise RuntimeError("inside")
     assert not flash_mlx_lm.is_patched() and base.scaled_dot_product_attention is original
+
+
+# -- models with sinks, soft-capping written by hand, float16 weights ---------------------------
+
+def tiny_model(model_type, dtype=mx.float32, **args):
+    """A tiny mlx-lm model of `model_type` built through mlx-lm's own loader path (ModelArgs.from_dict)."""
+    from mlx_lm.utils import _get_classes
+    config = {**dict(model_type=model_type, hidden_size=64, num_hidden_layers=2, intermediate_size=64,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+                     vocab_size=97, rope_theta=10000.0), **args}
+    model_class, args_class = _get_classes(config)
+    mx.random.seed(0)
+    model = model_class(args_class.from_dict(config))
+    if dtype != mx.float32:
+        model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+TINY = {
+    # gpt-oss: attention sinks, alternating sliding-window (bool mask) and full layers, MoE.
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                    layer_types=["sliding_attention", "full_attention"]),
+    # gemma2: hand-written soft-capped attention, reached through its adapter.
+    "gemma2": dict(query_pre_attn_scalar=16.0, attn_logit_softcapping=5.0),
+}
+FLOAT16 = {
+    # float16 models whose attention gets float32 queries with float16 keys (MLX promotes).
+    "phi": dict(partial_rotary_factor=0.5, layer_norm_eps=1e-5, num_key_value_heads=4),
+    "stablelm": dict(partial_rotary_factor=0.5, layer_norm_eps=1e-5, use_qkv_bias=False, num_key_value_heads=4),
+    "cohere2": dict(layer_norm_eps=1e-5, sliding_window=8, sliding_window_pattern=2, logit_scale=0.5,
+                    layer_norm_bias=False, attention_bias=False),
+}
+
+
+def _with_sinks(model):
+    """Non-zero sinks so they matter (gpt-oss initializes them to zero)."""
+    for i, layer in enumerate(model.layers):
+        if hasattr(layer.self_attn, "sinks"):
+            layer.self_attn.sinks = mx.random.normal(layer.self_attn.sinks.shape, key=mx.random.key(10 + i))
+    return model
+
+
+@pytest.mark.parametrize("model_type, dtype", [(m, mx.float32) for m in TINY] + [(m, mx.float16) for m in FLOAT16])
+def test_tiny_models_go_through_flash(model_type, dtype):
+    model = _with_sinks(tiny_model(model_type, dtype, **{**TINY, **FLOAT16}[model_type]))
+    batch = tokens(batch=2, length=SEQUENCE, seed=3)
+    reference = model(batch).astype(mx.float32)
+    with flash_mlx_lm.patched():
+        patched = model(batch).astype(mx.float32)
+    mx.eval(reference, patched)
+    assert relative_error(patched, reference) < (TOLERANCE if dtype == mx.float32 else 5e-3)
+    counts = flash_mlx_lm.call_counts(by_model=True)
+    assert counts == {model_type: {"flash": 2, "original": {}}}, counts
+    assert mlx_flash.fallback_counts() == {}
+
+
+def test_adapters_are_undone_and_listed():
+    from mlx_flash.integrations import mlx_lm_adapters
+    from mlx_lm.models import gemma2, plamo2
+    call, plamo_mx = gemma2.Attention.__call__, plamo2.mx
+    with flash_mlx_lm.patched():
+        assert gemma2.Attention.__call__ is not call and plamo2.mx is not mx
+        # plamo2 calls mx.fast directly: the module sees ours, everything else is mlx.core's.
+        assert plamo2.mx.fast.rms_norm is mx.fast.rms_norm and plamo2.mx.array is mx.array
+        q = mx.random.normal((1, 2, SEQUENCE, 8))
+        out = plamo2.mx.fast.scaled_dot_product_attention(q, q, q, scale=0.3, mask="causal")
+    assert relative_error(out, mx.fast.scaled_dot_product_attention(q, q, q, scale=0.3, mask="causal")) < TOLERANCE
+    assert gemma2.Attention.__call__ is call and plamo2.mx is plamo_mx
+    assert flash_mlx_lm.call_counts(by_model=True) == {"plamo2": {"flash": 1, "original": {}}}
+    assert {"gemma2", "gear", "plamo2", "muse_spark"} <= set(mlx_lm_adapters.adapted_models())
+    assert set(mlx_lm_adapters.NOT_ADAPTED).isdisjoint(mlx_lm_adapters.adapted_models())
+
+
+def test_adapter_decode_steps_use_the_model_path():
+    from mlx_lm.models import cache as caches
+    model = tiny_model("gemma2", **TINY["gemma2"])
+    prompt = tokens(batch=1, length=SEQUENCE, seed=6)
+
+    def generate_two():
+        cache = caches.make_prompt_cache(model)
+        logits = model(prompt, cache=cache)
+        return logits[:, -1], model(prompt[:, -1:], cache=cache)[:, -1]
+
+    reference = generate_two()
+    with flash_mlx_lm.patched(), pytest.warns(mlx_flash.FallbackWarning, match="gemma2: mlx-lm decode step"):
+        patched = generate_two()
+    for x, y in zip(patched, reference):
+        assert relative_error(x, y) < TOLERANCE
+    counts = flash_mlx_lm.call_counts(by_model=True)["gemma2"]
+    assert counts["flash"] == 2 and sum(counts["original"].values()) == 2
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_lora_step_on_gpt_oss_with_learnable_sinks_matches_unpatched(compiled):
+    """Loss and every gradient (LoRA weights and the sinks) equal to unpatched mlx-lm, where MLX
+    differentiates the sinks through its unfused path."""
+    from mlx_lm.tuner.trainer import default_loss
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+    model = _with_sinks(tiny_model("gpt_oss", **TINY["gpt_oss"]))
+    model.freeze()
+    linear_to_lora_layers(model, 2, {"rank": 4, "scale": 10.0, "dropout": 0.0, "keys": ["self_attn.q_proj", "self_attn.v_proj"]})
+    for layer in model.layers:
+        layer.self_attn.unfreeze(keys=["sinks"], recurse=False)
+    for name, leaf in tree_flatten(model.trainable_parameters()):
+        if name.endswith("lora_b"):
+            model.update(dict_path(name, 0.1 * mx.random.normal(leaf.shape, key=mx.random.key(len(name)))))
+    batch = tokens(batch=2, length=SEQUENCE + 1, seed=5)
+    lengths = mx.array([[0, SEQUENCE + 1], [0, 15]])
+
+    def step_function():
+        loss_and_grad = nn.value_and_grad(model, default_loss)
+
+        def step(batch, lengths):
+            (loss, _), grads = loss_and_grad(model, batch, lengths)
+            return loss, grads
+
+        return mx.compile(step, inputs=[model.state], outputs=[model.state]) if compiled else step
+
+    loss, grads = step_function()(batch, lengths)
+    mx.eval(loss, grads)
+    with flash_mlx_lm.patched():
+        patched_loss, patched_grads = step_function()(batch, lengths)
+        mx.eval(patched_loss, patched_grads)
+    assert flash_mlx_lm.call_counts() == {"flash": 2, "original": 0}
+    assert abs(patched_loss.item() - loss.item()) < TOLERANCE * loss.item()
+    grads, patched_grads = dict(tree_flatten(grads)), dict(tree_flatten(patched_grads))
+    assert sum(n.endswith("sinks") for n in grads) == 2 and len(grads) == 10
+    for name in grads:
+        assert relative_error(patched_grads[name], grads[name]) < TOLERANCE, name
+
+
+def test_gear_softcap_attention_adapter():
+    from mlx_lm.models import gear
+    original = gear._softcap_attention
+    q = mx.random.normal((1, 4, SEQUENCE, 16), key=mx.random.key(1))
+    k = mx.random.normal((1, 2, SEQUENCE, 16), key=mx.random.key(2))
+    reference = original(q, k, k, scale=0.25, softcap=5.0, mask="causal")
+    with flash_mlx_lm.patched():
+        assert gear._softcap_attention is not original
+        out = gear._softcap_attention(q, k, k, scale=0.25, softcap=5.0, mask="causal")
+    assert gear._softcap_attention is original
+    assert relative_error(out, reference) < TOLERANCE
+    assert flash_mlx_lm.call_counts(by_model=True) == {"gear": {"flash": 1, "original": {}}}

@@ -29,7 +29,8 @@ def test_multiple_key_blocks(monkeypatch):
         for q_len, kv_len in ((61, 45), (45, 61), (33, 33)):
             check_case(Case(batch=2, kv_heads=2, group=2, q_len=q_len, kv_len=kv_len, head_dim=12,
                             mask=mask, window=(9, 4), softcap=5.0 if mask == "bool" else None,
-                            lse_gradient=True, seed=q_len * kv_len))
+                            lse_gradient=True, sinks=mask in ("causal", "window", "bool"),
+                            seed=q_len * kv_len))
     # The test is only meaningful if the plan really splits the keys into several blocks.
     spec, _ = check_inputs(*[mx.zeros((2, 4, 61, 12))] * 3)
     assert mlx_ops.plan_blocks(spec)[1] < 61

@@ -4,13 +4,16 @@ A backend is an object with:
     name: str
     unavailable_reason(device) -> str | None   # None when it can run on that device
     unsupported_reason(spec) -> str | None     # None when it serves this call natively
-    forward(q, k, v, mask, spec) -> (out, lse)
-    backward(q, k, v, mask, out, lse, d_out, d_lse, spec) -> (dq, dk, dv)
+    forward(q, k, v, mask, spec, sinks=None) -> (out, lse)
+    backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None) -> (dq, dk, dv, d_sinks)
 and, for backends of compiled kernels, what the first-contact guard (backends/guard.py) needs:
     variant_key(spec, mask_dtype) -> hashable     # the set of kernel variants a call runs
     variant_name(kernel, spec, mask_dtype) -> str # readable name of one of them
 mask is None or a rank-4 array broadcastable to [B, Hq, Nq, Nk]; lse is fp32 [B, Hq, Nq]
-(natural log, -inf for rows that see no key); d_lse is None when lse's cotangent is known zero.
+(natural log, sinks included; -inf for rows that see no key and have no sink); d_lse is None when
+lse's cotangent is known zero. sinks is None (spec.has_sinks False) or [Hq] in q's dtype, one extra
+softmax logit per query head with no value; d_sinks is its gradient [Hq] in sinks' dtype, None
+when sinks is None.
 The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a
 whole-function backend (`whole_function = True`) with attention(q, k, v, mask, spec) -> out that
 MLX differentiates itself; only the fallback rule below chooses it.

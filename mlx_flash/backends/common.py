@@ -10,13 +10,13 @@ to calls with nothing to compute.
 from __future__ import annotations
 
 import functools
-import math
 from types import MappingProxyType
 from typing import List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
 from ..spec import AttentionSpec
+from .sinks import empty_lse, row_term, sinks_gradient
 
 # The MASK_KIND constant of every kernel template: 0 no array mask, 1 bool (True = keep), 2 additive.
 MASK_KINDS = MappingProxyType({"none": 0, "bool": 1, "additive": 2})
@@ -60,19 +60,26 @@ def is_empty(spec: AttentionSpec) -> bool:
     return min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim) == 0
 
 
-def empty_forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
+def empty_forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
     """(out, lse) of an empty call, as the "mlx" backend computes them.
 
-    Without rows or keys, out is zeros and lse -inf. With head_dim 0 every score is 0, so lse is
-    the logsumexp of the mask alone (log of the visible key count): the "mlx" backend answers.
+    Without rows or keys, out is zeros and lse -inf (the sink, with sinks: it takes all the
+    probability). With head_dim 0 every score is 0, so lse is the logsumexp of the mask (and the
+    sink) alone: the "mlx" backend answers.
     """
     if spec.head_dim == 0 and min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len) > 0:
         from . import mlx_ops
-        return mlx_ops.forward(q, k, v, mask, spec)
+        return mlx_ops.forward(q, k, v, mask, spec, sinks=sinks)
     B, Hq, Nq = spec.batch, spec.q_heads, spec.q_len
-    return mx.zeros((B, Hq, Nq, spec.value_dim), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+    return mx.zeros((B, Hq, Nq, spec.value_dim), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
 
 
 def empty_backward(q, k, v) -> Tuple[mx.array, mx.array, mx.array]:
     """(dq, dk, dv) of an empty call: zeros (nothing depends on the inputs)."""
     return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+
+
+def empty_sinks_gradient(sinks, out, lse, d_out, d_lse) -> Optional[mx.array]:
+    """d_sinks of an empty call (no kernel runs), None without sinks: the sink's probability in
+    each row still meets that row's D_i = rowsum(dO * O) - dlse_i (sinks.py)."""
+    return None if sinks is None else sinks_gradient(sinks, lse, row_term(out, d_out, d_lse))

@@ -32,7 +32,8 @@ from .. import planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source
-from .common import empty_backward, empty_forward, float_params, is_empty, mask_strides, window_bounds
+from .common import (empty_backward, empty_forward, empty_sinks_gradient, float_params, is_empty, mask_strides,
+                     window_bounds)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
                           block_major, family_of, make_variant)
 
@@ -175,33 +176,38 @@ class CUDABackend:
                     f"cp.async; families: {known})")
         return None
 
-    def forward(self, q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
-        """(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
+    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
+        """(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log, sinks included)."""
         if is_empty(spec):
-            return empty_forward(q, k, v, mask, spec)
+            return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         variant = self.variant("forward", spec, None if mask is None else mask.dtype)
         out, lse = self._launch(variant, spec, [q, k, v], mask, rows=Nq, heads=Hq,
-                                output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32])
+                                output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32],
+                                sinks=sinks)
         return out, lse
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
-        """(dq, dk, dv) in the input dtype. d_lse (or None) is the cotangent of lse."""
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+        """(dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse.
+
+        d_sinks (None without sinks) is fused into the dQ kernel: per-warp parts, summed here in a
+        fixed order (deterministic, no atomics)."""
         if is_empty(spec):
-            return empty_backward(q, k, v)
+            return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        dq = self._backward_query(q, k, v, mask, d_out, lse2, delta, spec)
+        dq, d_sinks_part = self._backward_query(q, k, v, mask, d_out, lse2, delta, spec, sinks)
+        d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
         dk, dv = self._backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
-        return dq, dk, dv
+        return dq, dk, dv, d_sinks
 
     # -- the backward kernels separately (the benchmark times them apart) ------------------------
 
-    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec) -> mx.array:
+    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None) -> mx.array:
         """dQ alone (preprocessing + the dQ kernel)."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        return self._backward_query(q, k, v, mask, d_out, lse2, delta, spec)
+        return self._backward_query(q, k, v, mask, d_out, lse2, delta, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         """(dK, dV) alone (preprocessing + the dK/dV kernel)."""
@@ -227,10 +233,19 @@ class CUDABackend:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _backward_query(self, q, k, v, mask, d_out, lse2, delta, spec):
+    def _backward_query(self, q, k, v, mask, d_out, lse2, delta, spec, sinks=None):
+        """(dq, d_sinks_part [B, Hq, parts] with sinks, else None): one part per warp's rows
+        (mma.sync: a row group, wgmma: a consumer warp's 16 rows), summed by the caller."""
         variant = self.variant("backward_query", spec, None if mask is None else mask.dtype)
-        return self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.q_len,
-                            heads=spec.q_heads, output_shapes=[q.shape], output_dtypes=[spec.dtype])[0]
+        shapes, dtypes = [q.shape], [spec.dtype]
+        if sinks is not None:
+            blocks = -(-spec.q_len // variant.parallel_block)
+            parts = variant.parallel_block // 16 if variant.instruction == "wgmma" else variant.row_groups
+            shapes.append((spec.batch, spec.q_heads, blocks * parts))
+            dtypes.append(mx.float32)
+        results = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.q_len,
+                               heads=spec.q_heads, output_shapes=shapes, output_dtypes=dtypes, sinks=sinks)
+        return results[0], (results[1] if sinks is not None else None)
 
     def _backward_key_value(self, q, k, v, mask, d_out, lse2, delta, spec):
         variant = self.variant("backward_key_value", spec, None if mask is None else mask.dtype)
@@ -261,13 +276,15 @@ class CUDABackend:
         return len(self._kernels)
 
     def _launch(self, variant: KernelVariant, spec, arrays, mask, rows: int, heads: int, output_shapes,
-                output_dtypes):
+                output_dtypes, sinks=None):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
-        of parallel_block rows and column slice; the mask and the parameter arrays go last."""
+        of parallel_block rows and column slice; the mask, the sinks (fp32) and the parameter
+        arrays go last."""
         blocks = -(-rows // variant.parallel_block)
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
-        inputs = arrays + ([mask] if mask is not None else []) + [
+        sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
+        inputs = arrays + ([mask] if mask is not None else []) + sinks_inputs + [
             _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
         return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                     grid=grid, threadgroup=group)

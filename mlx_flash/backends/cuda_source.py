@@ -15,7 +15,7 @@ are chosen for its shared memory (tests/test_plans.py checks every head dim 1..5
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import FrozenSet, List, Mapping, Optional, Tuple
 
@@ -189,6 +189,8 @@ class KernelVariant:
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
+        sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
+            forward's lse includes them).
         tuning: the Tuning value it was planned with (part of the key).
     """
 
@@ -210,6 +212,7 @@ class KernelVariant:
     warps: int = DEFAULT_WARPS
     col_groups: int = 1
     pingpong: bool = False
+    sinks: bool = False
     tuning: Tuning = Tuning()
 
     @property
@@ -255,7 +258,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("p", self.pingpong)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -266,6 +269,8 @@ class KernelVariant:
         values = dict(input_type=self.input_type, mask_type=self.mask_type, head_dim=self.head_dim,
                       padded_dim=self.padded_dim, traversal_block=self.traversal_block, causal=self.causal,
                       window=self.window, softcap=self.softcap, mask_kind=self.mask_kind)
+        if self.kernel != "backward_key_value":
+            values["sinks"] = self.sinks
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
@@ -339,6 +344,8 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
         variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table)
     else:
         variant = _mma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table)
+    if spec.has_sinks and kernel != "backward_key_value":  # dK/dV: the forward's lse includes the sinks
+        variant = replace(variant, sinks=True)
     check_limits(variant, family)
     return variant
 
@@ -435,21 +442,30 @@ def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
     else:
         parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
         suffix = ""
-    inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix)
+    inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks)
     return "\n".join(parts), body, inputs, outputs
 
 
-def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str) -> Tuple[List[str], List[str], str]:
-    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>."""
+def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
+               sinks: bool = False) -> Tuple[List[str], List[str], str]:
+    """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
+
+    The forward and dQ kernels take a sinks pointer after the mask (null without sinks); the dQ
+    kernel also writes d_sinks_part after dq (null without sinks)."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
         inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
         outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
-    inputs += (["mask"] if has_mask else []) + ["params", "fparams"]
-    args = [name for name in inputs if name != "mask"]
-    args.insert(len(args) - 2, mask_arg)
-    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args + outputs)});"
+    args = list(inputs) + [mask_arg]
+    if kernel != "backward_key_value":
+        args.append("sinks" if sinks else "(const float*)nullptr")
+    inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + ["params", "fparams"]
+    args += ["params", "fparams"] + outputs
+    if kernel == "backward_query":
+        outputs = outputs + (["d_sinks_part"] if sinks else [])
+        args.append("d_sinks_part" if sinks else "(float*)nullptr")
+    body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args)});"
     return inputs, outputs, body
 
 

@@ -22,7 +22,8 @@ import mlx.core as mx
 from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
-from .common import empty_backward, empty_forward, float_params, is_empty, window_bounds
+from .common import (empty_backward, empty_forward, empty_sinks_gradient, float_params, is_empty,
+                     window_bounds)
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits,
                            make_variant, source)
 
@@ -120,36 +121,41 @@ class MetalBackend:
     def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype=None) -> str:
         return make_variant(kernel, spec, self.family(), self.table).name
 
-    def forward(self, q, k, v, mask, spec: AttentionSpec):
-        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log)."""
+    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
+        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log, sinks included)."""
         if is_empty(spec):
-            return empty_forward(q, k, v, mask, spec)
+            return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         variant = make_variant("forward", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
         out, lse, _ = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
-            inputs=[q, k, v, mask_array, mask_strides, _params(spec), float_params(spec)],
+            inputs=[q, k, v, mask_array, mask_strides, _sinks_operand(sinks), _params(spec), float_params(spec)],
             output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
         return out, lse
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
-        """(dq, dk, dv) in the input dtype; d_lse is None or the cotangent of lse."""
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse.
+
+        d_sinks (None without sinks) is fused into the dQ kernel: each simdgroup writes the
+        part of its 8 query rows, summed here in a fixed order (deterministic, no atomics).
+        """
         if is_empty(spec):
-            return empty_backward(q, k, v)
-        dq, delta = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)
+            return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
+        dq, delta, d_sinks_part = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)
         dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
-        return dq, dk, dv
+        d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
+        return dq, dk, dv, d_sinks
 
     # -- the two backward kernels, separately (the benchmark times them apart) -------------------
 
-    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
+    def backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
         """dq from the dQ kernel alone."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
-        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec)[0]
+        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
                            delta=None):
@@ -180,20 +186,25 @@ class MetalBackend:
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec):
+    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
+        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         variant = make_variant("backward_query", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         if d_lse is None:
             d_lse = mx.zeros((B, Hq, Nq), mx.float32)
         spill = (B * Hq * Nq * D,) if variant.spills("dQ") else (1,)
-        dq, delta, _ = self._launch(
+        # One sink-gradient part per simdgroup (8 query rows) of each query block.
+        P = variant.plan.parallel_block
+        parts = (B, Hq, -(-Nq // P) * (P // 8)) if variant.sinks else (1,)
+        dq, delta, _, d_sinks_part = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
             inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    d_lse.astype(mx.float32), mask_array, mask_strides, _params(spec), float_params(spec)],
-            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
-            output_dtypes=[spec.dtype, mx.float32, mx.float32])
-        return dq, delta
+                    d_lse.astype(mx.float32), mask_array, mask_strides, _sinks_operand(sinks), _params(spec),
+                    float_params(spec)],
+            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill, parts],
+            output_dtypes=[spec.dtype, mx.float32, mx.float32, mx.float32])
+        return dq, delta, d_sinks_part
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -241,6 +252,11 @@ def _params(spec: AttentionSpec) -> mx.array:
     left, right = window_bounds(spec)
     return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
                      spec.kv_heads, spec.diagonal_shift], dtype=mx.int32)
+
+
+def _sinks_operand(sinks) -> mx.array:
+    """fp32 sinks [Hq], or a 1-element dummy that keeps the kernel signature fixed (never read)."""
+    return mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:

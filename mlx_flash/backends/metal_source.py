@@ -48,15 +48,15 @@ TEMPLATES = MappingProxyType({
 HEADER = "attention_common.metal"
 
 INPUT_NAMES = MappingProxyType({
-    "forward": ("q", "k", "v", "mask", "mask_layout", "params", "fparams"),
-    "backward_query": ("q", "k", "v", "o", "d_out", "lse", "d_lse", "mask", "mask_layout",
+    "forward": ("q", "k", "v", "mask", "mask_layout", "sinks", "params", "fparams"),
+    "backward_query": ("q", "k", "v", "o", "d_out", "lse", "d_lse", "mask", "mask_layout", "sinks",
                        "params", "fparams"),
     "backward_key_value": ("q", "k", "v", "d_out", "lse", "delta", "mask", "mask_layout",
                            "params", "fparams"),
 })
 OUTPUT_NAMES = MappingProxyType({
     "forward": ("out", "lse", "o_acc"),
-    "backward_query": ("dq", "delta", "dq_acc"),
+    "backward_query": ("dq", "delta", "dq_acc", "d_sinks_part"),
     "backward_key_value": ("dk", "dv", "dk_acc", "dv_acc"),
 })
 # The fp32 spill buffer of each accumulator, by the output it accumulates.
@@ -78,6 +78,7 @@ class KernelVariant:
     causal: bool
     window: bool
     softcap: bool
+    sinks: bool = False
 
     @property
     def dtype(self) -> mx.Dtype:
@@ -101,7 +102,8 @@ class KernelVariant:
         """A readable, unique Metal function name."""
         p = self.plan
         cached = "".join(sorted(p.cached)) or "none"
-        flags = "".join(f for f, on in (("c", self.causal), ("w", self.window), ("s", self.softcap)) if on)
+        flags = "".join(f for f, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
+                                        ("k", self.sinks)) if on)
         return (f"mlx_flash_{self.kernel}_d{p.head_dim}_{self.dtype_name}_p{p.parallel_block}"
                 f"t{p.traversal_block}h{p.head_block}_{cached}_{self.mask_kind}{('_' + flags) if flags else ''}")
 
@@ -128,7 +130,9 @@ def make_variant(kernel: str, spec, family: str, table=None) -> KernelVariant:
     block_plan = plan("metal", kernel, spec.head_dim, spec.dtype, family, table)
     return KernelVariant(kernel=kernel, plan=block_plan, dtype_name=DTYPE_NAMES[spec.dtype],
                          mask_kind=spec.mask_kind, causal=bool(spec.causal),
-                         window=spec.window is not None, softcap=spec.softcap is not None)
+                         window=spec.window is not None, softcap=spec.softcap is not None,
+                         # The dK/dV kernel needs no sink term: the forward's lse includes it.
+                         sinks=spec.has_sinks and kernel != "backward_key_value")
 
 
 def check_launch_limits(variant: KernelVariant) -> None:
@@ -175,11 +179,11 @@ def source(variant: KernelVariant) -> Tuple[str, str]:
     )
     acc = accumulator_names(variant)
     if variant.kernel == "forward":
-        constants.update(q_cached=cached["Q"], o_cached=cached["O"], o_accumulator=acc["O"],
+        constants.update(q_cached=cached["Q"], o_cached=cached["O"], o_accumulator=acc["O"], sinks=variant.sinks,
                          qk_unroll=unroll("Q"), pv_unroll=unroll("O"))
     elif variant.kernel == "backward_query":
         constants.update(q_cached=cached["Q"], do_cached=cached["dO"], dq_cached=cached["dQ"],
-                         dq_accumulator=acc["dQ"], delta_unroll=unroll("dO"),
+                         dq_accumulator=acc["dQ"], delta_unroll=unroll("dO"), sinks=variant.sinks,
                          qk_unroll=unroll("Q"), dov_unroll=unroll("dO"), dsk_unroll=unroll("dQ"))
     else:
         constants.update(k_cached=cached["K"], v_cached=cached["V"], dk_cached=cached["dK"],

@@ -36,6 +36,10 @@ keeps about ten operations in flight), so the 1/32 keeps the peak at a quarter t
 score matrix (MLX's unfused attention: about 3.2 score matrices), and
 the device share bounds the block of large problems, so memory grows linearly in N past it.
 
+Sinks: a row's sink is the first score its online softmax sees (_initial_state: row max = sink,
+row sum = 1); its gradient -sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no
+rounded dP cancels against D there.
+
 GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
 broadcasting shares each kv head with its query heads without tiling k or v.
 """
@@ -48,6 +52,7 @@ import mlx.core as mx
 
 from ..spec import AttentionSpec
 from .budget import device_memory_bytes
+from .sinks import empty_lse, sinks_gradient
 
 # Block plan (see the module docstring). Peak memory of forward+backward in fp32 score blocks,
 # measured on the CPU (B=1 H=8, N=1024/2048): 4.2 with one key block, 5.1-5.2 with two, 7.9-8.5
@@ -179,15 +184,19 @@ def _slice_batch(x, b0, b1):
     return None if x is None else (x[b0:b1] if x.shape[0] > 1 else x)
 
 
-def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
-    """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log)."""
+def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
+    """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log).
+
+    sinks ([Hq] or None): per-head sink logits, one extra softmax score with no value.
+    """
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
-        return mx.zeros((B, Hq, Nq, Dv), spec.dtype), mx.full((B, Hq, Nq), -math.inf, mx.float32)
+        return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
     batch_chunk, key_block = plan_blocks(spec)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
-        out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, key_block)
+        out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, key_block,
+                                  sinks)
         outs.append(out)
         lses.append(lse)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -195,17 +204,25 @@ def forward(q, k, v, mask, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
     return out, lse
 
 
-def _initial_state(B, Hkv, G, Nq, Dv):
-    """The online-softmax state before any key: [acc (Dv) | row_sum | row_max] = [0 | 0 | -inf]."""
-    return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
-                           mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
+def _initial_state(B, Hkv, G, Nq, Dv, sinks=None):
+    """The online-softmax state before any key: [acc (Dv) | row_sum | row_max] = [0 | 0 | -inf].
+
+    With sinks the sink is the first score seen: row_max = sink and row_sum = exp(sink - sink) = 1
+    (0 for a sink of -inf, which is no sink).
+    """
+    if sinks is None:
+        return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
+                               mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
+    sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, Nq, 1))
+    return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv), mx.float32),
+                           mx.where(sink == -math.inf, 0.0, 1.0), sink], axis=-1)
 
 
-def _forward_chunk(q, k, v, mask, spec, key_block):
+def _forward_chunk(q, k, v, mask, spec, key_block, sinks=None):
     problem = _Problem(q, k, v, mask, spec, key_block)
     B, Hkv, G, Nq, Dv = q.shape[0], spec.kv_heads, spec.group, spec.q_len, spec.value_dim
     # Packed state per query row: [acc (Dv) | row_sum | row_max], fp32.
-    state = _initial_state(B, Hkv, G, Nq, Dv)
+    state = _initial_state(B, Hkv, G, Nq, Dv, sinks)
     for k0, k1, q0, q1 in problem.steps():
         s, _ = problem.scores(q0, q1, k0, k1)
         rows = state[..., q0:q1, :]
@@ -227,18 +244,25 @@ def _forward_chunk(q, k, v, mask, spec, key_block):
     return out.astype(spec.dtype).reshape(B, spec.q_heads, Nq, Dv), lse.reshape(B, spec.q_heads, Nq)
 
 
-def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
-    """Returns (dq, dk, dv) in the input dtype. d_lse (or None) is the cotangent of lse."""
-    if min(spec.batch, spec.kv_heads, spec.q_len, spec.kv_len) == 0:
-        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v)
+def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+    """Returns (dq, dk, dv, d_sinks) in the input dtypes (d_sinks None without sinks).
+    d_lse (or None) is the cotangent of lse."""
     # D_i = rowsum(dO * O), minus the lse cotangent (dlse/ds = P folds into the same term).
-    row_term = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+    dot = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
+    d_lse32 = None if d_lse is None else d_lse.astype(mx.float32)
+    # The sink is a softmax column with no value: its score gradient is p_sink (0 - D_i). No dP
+    # product cancels against D here, so d_sinks takes the unrounded fp32 D.
+    d_sinks = None if sinks is None else sinks_gradient(
+        sinks, lse, dot if d_lse32 is None else dot - d_lse32)
+    row_term = dot
     if spec.dtype != mx.float32:
         # dP is a product rounded to the input dtype: round D alike so that dP - D cancels
         # exactly where it should (a row that sees one key); see the module docstring.
         row_term = row_term.astype(spec.dtype).astype(mx.float32)
-    if d_lse is not None:
-        row_term = row_term - d_lse.astype(mx.float32)
+    if d_lse32 is not None:
+        row_term = row_term - d_lse32
+    if min(spec.batch, spec.kv_heads, spec.q_len, spec.kv_len) == 0:
+        return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
     safe_lse = mx.where(lse == -math.inf, math.inf, lse)
     batch_chunk, key_block = plan_blocks(spec)
@@ -247,8 +271,8 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
                                      safe_lse[b0:b1], row_term[b0:b1], d_out[b0:b1], spec, key_block))
     if len(grads) == 1:
-        return grads[0]
-    return tuple(mx.concatenate(parts, axis=0) for parts in zip(*grads))
+        return (*grads[0], d_sinks)
+    return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
 
 
 def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):

@@ -250,7 +250,7 @@ class RingAttention:
         k_t, v_t = kv[..., :D], kv[..., D:]
         for call in calls:
             r0, r1 = call.q0, call.q1
-            dq_c, dk_c, dv_c = self.backends[call.spec].backward(
+            dq_c, dk_c, dv_c, _ = self.backends[call.spec].backward(
                 _rows(q, r0, r1), _rows(k_t, call.k0, call.k1), _rows(v_t, call.k0, call.k1), None,
                 _rows(out, r0, r1), lse[:, :, r0:r1], _rows(d_out, r0, r1),
                 None if d_lse is None else d_lse[:, :, r0:r1], call.spec)

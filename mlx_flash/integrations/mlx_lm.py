@@ -15,16 +15,20 @@ under that name is left alone). Modules imported later need no import hook: thei
 (as does `importlib.reload`). `unpatch()` puts mlx-lm's function object back everywhere the
 flash function is bound, including modules imported while patched.
 
+Arguments follow `mx.fast.scaled_dot_product_attention`'s rules (mixed q/k/v dtypes promote,
+integer masks are additive) and attention sinks are forwarded (gpt-oss, mimo), gradient included.
 Calls that flash attention does not serve go to mlx-lm's own function, counted by reason in
-`mlx_flash.fallback_counts()` (and warned once): quantized KV caches, attention sinks, decode
-steps (Nq <= 8, where MLX has a fused vector kernel) and inputs `flash_attention` does not
-accept. `call_counts()` counts calls per path. Both count Python-level calls: inside an
-`mx.compile`d function (mlx-lm's training step) the attention function runs once per trace,
+`mlx_flash.fallback_counts()` (and warned once): quantized KV caches, decode steps (Nq <= 8,
+where MLX has a fused vector kernel) and inputs MLX's rules reject. `call_counts()` counts calls
+per path, and per model and reason with `by_model=True`. Both count Python-level calls: inside
+an `mx.compile`d function (mlx-lm's training step) the attention function runs once per trace,
 not once per executed step.
 
-Models that call `mx.fast.scaled_dot_product_attention` directly (a few in mlx-lm do) are not
-affected. A function compiled with `mx.compile` while patched keeps the path it was traced
-with until it is traced again.
+Models that write attention by hand or call `mx.fast.scaled_dot_product_attention` directly
+are reached through the small per-model adapters of `mlx_lm_adapters` (gemma2, gear, plamo2,
+muse_spark), applied and undone with the patch; `mlx_lm_adapters.NOT_ADAPTED` lists the models
+left as they are and why. A function compiled with `mx.compile` while patched keeps the path
+it was traced with until it is traced again.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ import mlx.core as mx
 from ..api import flash_attention
 from ..backends import BACKEND_NAMES
 from ..fallback import record_fallback
-from ..spec import check_inputs
+from ..spec import check_inputs, mlx_argument_rules
 
 ATTRIBUTE = "scaled_dot_product_attention"
 # Up to this many queries per call, MLX's fused single-pass ("vector") kernel is the better
@@ -66,17 +70,35 @@ _calls: collections.Counter = collections.Counter()
 _calls_lock = threading.Lock()
 
 
-def _count(path: str) -> None:
+def _count(path: str, model: str, reason: Optional[str] = None) -> None:
     with _calls_lock:
-        _calls[path] += 1
+        _calls[(model, path, reason)] += 1
 
 
-def call_counts() -> Dict[str, int]:
-    """Calls of the patched function since start (or the last reset), by the path that served
-    them: "flash" (mlx_flash.flash_attention) and "original" (mlx-lm's function; the reasons
-    are in `mlx_flash.fallback_counts()`). Under `mx.compile` a call is counted once per trace."""
+def call_counts(by_model: bool = False) -> Dict:
+    """Calls of the patched attention since start (or the last reset), by the path that served
+    them: "flash" (mlx_flash) and "original" (mlx-lm's or MLX's function; the reasons are also
+    in `mlx_flash.fallback_counts()`). Under `mx.compile` a call is counted once per trace.
+
+    Args:
+        by_model (bool): break the counts down per model module (e.g. "gpt_oss") as
+            {model: {"flash": n, "original": {reason: n}}}. Default: totals per path.
+    """
     with _calls_lock:
-        return {path: _calls[path] for path in (_FLASH, _ORIGINAL)}
+        items = list(_calls.items())
+    if not by_model:
+        totals = {_FLASH: 0, _ORIGINAL: 0}
+        for (_, path, _), n in items:
+            totals[path] += n
+        return totals
+    models: Dict[str, Dict] = {}
+    for (model, path, reason), n in items:
+        entry = models.setdefault(model, {_FLASH: 0, _ORIGINAL: {}})
+        if path == _FLASH:
+            entry[_FLASH] += n
+        else:
+            entry[_ORIGINAL][reason] = entry[_ORIGINAL].get(reason, 0) + n
+    return models
 
 
 def reset_call_counts() -> None:
@@ -85,12 +107,16 @@ def reset_call_counts() -> None:
         _calls.clear()
 
 
-def _fallback_reason(queries, keys, values, cache, scale, mask, sinks) -> Optional[str]:
-    """Why mlx-lm's own function should serve this call, or None when flash attention serves it."""
+def model_name(module_name: Optional[str]) -> str:
+    """"gpt_oss" for "mlx_lm.models.gpt_oss"; other callers keep their module name."""
+    name = module_name or "?"
+    return name[len("mlx_lm.models."):] if name.startswith("mlx_lm.models.") else name
+
+
+def fallback_reason(queries, keys, values, cache, scale, mask, sinks=None, softcap=None) -> Optional[str]:
+    """Why MLX's or mlx-lm's own attention should serve this call, or None when mlx_flash serves it."""
     if hasattr(cache, "bits"):
         return "mlx-lm quantized KV cache (cache.bits): served by mlx-lm's quantized attention"
-    if sinks is not None:
-        return "mlx-lm attention sinks: served by mx.fast.scaled_dot_product_attention"
     if isinstance(queries, mx.array) and queries.ndim == 4 and queries.shape[2] <= DECODE_QUERY_LENGTH:
         return (f"mlx-lm decode step (query length <= {DECODE_QUERY_LENGTH}): served by MLX's fused "
                 f"vector kernel")
@@ -99,25 +125,34 @@ def _fallback_reason(queries, keys, values, cache, scale, mask, sinks) -> Option
     if mask is not None and not isinstance(mask, (str, mx.array)):
         return f"mlx-lm mask of type {type(mask).__name__}: flash_attention takes None, \"causal\" or an array"
     try:
-        check_inputs(queries, keys, values, scale=scale, mask=mask)
+        queries, keys, values, mask = mlx_argument_rules(queries, keys, values, mask, False)
+        check_inputs(queries, keys, values, scale=scale, mask=mask, sinks=sinks, softcap=softcap)
     except (TypeError, ValueError) as error:
-        return f"mlx-lm attention inputs flash_attention does not accept ({error})"
+        return f"mlx-lm attention inputs MLX's rules reject ({error})"
     return None
+
+
+def flash(queries, keys, values, *, scale, mask, sinks=None, softcap=None, backend="auto"):
+    """mlx_flash attention under MLX's argument rules (the call passed `fallback_reason`)."""
+    queries, keys, values, mask = mlx_argument_rules(queries, keys, values, mask, False)
+    return flash_attention(queries, keys, values, scale=scale, mask=mask, sinks=sinks, softcap=softcap,
+                           backend=backend)
 
 
 def _make_replacement(original: Callable, backend: str) -> Callable:
     """The patched function: mlx-lm's signature, flash attention where it applies."""
 
     def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-        reason = _fallback_reason(queries, keys, values, cache, scale, mask, sinks)
+        model = model_name(sys._getframe(1).f_globals.get("__name__"))
+        reason = fallback_reason(queries, keys, values, cache, scale, mask, sinks)
         if reason is not None:
             record_fallback(reason)
-            _count(_ORIGINAL)
+            _count(_ORIGINAL, model, reason)
             # Older mlx-lm versions have no sinks parameter; pass it only when it is used.
             extra = {} if sinks is None else {"sinks": sinks}
             return original(queries, keys, values, cache, scale=scale, mask=mask, **extra)
-        _count(_FLASH)
-        return flash_attention(queries, keys, values, scale=scale, mask=mask, backend=backend)
+        _count(_FLASH, model)
+        return flash(queries, keys, values, scale=scale, mask=mask, sinks=sinks, backend=backend)
 
     scaled_dot_product_attention.__doc__ = (
         "mlx-lm's scaled_dot_product_attention served by mlx_flash.flash_attention "
@@ -177,6 +212,8 @@ def patch(backend: str = "auto") -> None:
         for module, name in bindings:
             setattr(module, name, replacement)
         _active = _Patch(original=original, replacement=replacement, backend=backend)
+        from . import mlx_lm_adapters
+        mlx_lm_adapters.apply(backend)
 
 
 def unpatch() -> None:
@@ -189,6 +226,8 @@ def unpatch() -> None:
             return
         for module, name in _bindings(_loaded_modules(None), _active.replacement):
             setattr(module, name, _active.original)
+        from . import mlx_lm_adapters
+        mlx_lm_adapters.undo()
         _active = None
 
 
