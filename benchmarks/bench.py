@@ -31,7 +31,7 @@ import mlx.core as mx
 
 from mlx_flash import benchmark as bm
 from mlx_flash.backends import BACKEND_NAMES, auto_backend_name, get_backend
-from mlx_flash.cli import positive_int
+from mlx_flash.cli import dtype_argument, positive_int
 from mlx_flash.fallback import fallback_counts
 
 IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2", "torch-cudnn")
@@ -484,13 +484,6 @@ def non_negative_float(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
-
-
-def dtype_argument(text: str) -> str:
-    try:
-        return bm.dtype_name(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,8 @@ HYPOTHESIS_PROFILE=dev.
 """
 import os
 
+import mlx.core as mx
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True,
@@ -13,3 +15,13 @@ settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None
 settings.register_profile("dev", max_examples=100, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def on_cpu():
+    """Run a test on the CPU device: routing and fp32 tolerances as on a CPU, also on a CUDA
+    machine (where "auto" picks the GPU and fp32 matmuls round through tf32)."""
+    previous = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(previous)

@@ -19,14 +19,8 @@ from attention_cases import (FORWARD_TOLERANCE, GRADIENT_TOLERANCE, Case, make_a
                              to_numpy)
 
 
-@pytest.fixture(autouse=True)
-def _on_the_cpu():
-    """These tests pin the routing and fp32 tolerances of a CPU device; on a CUDA machine MLX's
-    defaults (the GPU under "auto", tf32-rounded fp32 matmuls) would change what they check."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+# Routing and fp32 tolerances as on a CPU device, wherever the suite runs (see conftest.on_cpu).
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 FAST = "using mx.fast.scaled_dot_product_attention"
 MLX = "using 'mlx'"

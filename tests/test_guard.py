@@ -17,14 +17,8 @@ from mlx_flash.backends import guard, mlx_ops
 from attention_cases import Case, check_case
 
 
-@pytest.fixture(autouse=True)
-def _on_the_cpu():
-    """These tests pin the routing and fp32 tolerances of a CPU device; on a CUDA machine MLX's
-    defaults (the GPU under "auto", tf32-rounded fp32 matmuls) would change what they check."""
-    previous = mx.default_device()
-    mx.set_default_device(mx.cpu)
-    yield
-    mx.set_default_device(previous)
+# Routing and fp32 tolerances as on a CPU device, wherever the suite runs (see conftest.on_cpu).
+pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
 
