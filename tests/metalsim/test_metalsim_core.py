@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from mlx_flash import metalsim
-from msim_kernels import matmul_kernel, run_matmul
+from mlx_flash.metalsim.samples import matmul_kernel, run_matmul
 
 
 def np_of(x: mx.array) -> np.ndarray:

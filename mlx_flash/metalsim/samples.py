@@ -1,4 +1,5 @@
-"""MSL kernels shared by the metalsim tests and benchmark."""
+"""A sample MSL kernel for mlx_flash.metalsim: its tests and benchmark run it (and it shows how to
+drive a simdgroup_matrix kernel through metal_kernel)."""
 
 # Tiled matmul C = A @ B (A: M x K, B: K x N; M, N multiples of 64, K of 32):
 # a threadgroup of 4 simdgroups computes a 64 x 64 tile of C, each simdgroup a
@@ -59,8 +60,7 @@ def matmul_kernel(metalsim, **kw):
 
 
 def run_matmul(kernel, a, b, dtype, acc_dtype=None):
-    import mlx.core as mx
-
+    """C = A @ B through the sample kernel: one threadgroup of 128 threads per 64 x 64 tile."""
     M, K = a.shape
     N = b.shape[1]
     return kernel(
