@@ -43,15 +43,7 @@ step() {
     echo "== benchmarks/gpu_suite.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm), phases: $phases"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "(no nvidia-smi)"
 } | tee "$summary"
-if [ "${INSTALL_WHEELS:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl || { say "wheel install failed"; exit 3; }
-    export PYTHONPATH="/tmp/site:$PWD"
-else
-    say "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
-    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-fi
-export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse --verify -q HEAD 2> /dev/null || echo unknown)}"
+source benchmarks/gpu_env.sh || exit 3
 unset MLX_FLASH_CUDA_CAPABILITY
 python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.device_info())" 2>&1 | tee -a "$summary" \
     || { say "mlx does not import"; exit 3; }

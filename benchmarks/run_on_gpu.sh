@@ -31,15 +31,7 @@ log="$out_dir/bench_gpu.log"
 {
     echo "== benchmarks/run_on_gpu.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm)"
     nvidia-smi --query-gpu=name,memory.total,memory.used,driver_version --format=csv 2>&1 || echo "(no nvidia-smi)"
-    if [ "${INSTALL_WHEELS:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target /tmp/site .whl/*.whl || { echo "wheel install failed"; exit 3; }
-        export PYTHONPATH="/tmp/site:$PWD"
-    else
-        echo "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
-        export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-    fi
-    export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse --verify -q HEAD 2> /dev/null || echo unknown)}"
+    source benchmarks/gpu_env.sh || exit 3
     python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.default_device(), mx.device_info())" \
         || { echo "mlx does not import"; exit 3; }
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available())" 2>&1 \
