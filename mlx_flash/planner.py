@@ -142,8 +142,10 @@ def format_row(row: Row) -> str:
     """One table line in the shipped tables' column layout (parse_rows reads it back)."""
     cached = ",".join(sorted(row.cached)) or "-"
     warps = "-" if row.warps is None else str(row.warps)
-    return (f"{row.kernel:<20}{row.precision:<10}{row.family:<7}{row.max_head_dim:<7}{row.parallel_block:<5}"
-            f"{row.traversal_block:<5}{row.head_block:<5}{cached:<11}{warps}").rstrip()
+    # Each column is padded to its width in the shipped tables and always followed by a space: a
+    # family name as long as "sm90_wgmma" once ran into max_d and the table failed to parse.
+    return (f"{row.kernel:<21} {row.precision:<9} {row.family:<10} {row.max_head_dim:<6} {row.parallel_block:<4} "
+            f"{row.traversal_block:<4} {row.head_block:<4} {cached:<8} {warps}").rstrip()
 
 
 @functools.lru_cache(maxsize=None)

@@ -180,3 +180,21 @@ def test_cuda_tuning_gates_and_times_on_the_emulator(monkeypatch):
                               quick=True, max_candidates=2, extra_candidates=[planted])
     assert "multiple of 16" in outcome.rejected[planted]
     assert base in outcome.timings and len(outcome.timings) == 2, outcome.rejected
+
+
+@pytest.mark.parametrize("target", ["metal", "cuda"])
+def test_every_shipped_row_survives_format_and_parse(target):
+    """A tuned table is written with format_row and read with parse_rows: every shipped row,
+    the sm90_wgmma family's long name included, must come back unchanged."""
+    rows = planner.shipped_table(target).rows
+    text = "\n".join(planner.format_row(r) for r in rows)
+    assert planner.parse_rows(text, "round trip") == tuple(rows)
+
+
+def test_cuda_tuned_table_of_the_wgmma_family_is_read_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    table = planner.shipped_table("cuda")
+    path = tuned.write("cuda", "sm90", table, directory=tmp_path)
+    back = tuned.parse(path.read_text(), str(path), "cuda", "sm90")
+    assert {r.family for r in back.rows} == {"sm90", "sm90_wgmma"}
+    assert len(back.rows) == sum(r.family in ("sm90", "sm90_wgmma") for r in table.rows)
