@@ -32,7 +32,7 @@ import mlx.core as mx
 from mlx_flash import benchmark as bm
 from mlx_flash.backends import BACKEND_NAMES, auto_backend_name, get_backend
 from mlx_flash.cli import dtype_argument, positive_int
-from mlx_flash.fallback import fallback_counts
+from mlx_flash.fallback import fallback_counts, route_counts
 
 IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2", "torch-cudnn")
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "mlx-flash-bench"
@@ -295,9 +295,12 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
             except Exception as error:  # e.g. torch failing to allocate its inputs
                 row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
     warm_up_clocks(args.warm_up_clocks_s)
-    before = fallback_counts()
+    before, routes_before = fallback_counts(), route_counts()
     measured = bm.measure_many(items, settings)
     fallbacks = {r: n - before.get(r, 0) for r, n in fallback_counts().items() if n > before.get(r, 0)}
+    # Never expected: the resolved backend is passed by name, and an explicit backend is never routed.
+    fallbacks.update({r: n - routes_before.get(r, 0) for r, n in route_counts().items()
+                      if n > routes_before.get(r, 0)})
     for key, result in measured.items():
         row = rows[key]
         if "error" in result:  # an OOM or a kernel failure must not end the sweep
@@ -578,6 +581,7 @@ def main(argv=None) -> int:
     for name, torch_flash in torch_impls.items():
         env[name] = torch_flash.unavailable or f"torch {torch_flash.version} on {torch_flash.device_name}"
     env["memory_budget_bytes"], env["memory_budget"] = budget, budget_reason
+    env["cuda_capability_override"] = os.environ.get("MLX_FLASH_CUDA_CAPABILITY") or None  # the planned family
     payload = {"environment": env, "arguments": sys.argv[1:] if argv is None else list(argv), "rows": []}
     json_path = args.out / f"{args.name}.json"
     print(f"mlx-flash {env['mlx_flash_version']} ({(env['git_commit'] or 'unknown commit')[:10]}"

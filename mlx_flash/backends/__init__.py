@@ -16,7 +16,8 @@ softmax logit per query head with no value; d_sinks is its gradient [Hq] in sink
 when sinks is None.
 The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a
 whole-function backend (`whole_function = True`) with attention(q, k, v, mask, spec) -> out that
-MLX differentiates itself; only the fallback rule below chooses it.
+MLX differentiates itself; only the fallback rule and, under backend="auto" on CUDA, the dispatch
+table (dispatch.py: where a recorded run measured mx.fast faster) choose it.
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations
@@ -29,7 +30,8 @@ from types import MappingProxyType
 
 import mlx.core as mx
 
-from ..fallback import record_fallback
+from . import dispatch
+from ..fallback import record_fallback, record_route
 
 _MODULES = MappingProxyType({"mlx": "mlx_flash.backends.mlx_ops", "metal": "mlx_flash.backends.metal",
                              "cuda": "mlx_flash.backends.cuda", "fast": "mlx_flash.backends.fast"})
@@ -87,7 +89,8 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
     """Resolve the `backend` argument to a backend object for this call.
 
     An unknown name or an explicitly requested backend that cannot run on the stream's
-    device raises. Otherwise, when the chosen backend cannot serve the call (it is unavailable
+    device raises. Under "auto", a call that the dispatch table routes (dispatch_route) goes to
+    mx.fast, counted in mlx_flash.route_counts(); an explicit backend always runs itself. Otherwise, when the chosen backend cannot serve the call (it is unavailable
     under "auto", or its unsupported_reason -- an unsupported dtype, shape or architecture -- or
     the first-contact guard (guard.py) names a reason), `fallback_backend` picks the path that
     serves it, warning once per reason and counting every call.
@@ -115,6 +118,12 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
         if explicit:
             raise ValueError(f"[flash_attention] backend {name!r} is not available: {reason}")
         return fallback_backend(f"backend {name!r} unavailable ({reason})", spec, device, lse_is_used)
+    if not explicit:
+        row = dispatch_route(backend, spec, device, lse_is_used)
+        if row is not None:  # a choice, not a fallback: counted, not warned
+            record_route(f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}; "
+                         f"using mx.fast.scaled_dot_product_attention")
+            return get_backend("fast")
     reason = backend.unsupported_reason(spec)
     if reason is None and hasattr(backend, "variant_key"):
         from ..autotune import FIRST_USE  # MLX_FLASH_AUTOTUNE=1: tune this shape's rows once, first
@@ -126,6 +135,34 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
         return fallback_backend(f"backend {name!r} cannot serve this call ({reason})", spec, device,
                                 lse_is_used)
     return backend
+
+
+def dispatch_route(backend, spec, device: mx.Device, lse_is_used: bool):
+    """The dispatch table row (dispatch.py) that routes this call from `backend` to mx.fast, or None.
+
+    Only the "cuda" backend's calls route, and only where the "fast" backend serves the call
+    exactly (its unsupported_reason: the one "serves exactly" rule, shared with fallback_backend),
+    MLX runs it through cuDNN forward and backward (fast.cudnn_fuses) and a row of the backend's
+    GPU family covers its dtype, head dim, mask and N.
+
+    Args:
+        backend: the backend "auto" resolved to (available on `device`).
+        spec: the call's AttentionSpec.
+        device: the device that runs the call.
+        lse_is_used: whether the caller asked for lse.
+    """
+    if backend.name != "cuda" or not hasattr(backend, "family"):
+        return None
+    family = backend.family()
+    if family is None:
+        return None
+    row = dispatch.dispatch_row(family.name, spec)
+    if row is None:
+        return None
+    fast = get_backend("fast")
+    if fast.unsupported_reason(spec, lse_is_used, device) is not None or not fast.cudnn_fuses(spec):
+        return None
+    return row
 
 
 def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool):

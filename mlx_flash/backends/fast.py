@@ -49,6 +49,12 @@ def _cuda_fused(spec: AttentionSpec, device: mx.Device) -> bool:
     """Whether MLX 0.32 runs this call's forward and backward through cuDNN (O(N) memory)."""
     if device.type != mx.gpu or not (hasattr(mx, "cuda") and mx.cuda.is_available()):
         return False
+    return cudnn_fuses(spec)
+
+
+def cudnn_fuses(spec: AttentionSpec) -> bool:
+    """Whether MLX 0.32's CUDA backend runs a call of this spec through cuDNN, forward and backward:
+    fp16 / bf16, D and Dv multiples of 8 up to 128, and the backward's query rows a multiple of 128."""
     dims_ok = all(d % 8 == 0 and d <= 128 for d in (spec.head_dim, spec.value_dim))
     rows = min(spec.q_len, spec.kv_len) if spec.causal else spec.q_len
     return spec.dtype in (mx.float16, mx.bfloat16) and dims_ok and rows % 128 == 0
@@ -68,6 +74,10 @@ class FastBackend:
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
+
+    def cudnn_fuses(self, spec: AttentionSpec) -> bool:
+        """Whether MLX's CUDA backend runs this call through cuDNN, forward and backward."""
+        return cudnn_fuses(spec)
 
     def unsupported_reason(self, spec: AttentionSpec, lse_is_used: bool = False,
                            device: Optional[mx.Device] = None) -> Optional[str]:

@@ -1,0 +1,214 @@
+"""Write kernels/dispatch_cuda.txt's rows for one GPU family from a recorded bench.py JSON.
+
+    python3 benchmarks/dispatch_table.py RUN/dispatch_h100.json            # family from the JSON's GPU
+    python3 benchmarks/dispatch_table.py RUN/dispatch_h100.json --print    # show, write nothing
+    python3 benchmarks/dispatch_table.py                                   # rewrite the header only
+
+The recording (about 3 minutes on an H100; `--backend cuda` so "mlx-flash" rows time our kernels,
+never a routed call):
+
+    python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes bf16 fp16 \\
+        --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 --masks none causal --heads 16 \\
+        --kv-heads 16 4 --batch 1 --passes forward forward_backward --warm-up-clocks-s 1 \\
+        --warmup 2 --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --time-budget-s 240 \\
+        --no-plots --out $OUT --name dispatch_h100
+
+The rule (conservative: a call does not know whether a backward follows):
+- a measured point is (dtype, head dim, causal, N) with Nq = Nk = N; it routes only when, for
+  every head layout and batch measured at that point (MHA and GQA alike), mx.fast's median is
+  below (1 - margin) x ours in BOTH the forward and the forward+backward pass, MLX runs it
+  through cuDNN (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend
+  "cuda", no fallback);
+- a point with a missing, skipped or failed row does not route;
+- adjacent routed points (in the measured N order) merge into one range [min_n, max_n]: a call
+  routes only inside such a range, never between a routed and a not-routed point, never past
+  the largest measured N.
+Other families' rows and recorded-run lines are kept as they are.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_flash.backends import dispatch  # noqa: E402
+from mlx_flash.backends.dispatch import DispatchRow, format_dispatch_row, parse_dispatch  # noqa: E402
+from mlx_flash.backends.fast import cudnn_fuses  # noqa: E402
+from mlx_flash.spec import AttentionSpec  # noqa: E402
+
+TABLE = ROOT / "kernels" / dispatch.TABLE_NAME
+DEFAULT_MARGIN = 0.05
+PASSES = ("forward", "forward_backward")
+RECORDED = "# recorded "  # "# recorded <family>: ..." lines name the run each family's rows come from
+
+HEADER = """\
+# Dispatch table for backend="auto" on CUDA: where MLX's mx.fast.scaled_dot_product_attention
+# (cuDNN) was measured faster than the "cuda" backend's kernels, the call is routed there
+# (counted in mlx_flash.route_counts(), never warned: a choice, not a fallback). backend="cuda"
+# always runs our kernels. Written by benchmarks/dispatch_table.py from a recorded
+# benchmarks/bench.py JSON, never by hand; a family without rows routes nothing.
+# A call routes only if mx.fast serves it exactly (no array mask, window, softcap, sinks, lse or
+# shifted diagonal: mlx_flash/backends/fast.py), MLX runs it through cuDNN forward and backward
+# (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
+# its family, dtype, head dim (exactly), mask and both Nq and Nk (min_n <= N <= max_n).
+# Rule: every measured head layout (MHA, GQA) at that N had mx.fast's median below (1 - margin)
+# x ours in both the forward and the forward+backward pass; adjacent such N merge into a range;
+# nothing routes outside a measured range. forward / fwd_bwd: the range's largest mx.fast / ours
+# median-time ratio (lower = mx.fast faster).
+# Columns (each followed by at least one space; mlx_flash/backends/dispatch.py parses them):
+# family   dtype     head_dim mask   min_n  max_n  forward fwd_bwd
+"""
+
+
+def point_of(row: Dict) -> Tuple[str, int, bool, int]:
+    return row["dtype"], row["head_dim"], bool(row["causal"]), row["q_len"]
+
+
+def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Tuple[str, int, bool, int], Optional[Tuple[float, float]]]:
+    """Per measured point (dtype, head dim, causal, N): (forward, fwd+bwd) worst mx.fast / ours
+    ratios where the point routes, else None.
+
+    Args:
+        rows: bench.py's JSON rows.
+        margin: mx.fast must be faster by more than this fraction in both passes.
+    """
+    # point -> layout (batch, q_heads, kv_heads) -> (implementation, pass) -> median ms (None: unusable)
+    table: Dict = defaultdict(lambda: defaultdict(dict))
+    for row in rows:
+        if row.get("implementation") not in ("mlx-flash", "mx.fast") or row.get("pass") not in PASSES:
+            continue
+        if row.get("dtype") not in dispatch.DTYPES or row.get("q_len") != row.get("kv_len"):
+            continue
+        usable = row.get("status") == "ok" and isinstance(row.get("median_ms"), (int, float)) and row["median_ms"] > 0
+        if row["implementation"] == "mlx-flash" and (row.get("backend") != "cuda" or row.get("fallbacks")):
+            usable = False  # not our kernels: nothing to compare
+        layout = (row["batch"], row["q_heads"], row["kv_heads"])
+        table[point_of(row)][layout][row["implementation"], row["pass"]] = row["median_ms"] if usable else None
+    verdicts = {}
+    for point, layouts in table.items():
+        dtype, head_dim, causal, n = point
+        spec = AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=n, kv_len=n, head_dim=head_dim, value_dim=head_dim,
+                             dtype=dispatch.DTYPES[dtype], scale=1.0, causal=causal)
+        worst = [0.0, 0.0]
+        routes = cudnn_fuses(spec)
+        for times in layouts.values():
+            for i, pass_name in enumerate(PASSES):
+                ours, theirs = times.get(("mlx-flash", pass_name)), times.get(("mx.fast", pass_name))
+                if ours is None or theirs is None or not theirs < (1 - margin) * ours:
+                    routes = False
+                else:
+                    worst[i] = max(worst[i], theirs / ours)
+        verdicts[point] = tuple(worst) if routes else None
+    return verdicts
+
+
+def table_rows(family: str, verdicts: Dict) -> List[DispatchRow]:
+    """The verdicts as ranges of adjacent routed N, one row each, sorted."""
+    groups = defaultdict(list)
+    for (dtype, head_dim, causal, n), verdict in verdicts.items():
+        groups[dtype, head_dim, causal].append((n, verdict))
+    result = []
+    for (dtype, head_dim, causal), points in sorted(groups.items()):
+        run: List[Tuple[int, Tuple[float, float]]] = []
+        for n, verdict in sorted(points) + [(None, None)]:  # a sentinel closes the last range
+            if verdict is not None:
+                run.append((n, verdict))
+                continue
+            if run:
+                result.append(DispatchRow(family, dtype, head_dim, "causal" if causal else "none", run[0][0],
+                                          run[-1][0], max(v[0] for _, v in run), max(v[1] for _, v in run)))
+            run = []
+    return result
+
+
+def family_of_run(environment: Dict) -> str:
+    """The CUDA family the run measured: an MLX_FLASH_CUDA_CAPABILITY override, else the GPU's."""
+    from mlx_flash.backends import cuda_source
+
+    text = environment.get("cuda_capability_override") or environment.get("device_info", {}).get("architecture", "")
+    digits = "".join(c for c in str(text) if c.isdigit())
+    family = cuda_source.family_of(int(digits)) if digits else None
+    if family is None:
+        raise ValueError(f"cannot tell the CUDA family of the recorded run (architecture {text!r}); pass --family")
+    return family.name
+
+
+def recorded_line(family: str, payload: Dict, margin: float) -> str:
+    env = payload.get("environment", {})
+    commit = (env.get("git_commit") or "unknown")[:12] + (" +changes" if env.get("git_dirty") else "")
+    command = "python3 benchmarks/bench.py " + shlex.join(payload.get("arguments", []))
+    return (f"{RECORDED}{family}: {env.get('device_name')}, MLX {env.get('mlx_version')}, commit {commit}, "
+            f"{env.get('date')}, margin {margin}, command: {command}")
+
+
+def split_table(text: str) -> Tuple[Dict[str, List[str]], Tuple[DispatchRow, ...]]:
+    """(recorded-run lines by family, rows) of an existing table."""
+    recorded = defaultdict(list)
+    for line in text.splitlines():
+        if line.startswith(RECORDED):
+            recorded[line[len(RECORDED):].split(":", 1)[0].strip()].append(line)
+    return recorded, parse_dispatch(text)
+
+
+def render(recorded: Dict[str, List[str]], rows: Iterable[DispatchRow]) -> str:
+    """The whole table: header, then per family its recorded-run lines and rows."""
+    by_family = defaultdict(list)
+    for row in rows:
+        by_family[row.family].append(row)
+    lines = [HEADER.rstrip("\n")]
+    for family in sorted(set(recorded) | set(by_family)):
+        lines += [""] + recorded.get(family, [])
+        lines += [format_dispatch_row(r) for r in sorted(by_family[family], key=lambda r: (
+            r.dtype, r.head_dim, r.mask, r.min_n))]
+    return "\n".join(lines) + "\n"
+
+
+def update(text: str, family: str, payload: Optional[Dict], margin: float) -> str:
+    """`text` (an existing table, or "") with `family`'s rows and recorded line replaced by the
+    verdicts of `payload` (None: only the header is rewritten)."""
+    recorded, rows = split_table(text)
+    if payload is None:
+        return render(recorded, rows)
+    new = table_rows(family, decide(payload["rows"], margin))
+    recorded[family] = [recorded_line(family, payload, margin)]
+    return render(recorded, [r for r in rows if r.family != family] + new)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recorded", type=Path, nargs="?", help="bench.py JSON (omit: rewrite the header only)")
+    parser.add_argument("--family", help="CUDA family the rows are for (default: the recorded GPU's)")
+    parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
+                        help="mx.fast must be faster than ours by more than this fraction (default %(default)s)")
+    parser.add_argument("--table", type=Path, default=TABLE, help="the table to update (default %(default)s)")
+    parser.add_argument("--print", action="store_true", help="print the new table instead of writing it")
+    args = parser.parse_args(argv)
+    if not 0 <= args.margin < 1:
+        parser.error(f"--margin must be in [0, 1), got {args.margin}")
+    payload = json.loads(args.recorded.read_text()) if args.recorded else None
+    family = None
+    if payload is not None:
+        family = args.family or family_of_run(payload.get("environment", {}))
+        if payload.get("environment", {}).get("device_type") != "gpu":
+            print("warning: the recorded run was not on a GPU", file=sys.stderr)
+    text = update(args.table.read_text() if args.table.exists() else "", family, payload, args.margin)
+    parse_dispatch(text, str(args.table))  # what is written must parse
+    if args.print:
+        print(text, end="")
+    else:
+        args.table.write_text(text)
+        print(f"wrote {args.table}" + (f" ({family})" if family else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
