@@ -1,0 +1,248 @@
+"""The dispatch table: backend="auto" on CUDA routes a call to mx.fast only where a recorded run
+measured mx.fast faster (kernels/dispatch_cuda.txt), only where mx.fast serves the call exactly
+and fused, only on the measured GPU family; backend="cuda" always runs ours. Routed calls are
+counted once per call in route_counts(), not warned, and their results equal the float64
+reference. The table is written by benchmarks/dispatch_table.py from a bench.py JSON."""
+import dataclasses
+import importlib.util
+import json
+import warnings
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_flash
+from mlx_flash import backends, flash_attention, reference
+from mlx_flash.backends import cuda, dispatch, guard
+from mlx_flash.backends.dispatch import DispatchRow, format_dispatch_row, parse_dispatch
+from mlx_flash.spec import check_inputs
+
+from attention_cases import FORWARD_TOLERANCE, GRADIENT_TOLERANCE, relative_error, to_numpy
+
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tool():
+    spec = importlib.util.spec_from_file_location("dispatch_table", ROOT / "benchmarks" / "dispatch_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TOOL = _tool()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool: bench.py JSON -> rows
+
+
+def bench_rows(dtype, head_dim, causal, n, ours, theirs, kv_heads=4, **extra):
+    """bench.py rows of one case: `ours` / `theirs` = (forward, forward_backward) median ms."""
+    case = dict(batch=1, q_heads=4, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim, dtype=dtype,
+                causal=causal)
+    rows = []
+    for implementation, times in (("mlx-flash", ours), ("mx.fast", theirs)):
+        for pass_name, ms in zip(("forward", "forward_backward"), times):
+            row = dict(case, implementation=implementation, status="ok", median_ms=ms, **{"pass": pass_name})
+            if implementation == "mlx-flash":
+                row.update(backend="cuda", **extra)
+            rows.append(row)
+    return rows
+
+
+def synthetic():
+    """bf16 D=128 causal: mx.fast faster at 1024..4096 except 2048's forward (noise-level win),
+    then ours from 8192; bf16 D=64 non-causal: faster at 512, 1024 (both layouts), 2048 only in
+    one layout; fp16 D=256: faster but unfused (never routes); fp16 D=64 causal: our row fell back."""
+    rows = []
+    for n, ours, theirs in ((1024, (1.0, 3.0), (0.8, 2.0)), (2048, (2.0, 6.0), (1.97, 4.0)),
+                            (4096, (4.0, 12.0), (3.0, 9.0)), (8192, (8.0, 24.0), (7.0, 30.0)),
+                            (16384, (16.0, 48.0), (20.0, 60.0))):
+        rows += bench_rows("bfloat16", 128, True, n, ours, theirs)
+    rows += bench_rows("bfloat16", 128, True, 512, (1.0, 2.0), (0.5, 1.0))  # measured after, sorted by N
+    for n in (512, 1024, 2048):
+        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.5), kv_heads=4)
+        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.6, 1.2) if n < 2048 else (1.2, 1.0), kv_heads=1)
+    rows += bench_rows("float16", 256, False, 4096, (2.0, 4.0), (1.0, 2.0))
+    rows += bench_rows("float16", 64, True, 4096, (2.0, 4.0), (1.0, 2.0), fallbacks={"x": 1})
+    rows += [dict(r, status="skipped: budget") for r in bench_rows("float16", 64, False, 4096, (2.0, 4.0), (1.0, 2.0))]
+    rows += bench_rows("float32", 64, False, 4096, (2.0, 4.0), (1.0, 2.0))  # fp32: no cuDNN
+    return rows
+
+
+def test_tool_rows_from_a_synthetic_recording():
+    rows = TOOL.table_rows("sm90", TOOL.decide(synthetic(), margin=0.05))
+    assert [(r.dtype, r.head_dim, r.mask, r.min_n, r.max_n) for r in rows] == [
+        ("bfloat16", 64, "none", 512, 1024),      # 2048: one layout's forward loses: not routed
+        ("bfloat16", 128, "causal", 512, 1024),   # 2048: forward 0.985 is inside the margin
+        ("bfloat16", 128, "causal", 4096, 4096),  # 8192: fwd+bwd slower; nothing past 16384
+    ]
+    d64 = rows[0]
+    assert (d64.forward, d64.forward_backward) == (0.6, 0.75)  # worst ratio over layouts and N
+    assert all(r.family == "sm90" for r in rows)
+
+
+def test_tool_margin_zero_joins_the_noise_level_point():
+    rows = TOOL.table_rows("sm90", TOOL.decide(synthetic(), margin=0.0))
+    assert ("bfloat16", 128, "causal", 512, 4096) in [(r.dtype, r.head_dim, r.mask, r.min_n, r.max_n) for r in rows]
+
+
+def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
+    payload = {"environment": {"device_name": "NVIDIA H100 80GB HBM3", "device_type": "gpu", "git_commit": "a" * 40,
+                               "git_dirty": False, "date": "2026-11-23T00:00:00+00:00", "mlx_version": "0.32.4",
+                               "device_info": {"architecture": "sm_90a"}},
+               "arguments": ["--backend", "cuda", "--name", "dispatch h100"], "rows": synthetic()}
+    recorded = tmp_path / "dispatch_h100.json"
+    recorded.write_text(json.dumps(payload))
+    table = tmp_path / "dispatch_cuda.txt"
+    other = DispatchRow("sm80", "float16", 64, "none", 1024, 2048, 0.5, 0.6)
+    table.write_text(TOOL.render({"sm80": ["# recorded sm80: an A100 run"]}, [other]))
+    assert TOOL.main([str(recorded), "--table", str(table)]) == 0
+    text = table.read_text()
+    rows = parse_dispatch(text)
+    assert other in rows and sum(r.family == "sm90" for r in rows) == 3
+    assert "# recorded sm80: an A100 run" in text
+    line = next(l for l in text.splitlines() if l.startswith("# recorded sm90:"))
+    assert "NVIDIA H100" in line and "aaaaaaaaaaaa" in line and "2026-11-23" in line
+    assert "python3 benchmarks/bench.py --backend cuda --name 'dispatch h100'" in line
+    # Re-running replaces sm90's rows, never duplicates them.
+    assert TOOL.main([str(recorded), "--table", str(table)]) == 0
+    assert table.read_text() == text
+
+
+def test_shipped_table_is_the_tools_output_and_parses():
+    text = (ROOT / "kernels" / dispatch.TABLE_NAME).read_text()
+    assert TOOL.update(text, None, None, TOOL.DEFAULT_MARGIN) == text  # header current, rows as written
+    families = {f.name for f in __import__("mlx_flash.backends.cuda_source", fromlist=["x"]).families()}
+    assert {r.family for r in dispatch.shipped_dispatch()} <= families
+    assert dispatch.shipped_dispatch() == parse_dispatch(text)
+
+
+def test_format_and_parse_round_trip():
+    rows = (DispatchRow("sm90", "bfloat16", 128, "causal", 4096, 16384, 0.812, 0.9),
+            DispatchRow("sm100", "float16", 64, "none", 512, 512, 0.5, 0.123))
+    text = "\n".join(format_dispatch_row(r) for r in rows)
+    assert parse_dispatch(text) == rows
+    assert all(not line.endswith(" ") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("line, message", [
+    ("sm90 bfloat16 128 causal 4096 16384 0.8", "8 columns"),
+    ("sm90 float32 128 causal 4096 16384 0.8 0.9", "dtype"),
+    ("sm90 bfloat16 128 window 4096 16384 0.8 0.9", "mask"),
+    ("sm90 bfloat16 128 causal 8192 4096 0.8 0.9", "min_n <= max_n"),
+    ("sm90 bfloat16 12x causal 4096 8192 0.8 0.9", "integers"),
+    ("sm90 bfloat16 128 causal 4096 8192 1.2 0.9", r"\(0, 1\)"),
+])
+def test_bad_lines_are_named(line, message):
+    with pytest.raises(ValueError, match=f"dispatch_cuda.txt line 2: .*{message}"):
+        parse_dispatch("# header\n" + line)
+
+
+# ---------------------------------------------------------------------------------------------
+# select_backend
+
+
+ROW = DispatchRow("sm90", "bfloat16", 16, "causal", 128, 256, 0.8, 0.9, line=17)
+ROW_NONE = DispatchRow("sm90", "float16", 16, "none", 128, 128, 0.8, 0.9, line=18)
+
+
+@pytest.fixture
+def cuda_auto(monkeypatch):
+    """"auto" resolves to a CUDA backend (kernels never built: a routed call does not need them)
+    whose family MLX_FLASH_CUDA_CAPABILITY picks; the dispatch table holds ROW and ROW_NONE."""
+    backend = cuda.CUDABackend(kernel_factory=lambda **kwargs: None)
+    real = backends.get_backend
+    monkeypatch.setattr(backends, "auto_backend_name", lambda device: "cuda")
+    monkeypatch.setattr(backends, "get_backend", lambda name: backend if name == "cuda" else real(name))
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "90")
+    # A call that is not routed would build our kernels: the guard's verdict says "serve it".
+    monkeypatch.setattr(guard.GUARD, "verdict", lambda *args: None)
+    mlx_flash.reset_fallback_counts()
+    yield backend
+    mlx_flash.reset_fallback_counts()
+
+
+def call(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, **kwargs):
+    kv_len = q_len if kv_len is None else kv_len
+    q = mx.zeros((1, 2, q_len, head_dim), dtype)
+    k = mx.zeros((1, 2, kv_len, head_dim), dtype)
+    kwargs.setdefault("mask", "causal")
+    return q, k, kwargs
+
+
+def selected(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, backend="auto", lse=False, **kwargs):
+    q, k, kwargs = call(q_len, kv_len, dtype, head_dim, **kwargs)
+    spec, mask = check_inputs(q, k, k, **kwargs)
+    return backends.select_backend(backend, spec, None, None if mask is None else mask.dtype, lse_is_used=lse).name
+
+
+def test_matching_call_routes_under_auto_only(cuda_auto):
+    assert selected() == "fast" and selected(256) == "fast" and selected(128, 256) == "fast"
+    assert selected(backend="cuda") == "cuda"        # explicit: always ours
+    assert selected(backend=cuda_auto) == "cuda"     # a backend object is explicit too
+    assert selected(dtype=mx.float16, mask=None) == "fast"
+    counts = mlx_flash.route_counts()
+    assert sum(counts.values()) == 4 and mlx_flash.fallback_counts() == {}
+    assert any("dispatch_cuda.txt line 17" in r and "sm90 bfloat16 D=16 causal N=128..256" in r for r in counts)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(q_len=384),                        # past the range's max_n
+    dict(q_len=128, kv_len=512),            # Nk past it
+    dict(q_len=64),                         # below min_n (and not a multiple of 128: unfused backward)
+    dict(dtype=mx.float16),                 # the row is bf16
+    dict(head_dim=24),                      # head dims match exactly
+    dict(mask=None),                        # the bf16 row is causal
+    dict(window_size=(8, 0)),
+    dict(softcap=5.0),
+    dict(lse=True),
+    dict(mask=mx.ones((1, 1, 128, 128), mx.bool_)),  # array masks: never measured
+], ids=lambda k: ",".join(f"{a}={v if not isinstance(v, mx.array) else 'array'}" for a, v in k.items()))
+def test_no_route_where_the_table_or_exactness_says_no(cuda_auto, kwargs):
+    assert selected(**kwargs) == "cuda"
+    assert mlx_flash.route_counts() == {}
+
+
+def test_sinks_and_shifted_diagonal_never_route(cuda_auto):
+    q, k, kwargs = call()
+    spec, _ = check_inputs(q, k, k, **kwargs)
+    device = mx.default_device()
+    assert backends.dispatch_route(cuda_auto, spec, device, False) == ROW
+    for changed in (dataclasses.replace(spec, has_sinks=True), dataclasses.replace(spec, diagonal_shift=64)):
+        assert backends.dispatch_route(cuda_auto, changed, device, False) is None
+
+
+@pytest.mark.parametrize("capability", ["80", "86", "120"])
+def test_other_families_route_nothing(cuda_auto, monkeypatch, capability):
+    monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, capability)
+    assert selected() == "cuda" and mlx_flash.route_counts() == {}
+
+
+def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto):
+    """value_and_grad through a routed call: one count, no warning, out and gradients within the
+    bf16 tolerance of the float64 reference (causal Nq < Nk: bottom-right aligned)."""
+    rng = np.random.default_rng(0)
+    q, k, v, d_out = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.bfloat16)
+                      for s in ((1, 2, 128, 16), (1, 2, 256, 16), (1, 2, 256, 16), (1, 2, 128, 16)))
+    spec, _ = check_inputs(q, k, v, mask="causal")
+
+    def loss(q_, k_, v_):
+        o = flash_attention(q_, k_, v_, mask="causal")
+        return (o.astype(mx.float32) * d_out.astype(mx.float32)).sum(), o
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", mlx_flash.FallbackWarning)
+        (_, out), grads = mx.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    assert sum(mlx_flash.route_counts().values()) == 1 and mlx_flash.fallback_counts() == {}
+    arrays = [to_numpy(x) for x in (q, k, v, d_out)]
+    ref_out, _ = reference.attention_forward(*arrays[:3], spec)
+    ref_grads = reference.attention_backward(*arrays, spec)
+    assert relative_error(to_numpy(out), ref_out) <= FORWARD_TOLERANCE["bfloat16"]
+    for got, want in zip(grads, ref_grads):
+        assert relative_error(to_numpy(got), want) <= GRADIENT_TOLERANCE["bfloat16"]
