@@ -58,16 +58,22 @@ class KernelPlan:
         return dict(asdict(self), fits=self.fits)
 
 
-def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none") -> AttentionSpec:
-    """The spec of a one-row call with this head dim, dtype and mask (sizes do not change a plan)."""
+def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none", q_len: int = 1,
+              kv_len: Optional[int] = None) -> AttentionSpec:
+    """The spec of a call with this head dim, dtype and mask (sizes do not change a plan; they
+    change whether backend="auto" routes the call, see auto_route). kv_len None = q_len."""
     if dtype not in DTYPES:
         raise ValueError(f"[plan] dtype must be one of {tuple(DTYPES)}, got {dtype!r}.")
     if mask not in MASKS:
         raise ValueError(f"[plan] mask must be one of {MASKS}, got {mask!r}.")
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"[plan] head_dim must be a positive int, got {head_dim!r}.")
+    kv_len = q_len if kv_len is None else kv_len
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"[plan] {name} must be a positive int, got {value!r}.")
     mask_kind = mask if mask in ("bool", "additive") else "none"
-    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=1, kv_len=1, head_dim=head_dim, value_dim=head_dim,
+    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim, value_dim=head_dim,
                          dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
                          window=(16, 0) if mask == "window" else None, mask_kind=mask_kind,
                          mask_shape=(1, 1, 1, 1) if mask_kind != "none" else None)
@@ -145,6 +151,44 @@ def _metal_plans(spec: AttentionSpec, family: Optional[str]) -> List[KernelPlan]
                                  variant.threadgroup_memory_bytes, metal_source.THREADGROUP_MEMORY_LIMIT,
                                  metal_source.MAX_THREADS_PER_THREADGROUP, variant.name, p.table))
     return result
+
+
+def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capability: Optional[int] = None,
+               q_len: Optional[int] = None, kv_len: Optional[int] = None) -> List[str]:
+    """What backend="auto" does with such a call on a CUDA GPU, in words: the kernels, or mx.fast
+    and the kernels/dispatch_cuda.txt row that routes it (backends.dispatch_route decides). Empty
+    where the kernels cannot serve the call (the fallback rule decides; plans() names the reason).
+
+    Args:
+        head_dim, dtype, mask, capability: as for `plans`.
+        q_len, kv_len: the call's Nq and Nk; None = every N (the rows of this family, dtype,
+            head dim and mask, with their N ranges). kv_len None = q_len.
+    """
+    from .backends import cuda, dispatch, dispatch_route, get_backend
+
+    backend = cuda.CUDABackend(capability=capability)
+    spec = make_spec(head_dim, dtype, mask, q_len or 1, kv_len)
+    if backend.unsupported_reason(spec) is not None:
+        return []
+    family, fast = backend.family().name, get_backend("fast")
+    inexact = fast.inexact_reason(spec)
+    if inexact is not None:
+        return [f"backend='auto' runs these kernels: mx.fast cannot serve such a call exactly ({inexact})"]
+    if q_len is not None:
+        row = dispatch_route(backend, spec)
+        where = f"Nq={spec.q_len} Nk={spec.kv_len}"
+        if row is not None:
+            return [f"backend='auto' routes {where} to mx.fast.scaled_dot_product_attention: "
+                    f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"]
+        why = ("MLX does not run it through cuDNN" if not fast.cudnn_fuses(spec)
+               else f"no {dispatch.TABLE_NAME} row of {family} covers it")
+        return [f"backend='auto' runs these kernels at {where} ({why})"]
+    routed = [f"backend='auto' routes N={row.min_n}..{row.max_n} (Nq and Nk) to mx.fast.scaled_dot_product_attention: "
+              f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"
+              for row in dispatch.shipped_dispatch()  # every row that routes such a call at its own N
+              if dispatch_route(backend, make_spec(head_dim, dtype, mask, row.min_n)) == row]
+    return routed or [f"backend='auto' runs these kernels at every N (no {dispatch.TABLE_NAME} row of {family} "
+                      f"routes {dtype} D={head_dim} mask {mask})"]
 
 
 def format_table(rows: List[KernelPlan]) -> str:

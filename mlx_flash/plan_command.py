@@ -1,10 +1,13 @@
 """`python -m mlx_flash plan`: print how each GPU kernel of a call is planned (mlx_flash.inspect).
 
     python -m mlx_flash plan --backend cuda --capability 86 --head-dim 128 --dtype bfloat16 [--mask causal] [--json]
+    python -m mlx_flash plan --backend cuda --capability 90 --head-dim 128 --mask causal --seq-len 8192
     python -m mlx_flash plan --backend metal --family m1 --head-dim 96 --dtype float16
 
 Per kernel: the GPU family, instruction family (wgmma / mma.sync / simdgroup_matrix / fallback),
-block sizes P / T / H, warps, threads, shared memory bytes and the family's limit.
+block sizes P / T / H, warps, threads, shared memory bytes and the family's limit. For cuda, also
+whether backend="auto" routes such a call to mx.fast (kernels/dispatch_cuda.txt) and by which
+row: at --seq-len (and --kv-len), or the N ranges where it does.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default="bfloat16", type=dtype_argument,
                         help="float32/fp32, float16/fp16 or bfloat16/bf16 (default: %(default)s)")
     parser.add_argument("--mask", default="none", choices=inspect.MASKS)
+    parser.add_argument("--seq-len", type=positive_int, help="cuda: Nq, for the backend='auto' routing line "
+                        "(default: list the N ranges that route)")
+    parser.add_argument("--kv-len", type=positive_int, help="cuda: Nk (default: --seq-len)")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per kernel)")
     parser.set_defaults(run=run_plan)
     return parser
@@ -42,6 +48,12 @@ def run_plan(args) -> int:
     except ValueError as error:
         print(f"python -m mlx_flash plan: {error}", file=sys.stderr)
         return 2
-    print(json.dumps([r.as_dict() for r in rows], indent=1) if args.json else inspect.format_table(rows))
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows], indent=1))
+        return 0
+    lines = [inspect.format_table(rows)]
+    if args.backend == "cuda":
+        lines += inspect.auto_route(args.head_dim, args.dtype, args.mask, args.capability, args.seq_len, args.kv_len)
+    print("\n".join(lines))
     return 0
 

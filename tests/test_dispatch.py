@@ -212,10 +212,9 @@ def test_no_route_where_the_table_or_exactness_says_no(cuda_auto, kwargs):
 def test_sinks_and_shifted_diagonal_never_route(cuda_auto):
     q, k, kwargs = call()
     spec, _ = check_inputs(q, k, k, **kwargs)
-    device = mx.default_device()
-    assert backends.dispatch_route(cuda_auto, spec, device, False) == ROW
+    assert backends.dispatch_route(cuda_auto, spec, False) == ROW
     for changed in (dataclasses.replace(spec, has_sinks=True), dataclasses.replace(spec, diagonal_shift=64)):
-        assert backends.dispatch_route(cuda_auto, changed, device, False) is None
+        assert backends.dispatch_route(cuda_auto, changed, False) is None
 
 
 @pytest.mark.parametrize("capability", ["80", "86", "120"])
@@ -246,3 +245,24 @@ def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto):
     assert relative_error(to_numpy(out), ref_out) <= FORWARD_TOLERANCE["bfloat16"]
     for got, want in zip(grads, ref_grads):
         assert relative_error(to_numpy(got), want) <= GRADIENT_TOLERANCE["bfloat16"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan inspector says where "auto" routes
+
+
+def test_plan_inspector_names_the_routing_row(monkeypatch, capsys):
+    from mlx_flash import __main__ as cli, inspect
+
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    routed = inspect.auto_route(16, "bfloat16", "causal", capability=90, q_len=128, kv_len=256)
+    assert len(routed) == 1 and "routes Nq=128 Nk=256 to mx.fast" in routed[0] and "line 17" in routed[0]
+    assert "runs these kernels at Nq=512" in inspect.auto_route(16, "bfloat16", "causal", capability=90, q_len=512)[0]
+    assert "runs these kernels at every N" in inspect.auto_route(16, "bfloat16", "causal", capability=86)[0]
+    assert "sliding window" in inspect.auto_route(16, "bfloat16", "window", capability=90, q_len=128)[0]
+    assert inspect.auto_route(16, "float32", "causal", capability=90) == []  # no kernels: the fallback rule
+    args = ["plan", "--backend", "cuda", "--capability", "90", "--head-dim", "16", "--mask", "causal"]
+    parsed = cli.build_parser().parse_args(args)
+    assert parsed.run(parsed) == 0
+    out = capsys.readouterr().out
+    assert "backend='auto' routes N=128..256 (Nq and Nk) to mx.fast" in out and "line 17" in out

@@ -119,7 +119,7 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
             raise ValueError(f"[flash_attention] backend {name!r} is not available: {reason}")
         return fallback_backend(f"backend {name!r} unavailable ({reason})", spec, device, lse_is_used)
     if not explicit:
-        row = dispatch_route(backend, spec, device, lse_is_used)
+        row = dispatch_route(backend, spec, lse_is_used)
         if row is not None:  # a choice, not a fallback: counted, not warned
             record_route(f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}; "
                          f"using mx.fast.scaled_dot_product_attention")
@@ -137,18 +137,19 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
     return backend
 
 
-def dispatch_route(backend, spec, device: mx.Device, lse_is_used: bool):
+def dispatch_route(backend, spec, lse_is_used: bool = False):
     """The dispatch table row (dispatch.py) that routes this call from `backend` to mx.fast, or None.
 
     Only the "cuda" backend's calls route, and only where the "fast" backend serves the call
-    exactly (its unsupported_reason: the one "serves exactly" rule, shared with fallback_backend),
-    MLX runs it through cuDNN forward and backward (fast.cudnn_fuses) and a row of the backend's
-    GPU family covers its dtype, head dim, mask and N.
+    exactly (its inexact_reason: the one "serves exactly" rule, also fallback_backend's), MLX runs
+    it through cuDNN forward and backward (fast.cudnn_fuses: O(N) memory, so no memory budget
+    applies) and a row of the backend's GPU family covers its dtype, head dim, mask and N. No
+    device argument: an available "cuda" backend means a CUDA GPU, and the plan inspector asks
+    about GPUs it does not run on.
 
     Args:
         backend: the backend "auto" resolved to (available on `device`).
         spec: the call's AttentionSpec.
-        device: the device that runs the call.
         lse_is_used: whether the caller asked for lse.
     """
     if backend.name != "cuda" or not hasattr(backend, "family"):
@@ -160,7 +161,7 @@ def dispatch_route(backend, spec, device: mx.Device, lse_is_used: bool):
     if row is None:
         return None
     fast = get_backend("fast")
-    if fast.unsupported_reason(spec, lse_is_used, device) is not None or not fast.cudnn_fuses(spec):
+    if fast.inexact_reason(spec, lse_is_used) is not None or not fast.cudnn_fuses(spec):
         return None
     return row
 

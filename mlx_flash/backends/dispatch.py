@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 from importlib import resources
+from types import MappingProxyType
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -30,7 +31,7 @@ import mlx.core as mx
 from ..spec import AttentionSpec
 
 TABLE_NAME = "dispatch_cuda.txt"
-DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+DTYPES = MappingProxyType({"float16": mx.float16, "bfloat16": mx.bfloat16})
 MASKS = ("none", "causal")
 
 

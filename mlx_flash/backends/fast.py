@@ -82,6 +82,20 @@ class FastBackend:
     def unsupported_reason(self, spec: AttentionSpec, lse_is_used: bool = False,
                            device: Optional[mx.Device] = None) -> Optional[str]:
         """Why mx.fast cannot serve this call exactly (or within memory), or None."""
+        reason = self.inexact_reason(spec, lse_is_used)
+        if reason is not None:
+            return reason
+        device = device or mx.default_device()
+        if not _cuda_fused(spec, device):
+            need, budget = unfused_bytes(spec), int(device_memory_bytes(device) * UNFUSED_MEMORY_FRACTION)
+            if need > budget:
+                return (f"unfused under grad: about {need / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB "
+                        f"(1/16 of the device's memory)")
+        return None
+
+    def inexact_reason(self, spec: AttentionSpec, lse_is_used: bool = False) -> Optional[str]:
+        """Why mx.fast does not compute exactly this call's function (the "serves exactly" rule,
+        shared by the fallback rule and the dispatch table's routing), or None."""
         if lse_is_used:
             return "lse is requested (mx.fast returns no lse)"
         if spec.window is not None:
@@ -94,12 +108,6 @@ class FastBackend:
             return "a shifted causal diagonal (a ring attention step)"
         if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim) == 0:
             return "an empty dimension"
-        device = device or mx.default_device()
-        if not _cuda_fused(spec, device):
-            need, budget = unfused_bytes(spec), int(device_memory_bytes(device) * UNFUSED_MEMORY_FRACTION)
-            if need > budget:
-                return (f"unfused under grad: about {need / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB "
-                        f"(1/16 of the device's memory)")
         return None
 
     def attention(self, q, k, v, mask, spec: AttentionSpec) -> mx.array:
