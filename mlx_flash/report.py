@@ -36,7 +36,7 @@ import numpy as np
 from . import benchmark as bm, reference
 from .backends import BACKEND_NAMES, auto_backend_name, get_backend, metal_simulated
 from .cli import positive_int
-from .fallback import fallback_counts
+from .fallback import fallback_counts, route_counts
 from .report_markdown import IMPLEMENTATIONS, WHERE_TO_SEND, render_markdown
 
 HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 256)
@@ -222,6 +222,19 @@ def _error_message(error: Exception, limit: int = 4000) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."
 
 
+def _auto_route(backend: str, case: bm.BenchCase) -> Optional[str]:
+    """The kernels/dispatch_cuda.txt row by which backend="auto" would hand this case to mx.fast
+    (the report times the kernels themselves, by name), or None."""
+    if backend != "cuda":
+        return None
+    from .backends import dispatch, dispatch_route
+    from .inspect import make_spec
+
+    spec = make_spec(case.head_dim, case.dtype, "causal" if case.causal else "none", case.q_len, case.kv_len)
+    row = dispatch_route(get_backend("cuda"), spec)
+    return None if row is None else f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"
+
+
 def _new_fallbacks(before: Dict[str, int]) -> List[str]:
     return [reason for reason, n in fallback_counts().items() if n > before.get(reason, 0)]
 
@@ -385,7 +398,7 @@ def run_report(args: argparse.Namespace) -> int:
 
     def save():
         from .backends.guard import GUARD
-        report.update(first_contact=GUARD.records(), fallbacks=fallback_counts(),
+        report.update(first_contact=GUARD.records(), fallbacks=fallback_counts(), routes=route_counts(),
                       summary=_summary(report["correctness"]), seconds=time.perf_counter() - started)
         write_report(out, report)
 
@@ -408,6 +421,10 @@ def run_report(args: argparse.Namespace) -> int:
                     for row in rows:
                         if row["implementation"] == "mlx-flash":
                             row["fallback"] = reason
+                route = _auto_route(resolved, case)
+                for row in rows:
+                    if route and row["implementation"] == "mlx-flash":
+                        row["auto_route"] = route
                 report["performance"] += rows
             except Exception as error:  # keep the correctness results and the other sizes
                 report["performance"].append({"N": n, "causal": causal, "pass": "forward", "implementation": "all",

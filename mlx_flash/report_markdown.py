@@ -121,7 +121,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
             ratio = lambda x: f"{x:.2f}x"  # noqa: E731
             notes = "; ".join([f"{name}: {r['error']}" for name, r in by_name.items() if r.get("error")]
                               + [f"mlx-flash served by the FALLBACK ({r['fallback']})"
-                                 for name, r in by_name.items() if r.get("fallback")])
+                                 for name, r in by_name.items() if r.get("fallback")]
+                              + [f"backend='auto' routes this to mx.fast ({r['auto_route']})"
+                                 for name, r in by_name.items() if r.get("auto_route")])
             rows.append([n, "yes" if causal else "no", bm.PASS_LABELS.get(pass_name, pass_name),
                          " / ".join(get(name, "median_ms", bm.format_ms) for name in IMPLEMENTATIONS),
                          get("mx.fast", "time_ratio", ratio), get("unfused", "time_ratio", ratio),
@@ -150,5 +152,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
         lines += [markdown_table(["calls", "reason"], [[n, reason] for reason, n in fallbacks.items()]), ""]
     else:
         lines += ["None: every call ran on the backend that was asked for.", ""]
+    routes = report.get("routes", {})
+    if routes:
+        lines += ["## Routed (backend='auto' chose mx.fast where kernels/dispatch_cuda.txt measured it faster)", "",
+                  markdown_table(["calls", "reason"], [[n, reason] for reason, n in routes.items()]), ""]
     lines += [f"To share this result: {WHERE_TO_SEND}.", ""]
     return "\n".join(lines)

@@ -266,3 +266,20 @@ def test_plan_inspector_names_the_routing_row(monkeypatch, capsys):
     assert parsed.run(parsed) == 0
     out = capsys.readouterr().out
     assert "backend='auto' routes N=128..256 (Nq and Nk) to mx.fast" in out and "line 17" in out
+
+
+def test_report_names_routes_and_what_auto_would_route(monkeypatch):
+    from mlx_flash import benchmark as bm, report
+    from mlx_flash.report_markdown import render_markdown
+
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "90")
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=16, dtype="bfloat16",
+                        causal=True)
+    assert "line 17" in report._auto_route("cuda", case)
+    assert report._auto_route("cuda", dataclasses.replace(case, q_len=512, kv_len=512)) is None
+    assert report._auto_route("metal", case) is None
+    text = render_markdown({"environment": {}, "backend": "cuda", "backend_requested": "cuda", "correctness": [],
+                            "quick": True, "correctness_setup": {"q_len": 1, "kv_len": 1, "window": [1, 0]},
+                            "routes": {"dispatch_cuda.txt line 17: ...; using mx.fast": 3}})
+    assert "## Routed" in text and "| 3 | dispatch_cuda.txt line 17" in text
