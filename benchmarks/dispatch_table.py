@@ -1,17 +1,22 @@
 """Write kernels/dispatch_cuda.txt's rows for one GPU family from a recorded bench.py JSON.
 
-    python3 benchmarks/dispatch_table.py RUN/dispatch_h100.json            # family from the JSON's GPU
-    python3 benchmarks/dispatch_table.py RUN/dispatch_h100.json --print    # show, write nothing
+    python3 benchmarks/dispatch_table.py RUN/a.json [RUN/b.json ...]   # one GPU's runs; family from its GPU
+    python3 benchmarks/dispatch_table.py RUN/a.json --print             # show, write nothing
     python3 benchmarks/dispatch_table.py                                   # rewrite the header only
 
-The recording (about 3 minutes on an H100; `--backend cuda` so "mlx-flash" rows time our kernels,
-never a routed call):
+The recording: one run per dtype, each bounded to under 5 minutes on an H100 (--time-budget-s
+240: cases not started in time are listed as skipped and route nothing). `--backend cuda` so the
+"mlx-flash" rows time our kernels: bench.py passes the backend by name, and an explicitly named
+backend is never routed (a routed or fallen-back row would not count as measured anyway):
 
-    python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes bf16 fp16 \\
-        --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 --masks none causal --heads 16 \\
-        --kv-heads 16 4 --batch 1 --passes forward forward_backward --warm-up-clocks-s 1 \\
-        --warmup 2 --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --time-budget-s 240 \\
-        --no-plots --out $OUT --name dispatch_h100
+    for dtype in bf16 fp16; do
+      python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes $dtype \
+        --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 --masks none causal --heads 16 \
+        --kv-heads 16 4 --batch 1 --passes forward forward_backward --warm-up-clocks-s 0.5 \
+        --warmup 2 --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --time-budget-s 240 \
+        --no-plots --out $OUT --name dispatch_h100_$dtype
+    done
+    python3 benchmarks/dispatch_table.py $OUT/dispatch_h100_bf16.json $OUT/dispatch_h100_fp16.json
 
 The rule (conservative: a call does not know whether a backward follows):
 - a measured point is (dtype, head dim, causal, N) with Nq = Nk = N; it routes only when, for
@@ -19,7 +24,8 @@ The rule (conservative: a call does not know whether a backward follows):
   below (1 - margin) x ours in BOTH the forward and the forward+backward pass, MLX runs it
   through cuDNN (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend
   "cuda", no fallback);
-- a point with a missing, skipped or failed row does not route;
+- a point with a missing, skipped or failed row does not route, nor one where a head layout
+  measured at other N of its (dtype, head dim, causal) is missing;
 - adjacent routed points (in the measured N order) merge into one range [min_n, max_n]: a call
   routes only inside such a range, never between a routed and a not-routed point, never past
   the largest measured N.
@@ -93,8 +99,15 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Tuple[s
             usable = False  # not our kernels: nothing to compare
         layout = (row["batch"], row["q_heads"], row["kv_heads"])
         table[point_of(row)][layout][row["implementation"], row["pass"]] = row["median_ms"] if usable else None
+    # Every layout measured anywhere in a (dtype, head dim, causal) group must be measured at each
+    # of its points: a run cut short by its time budget may have timed MHA at an N but not GQA.
+    group_layouts = defaultdict(set)
+    for point, layouts in table.items():
+        group_layouts[point[:3]].update(layouts)
     verdicts = {}
     for point, layouts in table.items():
+        for missing in group_layouts[point[:3]] - set(layouts):
+            layouts[missing] = {}
         dtype, head_dim, causal, n = point
         spec = AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=n, kv_len=n, head_dim=head_dim, value_dim=head_dim,
                              dtype=dispatch.DTYPES[dtype], scale=1.0, causal=causal)
@@ -172,20 +185,22 @@ def render(recorded: Dict[str, List[str]], rows: Iterable[DispatchRow]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def update(text: str, family: str, payload: Optional[Dict], margin: float) -> str:
-    """`text` (an existing table, or "") with `family`'s rows and recorded line replaced by the
-    verdicts of `payload` (None: only the header is rewritten)."""
+def update(text: str, family: Optional[str], payloads: List[Dict], margin: float) -> str:
+    """`text` (an existing table, or "") with `family`'s rows and recorded lines replaced by the
+    verdicts of `payloads` (their rows together: e.g. a bf16 and an fp16 run of one GPU; none:
+    only the header is rewritten)."""
     recorded, rows = split_table(text)
-    if payload is None:
+    if not payloads:
         return render(recorded, rows)
-    new = table_rows(family, decide(payload["rows"], margin))
-    recorded[family] = [recorded_line(family, payload, margin)]
+    new = table_rows(family, decide([row for p in payloads for row in p["rows"]], margin))
+    recorded[family] = [recorded_line(family, p, margin) for p in payloads]
     return render(recorded, [r for r in rows if r.family != family] + new)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recorded", type=Path, nargs="?", help="bench.py JSON (omit: rewrite the header only)")
+    parser.add_argument("recorded", type=Path, nargs="*",
+                        help="bench.py JSONs of one GPU (omit: rewrite the header only)")
     parser.add_argument("--family", help="CUDA family the rows are for (default: the recorded GPU's)")
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                         help="mx.fast must be faster than ours by more than this fraction (default %(default)s)")
@@ -194,13 +209,25 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.margin < 1:
         parser.error(f"--margin must be in [0, 1), got {args.margin}")
-    payload = json.loads(args.recorded.read_text()) if args.recorded else None
-    family = None
-    if payload is not None:
-        family = args.family or family_of_run(payload.get("environment", {}))
-        if payload.get("environment", {}).get("device_type") != "gpu":
-            print("warning: the recorded run was not on a GPU", file=sys.stderr)
-    text = update(args.table.read_text() if args.table.exists() else "", family, payload, args.margin)
+    payloads = [json.loads(path.read_text()) for path in args.recorded]
+    family = args.family
+    if family is not None:
+        from mlx_flash.backends import cuda_source
+        try:
+            cuda_source.family_named(family)
+        except ValueError as error:
+            parser.error(f"--family: {error}")
+    if payloads and family is None:
+        try:
+            families = {family_of_run(p.get("environment", {})) for p in payloads}
+        except ValueError as error:
+            parser.error(str(error))
+        if len(families) != 1:
+            parser.error(f"the recorded runs are of different CUDA families {sorted(families)}: one family at a time")
+        family = families.pop()
+    if any(p.get("environment", {}).get("device_type") != "gpu" for p in payloads):
+        print("warning: a recorded run was not on a GPU", file=sys.stderr)
+    text = update(args.table.read_text() if args.table.exists() else "", family, payloads, args.margin)
     parse_dispatch(text, str(args.table))  # what is written must parse
     if args.print:
         print(text, end="")

@@ -116,7 +116,7 @@ def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
 
 def test_shipped_table_is_the_tools_output_and_parses():
     text = (ROOT / "kernels" / dispatch.TABLE_NAME).read_text()
-    assert TOOL.update(text, None, None, TOOL.DEFAULT_MARGIN) == text  # header current, rows as written
+    assert TOOL.update(text, None, [], TOOL.DEFAULT_MARGIN) == text  # header current, rows as written
     families = {f.name for f in __import__("mlx_flash.backends.cuda_source", fromlist=["x"]).families()}
     assert {r.family for r in dispatch.shipped_dispatch()} <= families
     assert dispatch.shipped_dispatch() == parse_dispatch(text)
@@ -283,3 +283,32 @@ def test_report_names_routes_and_what_auto_would_route(monkeypatch):
                             "quick": True, "correctness_setup": {"q_len": 1, "kv_len": 1, "window": [1, 0]},
                             "routes": {"dispatch_cuda.txt line 17: ...; using mx.fast": 3}})
     assert "## Routed" in text and "| 3 | dispatch_cuda.txt line 17" in text
+
+
+def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
+    """A run cut short timed MHA at 4096 but not GQA: 4096 does not route. Two runs of one GPU
+    (bf16 and fp16) give one table; runs of two families are refused."""
+    rows = []
+    for n in (1024, 2048, 4096):
+        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=4)
+    for n in (1024, 2048):
+        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=1)
+    assert [(r.min_n, r.max_n) for r in TOOL.table_rows("sm90", TOOL.decide(rows))] == [(1024, 2048)]
+    env = {"device_type": "gpu", "device_info": {"architecture": "sm_90a"}}
+    paths = []
+    for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"environment": env, "arguments": ["--dtypes", name],
+                                    "rows": bench_rows(dtype, 128, True, 4096, (2.0, 4.0), (1.0, 2.0))}))
+        paths.append(str(path))
+    table = tmp_path / "t.txt"
+    assert TOOL.main([*paths, "--table", str(table)]) == 0
+    text = table.read_text()
+    assert {r.dtype for r in parse_dispatch(text)} == {"bfloat16", "float16"}
+    assert sum(l.startswith("# recorded sm90:") for l in text.splitlines()) == 2
+    other = tmp_path / "a100.json"
+    other.write_text(json.dumps({"environment": dict(env, device_info={"architecture": "sm_80"}), "rows": []}))
+    with pytest.raises(SystemExit):
+        TOOL.main([paths[0], str(other), "--table", str(table)])
+    with pytest.raises(SystemExit):
+        TOOL.main([paths[0], "--family", "sm99", "--table", str(table)])
