@@ -65,7 +65,8 @@ HEADER = """\
 # A call routes only if mx.fast serves it exactly (no array mask, window, softcap, sinks, lse or
 # shifted diagonal: mlx_flash/backends/fast.py), MLX runs it through cuDNN forward and backward
 # (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
-# its family, dtype, head dim (exactly), mask and both Nq and Nk (min_n <= N <= max_n).
+# its family, dtype, head dim (exactly), mask and N: Nq = Nk = N, min_n <= N <= max_n (only
+# square problems are measured).
 # Rule: every measured head layout (MHA, GQA) at that N had mx.fast's median below (1 - margin)
 # x ours in both the forward and the forward+backward pass; adjacent such N merge into a range;
 # nothing routes outside a measured range. forward / fwd_bwd: the range's largest mx.fast / ours

@@ -183,7 +183,7 @@ def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capab
         why = ("MLX does not run it through cuDNN" if not fast.cudnn_fuses(spec)
                else f"no {dispatch.TABLE_NAME} row of {family} covers it")
         return [f"backend='auto' runs these kernels at {where} ({why})"]
-    routed = [f"backend='auto' routes N={row.min_n}..{row.max_n} (Nq and Nk) to mx.fast.scaled_dot_product_attention: "
+    routed = [f"backend='auto' routes Nq = Nk = N in {row.min_n}..{row.max_n} to mx.fast.scaled_dot_product_attention: "
               f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"
               for row in dispatch.shipped_dispatch()  # every row that routes such a call at its own N
               if dispatch_route(backend, make_spec(head_dim, dtype, mask, row.min_n)) == row]

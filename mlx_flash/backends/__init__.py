@@ -90,10 +90,11 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
 
     An unknown name or an explicitly requested backend that cannot run on the stream's
     device raises. Under "auto", a call that the dispatch table routes (dispatch_route) goes to
-    mx.fast, counted in mlx_flash.route_counts(); an explicit backend always runs itself. Otherwise, when the chosen backend cannot serve the call (it is unavailable
-    under "auto", or its unsupported_reason -- an unsupported dtype, shape or architecture -- or
-    the first-contact guard (guard.py) names a reason), `fallback_backend` picks the path that
-    serves it, warning once per reason and counting every call.
+    mx.fast, counted in mlx_flash.route_counts(); an explicit backend always runs itself.
+    Otherwise, when the chosen backend cannot serve the call (it is unavailable under "auto", or
+    its unsupported_reason -- an unsupported dtype, shape or architecture -- or the first-contact
+    guard (guard.py) names a reason), `fallback_backend` picks the path that serves it, warning
+    once per reason and counting every call.
 
     Args:
         name: the `backend` argument ("auto", "mlx", "metal" or "cuda"), or a backend object
@@ -148,7 +149,7 @@ def dispatch_route(backend, spec, lse_is_used: bool = False):
     about GPUs it does not run on.
 
     Args:
-        backend: the backend "auto" resolved to (available on `device`).
+        backend: the backend "auto" resolved to (available on the call's device).
         spec: the call's AttentionSpec.
         lse_is_used: whether the caller asked for lse.
     """

@@ -13,7 +13,8 @@ Columns (each followed by at least one space; '#' starts a comment):
     dtype    float16 or bfloat16
     head_dim D (= Dv), matched exactly: only measured head dims route
     mask     none or causal (array masks never route: not measured)
-    min_n    smallest N of the range; a call routes when min_n <= Nq, Nk <= max_n
+    min_n    smallest N of the range; a call routes when Nq = Nk = N and min_n <= N <= max_n
+             (only square problems are measured: MLX may take another path for Nq != Nk)
     max_n    largest measured N of the range (beyond it nothing routes)
     forward  the range's largest mx.fast / ours median-time ratio, forward pass (< 1: mx.fast faster)
     fwd_bwd  the same for forward+backward
@@ -56,7 +57,7 @@ class DispatchRow:
         mask = "causal" if spec.causal else "none"
         return (self.family == family and DTYPES[self.dtype] == spec.dtype and self.head_dim == spec.head_dim
                 and self.head_dim == spec.value_dim and self.mask == mask and spec.mask_kind == "none"
-                and self.min_n <= spec.q_len <= self.max_n and self.min_n <= spec.kv_len <= self.max_n)
+                and spec.q_len == spec.kv_len and self.min_n <= spec.q_len <= self.max_n)
 
     def describe(self) -> str:
         return (f"{self.family} {self.dtype} D={self.head_dim} {self.mask} N={self.min_n}..{self.max_n} "

@@ -1,11 +1,13 @@
 """The "fast" backend: MLX's own `mx.fast.scaled_dot_product_attention`, forward and VJP.
 
 It serves calls that a kernel backend cannot (see `select_backend`) when MLX computes exactly
-mlx-flash's function. It is a whole-function backend: `attention(q, k, v, mask, spec) -> out`,
-differentiated by MLX itself, not a forward/backward pair under our custom_function. Why:
-mx.fast returns no lse, and recovering it would take another pass over Q K^T (the work of a
-forward, and O(N^2) memory unless blocked), while wrapping mx.fast's output in our VJP would
-replace cuDNN's fused backward on CUDA with a slower one. So calls that need lse (return_lse,
+mlx-flash's function, and, under backend="auto" on CUDA, calls that kernels/dispatch_cuda.txt
+routes here because mx.fast (cuDNN) was measured faster for them (dispatch.py). It is a
+whole-function backend: `attention(q, k, v, mask, spec) -> out`, differentiated by MLX itself,
+not a forward/backward pair under our custom_function. Why: mx.fast returns no lse, and
+recovering it would take another pass over Q K^T (the work of a forward, and O(N^2) memory
+unless blocked), while wrapping mx.fast's output in our VJP would replace cuDNN's fused backward
+on CUDA with a slower one. So calls that need lse (return_lse,
 an lse cotangent) never come here, and MLX's own VJP is the exact gradient of what it computed.
 
 Where MLX's semantics differ from ours, this backend either makes them equal or refuses:
