@@ -314,3 +314,28 @@ def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
         TOOL.main([paths[0], str(other), "--table", str(table)])
     with pytest.raises(SystemExit):
         TOOL.main([paths[0], "--family", "sm99", "--table", str(table)])
+
+
+# ---------------------------------------------------------------------------------------------
+# On a CUDA GPU (python3 -m pytest tests/test_dispatch.py -k gpu on the H100)
+
+
+@pytest.mark.skipif(not cuda.cuda_available(), reason="no CUDA GPU: mx.cuda.is_available() is False")
+def test_gpu_auto_routes_and_cuda_runs_ours(monkeypatch):
+    """On the GPU with a row for its own family: "auto" runs mx.fast (one route), "cuda" our kernels
+    (no route), both equal to the float64 reference."""
+    monkeypatch.delenv(cuda.CAPABILITY_VARIABLE, raising=False)
+    family = cuda.CUDABackend().family().name
+    row = DispatchRow(family, "bfloat16", 64, "causal", 256, 256, 0.5, 0.5, line=1)
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (row,))
+    rng = np.random.default_rng(1)
+    q, k, v = (mx.array(rng.standard_normal((1, 4, 256, 64)).astype(np.float32)).astype(mx.bfloat16)
+               for _ in range(3))
+    spec, _ = check_inputs(q, k, v, mask="causal")
+    ref, _ = reference.attention_forward(*(to_numpy(x) for x in (q, k, v)), spec)
+    mlx_flash.reset_fallback_counts()
+    for backend, routes in (("auto", 1), ("cuda", 1)):
+        out = flash_attention(q, k, v, mask="causal", backend=backend, stream=mx.gpu)
+        assert relative_error(to_numpy(out), ref) <= FORWARD_TOLERANCE["bfloat16"], backend
+        assert sum(mlx_flash.route_counts().values()) == routes, backend
+    mlx_flash.reset_fallback_counts()
