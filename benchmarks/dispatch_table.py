@@ -76,11 +76,14 @@ HEADER = """\
 """
 
 
-def point_of(row: Dict) -> Tuple[str, int, bool, int]:
+def point_of(row: Dict) -> Tuple[str, int, bool, int]:  # (dtype, head dim, causal, N)
     return row["dtype"], row["head_dim"], bool(row["causal"]), row["q_len"]
 
 
-def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Tuple[str, int, bool, int], Optional[Tuple[float, float]]]:
+Point = Tuple[str, int, bool, int]  # (dtype, head dim, causal, N)
+
+
+def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, Optional[Tuple[float, float]]]:
     """Per measured point (dtype, head dim, causal, N): (forward, fwd+bwd) worst mx.fast / ours
     ratios where the point routes, else None.
 

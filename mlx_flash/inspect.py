@@ -73,8 +73,8 @@ def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none", q_len:
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"[plan] {name} must be a positive int, got {value!r}.")
     mask_kind = mask if mask in ("bool", "additive") else "none"
-    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim, value_dim=head_dim,
-                         dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
+    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                         value_dim=head_dim, dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
                          window=(16, 0) if mask == "window" else None, mask_kind=mask_kind,
                          mask_shape=(1, 1, 1, 1) if mask_kind != "none" else None)
 
