@@ -458,8 +458,12 @@ def device_memory_bytes() -> Optional[int]:
 def git_commit() -> Dict[str, Any]:
     """The repository's commit and whether the package/benchmark sources differ from it.
 
-    Falls back to $MLX_FLASH_COMMIT where the tree has no .git (a copied checkout)."""
+    $MLX_FLASH_COMMIT, when set, is taken as given: a copied checkout may have no .git, or a
+    .git of an older commit than the tree it was copied from (the GPU machine's copy)."""
     root = Path(__file__).resolve().parent.parent
+    given = os.environ.get("MLX_FLASH_COMMIT", "").strip()
+    if given:
+        return {"git_commit": given, "git_dirty": None}
     try:
         commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--verify", "-q", "HEAD"],
                                 capture_output=True, text=True, timeout=10, check=True).stdout.strip()
@@ -471,8 +475,7 @@ def git_commit() -> Dict[str, Any]:
                                timeout=10).stdout.strip()
         return {"git_commit": commit, "git_dirty": bool(dirty)}
     except (OSError, subprocess.SubprocessError):
-        given = os.environ.get("MLX_FLASH_COMMIT", "").strip()
-        return {"git_commit": given or None, "git_dirty": None}
+        return {"git_commit": None, "git_dirty": None}
 
 
 def environment(backend_requested: str, backend_resolved: Optional[str]) -> Dict[str, Any]:
