@@ -141,12 +141,14 @@ __device__ void attention_backward_key_value_wgmma(
     registers_decrease<PRODUCER_REGS>();
     const int ptid = tid - 128 * CONSUMERS;
     // Thread ptid < BN stages query row qs + ptid's lse2 and delta (0 past Nq) with an ordinary
-    // load one item ahead (the load's latency hides behind the wait for a free buffer and the
-    // tile copies) and an ordinary store, then arrives on the stage's full barrier itself: its
-    // arrive (release) orders its own store before the consumers' loads. cp.async with the
-    // tiles' asynchronous arrival used to carry them; compute-sanitizer's racecheck could not
-    // order those copies before the consumers' ordinary loads (H100: hazards on both copies at
-    // D = 96 bool mask, 160 causal, 200 additive; never in the tiles, which only wgmma reads).
+    // load one item ahead (its latency hides behind the wait for a free buffer and the tile
+    // copies) and an ordinary store, then arrives on the stage's full barrier itself: that
+    // arrive's release orders its own store before the consumers' ordinary loads. 4-byte
+    // cp.async copies announced by the tiles' asynchronous arrival used to carry them, and
+    // compute-sanitizer's racecheck reported hazards on exactly those two copies (H100: D = 96
+    // bool mask, 160 causal, 200 additive, the last with 2 items, so no stage was ever refilled;
+    // none on the tiles, which only wgmma reads). With plain tile stores (vec false) nothing
+    // waited for those copies at all: announce_tile's wait_group 0 skipped uncommitted copies.
     const bool stats_thread = ptid < BN;
     float next_l = 0.f, next_d = 0.f;
     auto load_stats = [&](int it) {
@@ -334,8 +336,8 @@ __device__ void attention_backward_key_value_wgmma(
       fence_registers(dv_flat);
       fence_registers(dk_flat);
       // Every thread frees the stage itself: its arrive (release) orders its own loads of the
-      // stage's lse2 / delta before the producer's next stores there. One arrive per warp after
-      // lane 0 ordered only lane 0's loads (the memory model's and racecheck's reading alike).
+      // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
+      // stage; the former one by lane 0 of each warp released only lane 0's own loads).
       mbarrier_arrive(empty(stage));
     }
   }
