@@ -31,8 +31,12 @@ POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delt
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:
     header, body, inputs, outputs = cuda_source.source(variant)
-    signature = ", ".join([f"const {POINTER_TYPES.get(n, variant.input_type)}* {n}" for n in inputs]
-                          + [f"{POINTER_TYPES.get(n, variant.input_type)}* {n}" for n in outputs])
+
+    def pointer_type(name: str) -> str:  # a bool mask's elements are bool, not the input type
+        return POINTER_TYPES.get(name, variant.mask_type if name == "mask" else variant.input_type)
+
+    signature = ", ".join([f"const {pointer_type(n)}* {n}" for n in inputs]
+                          + [f"{pointer_type(n)}* {n}" for n in outputs])
     return ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" + header
             + f"\n__global__ void mlxflash_kernel({signature}) {{\n{body}\n}}\n")
 

@@ -1,12 +1,20 @@
 """Small calls of every CUDA kernel for every GPU family's plans (run under compute-sanitizer).
 
     compute-sanitizer --tool memcheck python benchmarks/sanitize_cases.py 80 86 120 native
+    compute-sanitizer --tool racecheck python benchmarks/sanitize_cases.py native --head-dims 96 160 200 --n 150
 
 Each argument is a compute capability to plan for (MLX_FLASH_CUDA_CAPABILITY) or "native" (the
 GPU's own, which on an H100 runs the wgmma kernels). Per capability: forward and backward at head
 dims across the family's block-table rows, with causal, bool and additive masks, softcap, a
 window and GQA; every call is also checked against the "mlx" backend in fp32.
+
+--head-dims keeps only the cases of those head dims (96, 160 and 200 are the wgmma dK/dV
+kernel's three schemes on an H100: a bool mask with softcap, causal at BN = 32, additive with
+column groups). --n replaces every case's query length (keys: n + 3): the default lengths give
+the dK/dV kernel's D = 200 CTA only STAGES = 2 query blocks, so its pipeline never refills a
+stage; n = 150 refills every stage of all three.
 """
+import argparse
 import os
 import sys
 
@@ -22,15 +30,22 @@ CASES = ((64, "causal", 100), (96, "bool", 70), (160, "causal", 50), (200, "addi
          (512, "causal", 33))
 
 
-def run(capability: str) -> float:
-    """Worst relative error of out / dq / dk / dv against the mlx backend over CASES."""
+def run(capability: str, cases=CASES, n_override=None) -> float:
+    """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
+
+    Args:
+        capability: a compute capability ("80") or "native".
+        cases: (head dim, mask, N) triples, a subset of CASES.
+        n_override: N for every case instead of its own (None: each case's).
+    """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
     else:
         os.environ[CAPABILITY_VARIABLE] = capability
     backend = CUDABackend()  # reads the capability per call
     worst = 0.0
-    for head_dim, mask, n in CASES:
+    for head_dim, mask, n in cases:
+        n = n_override or n
         mx.random.seed(head_dim)
         q = mx.random.normal((1, 2, n, head_dim)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, n + 3, head_dim)).astype(mx.bfloat16)
@@ -56,12 +71,30 @@ def run(capability: str) -> float:
             x, r = np.array(x.astype(mx.float32), np.float64), np.array(r, np.float64)
             worst = max(worst, float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-30)))
     family = backend.family()
-    print(f"capability {capability}: family {family.name if family else None}, {len(CASES)} cases, "
-          f"worst relative error vs mlx fp32 {worst:.2e}", flush=True)
+    print(f"capability {capability}: family {family.name if family else None}, {len(cases)} cases "
+          f"(head dims {', '.join(str(c[0]) for c in cases)}), worst relative error vs mlx fp32 {worst:.2e}",
+          flush=True)
     return worst
 
 
-if __name__ == "__main__":
-    errors = [run(c) for c in (sys.argv[1:] or ["native"])]
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("capabilities", nargs="*", default=["native"],
+                        help='compute capabilities to plan for ("80", "86", "120") or "native"')
+    parser.add_argument("--head-dims", type=int, nargs="+", choices=[c[0] for c in CASES],
+                        help="only the cases of these head dims (default: every case)")
+    parser.add_argument("--n", type=int, help="query length of every case (keys: n + 3) instead of its own")
+    args = parser.parse_args(argv)
+    for capability in args.capabilities:
+        if capability != "native" and not capability.isdigit():
+            parser.error(f'capabilities must be numbers like 86 or "native", got {capability!r}')
+    if args.n is not None and args.n < 1:
+        parser.error(f"--n must be a positive query length, got {args.n}")
+    cases = [c for c in CASES if args.head_dims is None or c[0] in args.head_dims]
+    errors = [run(c, cases, args.n) for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
-    sys.exit(1 if max(errors) > 6e-2 else 0)
+    return 1 if max(errors) > 6e-2 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -7,8 +7,10 @@
 //   S^T = K Q^T, dP^T = V dO^T                          (wgmma, both operands in shared memory)
 //   P^T = exp2(S2^T - lse2), dS^T = P^T * (dP^T - delta) (registers)
 //   dV += P^T dO, dK += dS^T Q                         (wgmma, P^T / dS^T from registers)
-// - A producer warpgroup streams each item's Q and dO tiles (with its lse2 and delta values)
-//   into a ring of STAGES buffers with cp.async; the hardware announces each on an mbarrier.
+// - A producer warpgroup streams each item's Q and dO tiles into a ring of STAGES buffers with
+//   cp.async; the hardware announces each on an mbarrier. The item's lse2 and delta values go
+//   beside them through ordinary loads and stores, each announced by its own thread's arrive
+//   (see the producer: the consumers read them with ordinary loads, not through wgmma).
 // - CG = 1, NSLICE = 1 (D <= blocks_cuda.txt's H): CONSUMERS consumer warpgroups own 64 keys
 //   each: their K and V rows stay in shared memory for the whole loop, their dK and dV
 //   accumulators (all DS = D columns, DS / 2 floats each per thread) in registers. Up to D = 160
@@ -101,7 +103,7 @@ __device__ void attention_backward_key_value_wgmma(
   float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
-  // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer warp.
+  // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
   auto full_q = [&](int stage) { return barriers + 8 * stage; };
   auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
@@ -128,9 +130,9 @@ __device__ void attention_backward_key_value_wgmma(
   if (tid == 0) {
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
-      mbarrier_init(full_q(stage), 128);
-      mbarrier_init(full_do(stage), 128);
-      mbarrier_init(empty(stage), 4 * CONSUMERS);
+      mbarrier_init(full_q(stage), 128 + BN);  // 128 tile arrivals + BN statistics arrivals
+      mbarrier_init(full_do(stage), 128 + BN);
+      mbarrier_init(empty(stage), 128 * CONSUMERS);
     }
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
@@ -138,20 +140,47 @@ __device__ void attention_backward_key_value_wgmma(
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
     const int ptid = tid - 128 * CONSUMERS;
+    // Thread ptid < BN stages query row qs + ptid's lse2 and delta (0 past Nq) with an ordinary
+    // load one item ahead (its latency hides behind the wait for a free buffer and the tile
+    // copies) and an ordinary store, then arrives on the stage's full barrier itself: that
+    // arrive's release orders its own store before the consumers' ordinary loads. 4-byte
+    // cp.async copies announced by the tiles' asynchronous arrival used to carry them, and
+    // compute-sanitizer's racecheck reported hazards on exactly those two copies (H100: D = 96
+    // bool mask, 160 causal, 200 additive, the last with 2 items, so no stage was ever refilled;
+    // none on the tiles, which only wgmma reads). With plain tile stores (vec false) nothing
+    // waited for those copies at all: announce_tile's wait_group 0 skipped uncommitted copies.
+    const bool stats_thread = ptid < BN;
+    float next_l = 0.f, next_d = 0.f;
+    auto load_stats = [&](int it) {
+      if (!stats_thread || it >= items) return;
+      const int i = (qb_begin + it % qb_count) * BN + ptid;
+      const i64 row = ((i64)b * Hq + hk * group + it / qb_count) * Nq + min(i, Nq - 1);
+      next_l = i < Nq ? lse2[row] : 0.f;
+      next_d = i < Nq ? delta[row] : 0.f;
+    };
+    load_stats(0);
     for (int it = 0; it < items; ++it) {
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
       const i64 bh = (i64)b * Hq + hk * group + gi;
+      const float l = next_l, d = next_d;
+      load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
       load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, q + (bh * Nq + qs) * HEAD_DIM, Nq - qs, vec,
                                                ptid);
-      load_floats<BN, 128>(Ls + stage * BN, lse2 + bh * Nq + qs, Nq - qs, ptid);
       announce_tile(full_q(stage), vec);
+      if (stats_thread) {
+        Ls[stage * BN + ptid] = l;
+        mbarrier_arrive(full_q(stage));
+      }
       load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, d_out + (bh * Nq + qs) * HEAD_DIM, Nq - qs,
                                                vec, ptid);
-      load_floats<BN, 128>(Dls + stage * BN, delta + bh * Nq + qs, Nq - qs, ptid);
       announce_tile(full_do(stage), vec);
+      if (stats_thread) {
+        Dls[stage * BN + ptid] = d;
+        mbarrier_arrive(full_do(stage));
+      }
     }
-    cp_async_wait<0>();  // no copy outlives the thread
+    cp_async_wait_all();  // no copy outlives the thread
     return;
   }
 
@@ -306,7 +335,10 @@ __device__ void attention_backward_key_value_wgmma(
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
-      if (lane == 0) mbarrier_arrive(empty(stage));  // this warp is done with the stage
+      // Every thread frees the stage itself: its arrive (release) orders its own loads of the
+      // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
+      // stage; the former one by lane 0 of each warp released only lane 0's own loads).
+      mbarrier_arrive(empty(stage));
     }
   }
 

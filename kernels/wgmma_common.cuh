@@ -147,17 +147,11 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, i
   }
 }
 
-// 4-byte asynchronous copy (lse / delta rows of the backward); src_bytes = 0 writes zeros.
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(valid ? 4 : 0));
-}
-
-// Copies `count` floats from g (valid below `valid`, zero-filled past it) into s with cp.async,
-// threads tid = 0.. in steps of THREADS: the per-row statistics staged beside a Q / dO tile.
-template <int COUNT, int THREADS>
-__device__ __forceinline__ void load_floats(float* s, const float* g, int valid, int tid) {
-#pragma unroll
-  for (int c = tid; c < COUNT; c += THREADS) cp_async4(s + c, c < valid ? g + c : g, c < valid);
+// Waits for every cp.async this thread issued, committed or not (cp.async.wait_group waits only
+// for committed groups, and the producers never commit theirs: the mbarriers track them).
+__device__ __forceinline__ void cp_async_wait_all() {
+  cp_async_commit();
+  cp_async_wait<0>();
 }
 
 // After a consumer warpgroup's cp.async copies of its resident rows (Q / dO, or K / V): waits for
@@ -217,12 +211,11 @@ struct MmaTurns {
 // (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own loads, only for free
 // buffers: the earlier scheme (wait_group, fence, arrive) left the forward's consumers waiting for
 // K / V in 20 % of the stall samples (H100 ncu, D=128). Plain stores (D % 8 != 0 or unaligned
-// inputs) are fenced into the async proxy and arrive at once.
+// inputs; load_swizzled then issues no cp.async) are fenced into the async proxy and arrive at once.
 __device__ __forceinline__ void announce_tile(u32 full_barrier, bool vec) {
   if (vec) {
     cp_async_arrive_noinc(full_barrier);
   } else {
-    cp_async_wait<0>();  // the 4-byte copies of load_floats
     fence_proxy_async();
     mbarrier_arrive(full_barrier);
   }
@@ -275,7 +268,7 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
     load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
     announce_tile(ring.full_values(stage), vec);
   }
-  cp_async_wait<0>();  // no copy outlives the thread
+  cp_async_wait_all();  // no copy outlives the thread
 }
 
 }  // namespace mlxflash

@@ -473,6 +473,8 @@ def test_wgmma_forward_matches_reference_and_mma(case):
     Case(head_dim=200, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=256, q_len=100, kv_len=140, dtype="float16", mask="bool", softcap=20.0),
     Case(head_dim=160, q_len=210, kv_len=300, dtype="bfloat16", mask="window", window=(70, 20)),  # three panels
+    # dK/dV: lse2 / delta stages refilled (6 items a CTA) under a bool mask with softcap, GQA.
+    Case(head_dim=96, q_len=150, kv_len=153, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
     # Sinks: the dQ kernel's per-warp parts of d_sink (3 consumer warpgroups at D <= 64), rows with no key.
     Case(head_dim=64, q_len=333, kv_len=100, dtype="bfloat16", mask="causal", group=2, sinks=True, lse_gradient=True),
     Case(head_dim=128, q_len=200, kv_len=260, dtype="float16", mask="bool", softcap=10.0, sinks=True),
