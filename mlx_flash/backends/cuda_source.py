@@ -15,7 +15,7 @@ are chosen for its shared memory (tests/test_plans.py checks every head dim 1..5
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from types import MappingProxyType
 from typing import FrozenSet, List, Mapping, Optional, Tuple
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
-from .common import MASK_KINDS
+from .common import MASK_KINDS, VariantFeatures, VariantSet
 
 MAX_HEAD_DIM = 512
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
@@ -97,6 +97,7 @@ def families() -> Tuple[Family, ...]:
     return tuple(rows)
 
 
+@functools.lru_cache(maxsize=None)
 def family_of(capability: Optional[int]) -> Optional[Family]:
     """The family of a compute capability (e.g. 86 -> sm86), None where no family has it."""
     return next((f for f in families() if capability in f.capabilities), None)
@@ -214,6 +215,13 @@ class KernelVariant:
     pingpong: bool = False
     sinks: bool = False
     tuning: Tuning = Tuning()
+
+    def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def row_groups(self) -> int:
@@ -348,6 +356,30 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
         variant = replace(variant, sinks=True)
     check_limits(variant, family)
     return variant
+
+
+# The host time of a call was ~120 us (CUDA, decode shapes, kernels stubbed; ~4 us for MLX's own
+# attention), most of it working out the three variants again: for the guard's key, then for each
+# launch. They are a pure function of these arguments (a tuned table is part of the key by value, so
+# a new table gives new variants at once), so each set is made once: benchmarks/host_time.py.
+@functools.lru_cache(maxsize=1024)
+def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                real_sm90: bool, table: planner.Table) -> VariantSet:
+    """The forward, dQ and dK/dV variants of every call with `features` (make_variant's arguments
+    otherwise); one object per key, made once.
+
+    Args:
+        table: the table to plan from, resolved by the caller (CUDABackend.table): a None here would
+            cache whichever table was active at the first call.
+
+    Raises:
+        ValueError: as make_variant (not cached: every call with these arguments raises again).
+    """
+    if not isinstance(table, planner.Table):
+        raise TypeError(f"[cuda] variant_set needs a planner.Table, got {table!r}.")
+    spec = features.spec()
+    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table)
+                        for kernel in planner.KERNELS))
 
 
 def check_limits(variant: KernelVariant, family: Family) -> None:
