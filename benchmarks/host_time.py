@@ -7,9 +7,12 @@ anything, and nothing is evaluated inside the timed loop:
            builds the stubs, passed as flash_attention's `backend`, as the CPU emulator's is.
     metal  MLX_FLASH_METAL_SIM=1 with mlx_flash.metalsim.metal_kernel replaced by the stub
            factory (MLX_FLASH_SELF_CHECK=0: the stubs' zeros would fail the first-use check).
+    null   a backend object whose forward and backward return zeros and nothing else: the floor
+           of flash_attention's own path (argument checks, backend selection, mx.custom_function).
     mx.fast  mx.fast.scaled_dot_product_attention on the CPU, for scale (MLX's own attention).
 Modes: "fwd" = one forward call; "fwd+bwd" = mx.vjp of the call (the forward and the backward
-graph, built, not evaluated). The first call of each row (the first-contact probe, kernel
+graph, built, not evaluated). Times are the calling thread's CPU time (time.thread_time_ns): on a
+shared machine, time spent descheduled does not count. The first call of each row (the first-contact probe, kernel
 "compiles") is a warm-up outside the timing; a row is the median over --repeats calls, the
 best of --rounds rounds.
 
@@ -17,7 +20,7 @@ best of --rounds rounds.
     python benchmarks/host_time.py --against HEAD~3     # and a git revision, interleaved rounds
     python benchmarks/host_time.py --profile            # + cProfile top entries (cuda, metal)
 
---against extracts REV's mlx_flash/ (git archive) to a temporary directory and runs this script
+--against extracts REV's mlx_flash/ and kernels/ (git archive) to a temporary directory and runs this script
 on it and on this checkout in subprocesses, alternating, so both columns come from one run.
 """
 from __future__ import annotations
@@ -72,6 +75,28 @@ def stub_factory(**kwargs):
     return StubKernel(**kwargs)
 
 
+class NullBackend:
+    """The backend protocol with no work: zeros of the right shapes (no kernels, no guard)."""
+
+    name = "null"
+
+    def unavailable_reason(self, device):
+        return None
+
+    def unsupported_reason(self, spec):
+        return None
+
+    def forward(self, q, k, v, mask, spec, sinks=None):
+        import mlx.core as mx
+
+        return mx.zeros(q.shape[:3] + (v.shape[3],), q.dtype), mx.zeros(q.shape[:3], mx.float32)
+
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
+        import mlx.core as mx
+
+        return mx.zeros(q.shape, q.dtype), mx.zeros(k.shape, k.dtype), mx.zeros(v.shape, v.dtype), None
+
+
 def _inputs(shape, repeats: int = 0):
     """(q, k, v, mask, cotangent, growing): growing = [(k, v)] of Nk + 1 + i keys (decode+) or None."""
     import mlx.core as mx
@@ -105,6 +130,9 @@ def _call(backend_name: str):
 
         metalsim.metal_kernel = stub_factory  # the backend looks it up per compile
         return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask, backend="metal")
+    if backend_name == "null":
+        backend = NullBackend()
+        return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask, backend=backend)
     if backend_name == "mx.fast":
         return lambda q, k, v, mask: mx.fast.scaled_dot_product_attention(
             q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
@@ -126,9 +154,9 @@ def _timed(call, shape, mode: str, repeats: int):
     times = []
     for i in range(repeats):
         kv = growing[i] if growing else (k, v)
-        start = time.perf_counter()
+        start = time.thread_time_ns()
         result = once(*kv)
-        times.append(time.perf_counter() - start)
+        times.append((time.thread_time_ns() - start) * 1e-9)
         del result
     return times
 
@@ -192,7 +220,7 @@ def _run_child(pythonpath: str, args) -> dict:
 def compare(args) -> None:
     """This checkout against `args.against`, in alternating subprocess rounds."""
     with tempfile.TemporaryDirectory(prefix="host_time_ref_") as ref:
-        archive = subprocess.run(["git", "archive", args.against, "mlx_flash"], cwd=ROOT, capture_output=True,
+        archive = subprocess.run(["git", "archive", args.against, "mlx_flash", "kernels"], cwd=ROOT, capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", ref], input=archive, check=True)
         before, after = {}, {}
@@ -215,8 +243,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per row (default 200)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each row keeps its best (default 3)")
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=["cuda", "metal", "mx.fast"])
-    parser.add_argument("--against", help="a git revision to measure too (its mlx_flash/, extracted)")
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["cuda", "metal", "null", "mx.fast"])
+    parser.add_argument("--against", help="a git revision to measure too (its mlx_flash/ and kernels/, extracted)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries too")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown (default 25)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -235,7 +263,7 @@ def main() -> None:
             print(f"{row:<56}{value:>10.1f}")
     if args.profile:
         sys.path.insert(0, str(ROOT))
-        for name in [b for b in args.backends if b != "mx.fast"]:
+        for name in [b for b in args.backends if b in ("cuda", "metal")]:
             for mode in MODES:
                 print(profile(name, mode, args.repeats, args.top))
 
