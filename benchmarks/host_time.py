@@ -3,8 +3,11 @@
 What is timed: building the call's graph, nothing else. The kernel objects are stubs (made in
 this script only) that return zeros of the output shapes and dtypes without compiling or running
 anything, and nothing is evaluated inside the timed loop:
-    cuda   a CUDABackend (capability 90: the sm90 family's mma.sync rows) whose kernel factory
-           builds the stubs, passed as flash_attention's `backend`, as the CPU emulator's is.
+    cuda   a CUDABackend whose kernel factory builds the stubs, passed as flash_attention's
+           `backend` as the CPU emulator's is, with the GPU's compute capability read as on a GPU
+           (cuda.device_capability, made to say 90 here; MLX_FLASH_CUDA_CAPABILITY unset): the
+           sm90 family's mma.sync rows (the wgmma variants need a factory-less backend on a real
+           sm_90; their host path is the same).
     metal  MLX_FLASH_METAL_SIM=1 with mlx_flash.metalsim.metal_kernel replaced by the stub
            factory (MLX_FLASH_SELF_CHECK=0: the stubs' zeros would fail the first-use check).
     null   a backend object whose forward and backward return zeros and nothing else: the floor
@@ -28,7 +31,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import statistics
@@ -121,9 +123,11 @@ def _call(backend_name: str):
     from mlx_flash import flash_attention
 
     if backend_name == "cuda":
-        from mlx_flash.backends.cuda import CUDABackend
+        from mlx_flash.backends import cuda
 
-        backend = CUDABackend(kernel_factory=stub_factory, capability=90)
+        cuda.device_capability = lambda: 90
+        os.environ.pop(cuda.CAPABILITY_VARIABLE, None)
+        backend = cuda.CUDABackend(kernel_factory=stub_factory)
         return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask, backend=backend)
     if backend_name == "metal":
         from mlx_flash import metalsim
@@ -161,22 +165,44 @@ def _timed(call, shape, mode: str, repeats: int):
     return times
 
 
+def rows(backends):
+    """[(row label, backend, shape name, mode)] in print order."""
+    return [(f"{name:<8}{mode:<8}{label}", name, label, mode) for name in backends for label in SHAPES
+            for mode in MODES]
+
+
+class Meter:
+    """Times rows in this process (the backends' stubs installed once)."""
+
+    def __init__(self, backends):
+        self.calls = {name: _call(name) for name in backends}
+
+    def row(self, name: str, label: str, mode: str, repeats: int) -> float:
+        """Median microseconds of one row."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a fallback would time another path: fail loudly instead
+            return statistics.median(_timed(self.calls[name], SHAPES[label], mode, repeats)) * 1e6
+
+
 def measure(backends, repeats: int, rounds: int):
     """{row label: best-of-rounds median microseconds}."""
-    import warnings
-
-    calls = {name: _call(name) for name in backends}
-    best = {}
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # a fallback would time another path: fail loudly instead
-        for _ in range(rounds):
-            for name, call in calls.items():
-                for label, shape in SHAPES.items():
-                    for mode in MODES:
-                        row = f"{name:<8}{mode:<8}{label}"
-                        value = statistics.median(_timed(call, shape, mode, repeats)) * 1e6
-                        best[row] = min(best.get(row, value), value)
+    meter, best = Meter(backends), {}
+    for _ in range(rounds):
+        for row, name, label, mode in rows(backends):
+            value = meter.row(name, label, mode, repeats)
+            best[row] = min(best.get(row, value), value)
     return best
+
+
+def serve(backends) -> None:
+    """--serve: read 'backend|shape|mode|repeats' lines, answer each with its median (us)."""
+    meter = Meter(backends)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        name, label, mode, repeats = line.rstrip("\n").split("|")
+        print(meter.row(name, label, mode, int(repeats)), flush=True)
 
 
 def profile(backend_name: str, mode: str, repeats: int, top: int) -> str:
@@ -207,27 +233,48 @@ def profile(backend_name: str, mode: str, repeats: int, top: int) -> str:
     return "\n".join([header] + [line.replace(str(ROOT) + "/", "") for line in lines[start:]])
 
 
-def _run_child(pythonpath: str, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=pythonpath)
-    command = [sys.executable, str(SCRIPT), "--json", "--repeats", str(args.repeats), "--rounds", "1",
-               "--backends", ",".join(args.backends)]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, cwd=pythonpath)
-    if result.returncode != 0:
-        raise RuntimeError(f"measuring under {pythonpath} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+class Child:
+    """This script in --serve mode, importing mlx_flash from `pythonpath`."""
+
+    def __init__(self, pythonpath: str, backends):
+        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backends", ",".join(backends)],
+                                        env=dict(os.environ, PYTHONPATH=pythonpath), cwd=pythonpath, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        if self.process.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"measuring under {pythonpath} failed to start (see its error above)")
+
+    def row(self, name: str, label: str, mode: str, repeats: int) -> float:
+        self.process.stdin.write(f"{name}|{label}|{mode}|{repeats}\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline()
+        if not answer:
+            raise RuntimeError(f"measuring {name} {mode} {label} failed (see its error above)")
+        return float(answer)
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
 
 
 def compare(args) -> None:
-    """This checkout against `args.against`, in alternating subprocess rounds."""
+    """This checkout against `args.against`: two processes, alternating row by row (which one goes
+    first alternates too), so that the machine's slow spells fall on both columns alike."""
     with tempfile.TemporaryDirectory(prefix="host_time_ref_") as ref:
         archive = subprocess.run(["git", "archive", args.against, "mlx_flash", "kernels"], cwd=ROOT, capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", ref], input=archive, check=True)
+        children = [Child(ref, args.backends), Child(str(ROOT), args.backends)]
         before, after = {}, {}
-        for _ in range(args.rounds):
-            for store, path in ((before, ref), (after, str(ROOT))):
-                for row, value in _run_child(path, args).items():
-                    store[row] = min(store.get(row, value), value)
+        try:
+            for round_ in range(args.rounds):
+                for index, (row, name, label, mode) in enumerate(rows(args.backends)):
+                    pairs = list(zip(children, (before, after)))
+                    for child, store in (pairs if (round_ + index) % 2 == 0 else pairs[::-1]):
+                        value = child.row(name, label, mode, args.repeats)
+                        store[row] = min(store.get(row, value), value)
+        finally:
+            for child in children:
+                child.close()
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "mlx_flash"], cwd=ROOT, capture_output=True,
@@ -247,19 +294,20 @@ def main() -> None:
     parser.add_argument("--against", help="a git revision to measure too (its mlx_flash/ and kernels/, extracted)")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries too")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown (default 25)")
-    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     _environment()
+    if args.serve:
+        sys.path.insert(0, os.environ.get("PYTHONPATH") or str(ROOT))
+        serve(args.backends)
+        return
     if args.against:
         compare(args)
     else:
         sys.path.insert(0, os.environ.get("PYTHONPATH") or str(ROOT))
-        rows = measure(args.backends, args.repeats, args.rounds)
-        if args.json:
-            print(json.dumps(rows))
-            return
+        best = measure(args.backends, args.repeats, args.rounds)
         print(f"host us per call (median of {args.repeats}, best of {args.rounds} rounds)")
-        for row, value in rows.items():
+        for row, value in best.items():
             print(f"{row:<56}{value:>10.1f}")
     if args.profile:
         sys.path.insert(0, str(ROOT))

@@ -10,7 +10,7 @@ to calls with nothing to compute.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
@@ -25,6 +25,18 @@ DTYPE_NAMES = MappingProxyType({mx.float32: "float32", mx.float16: "float16", mx
 # Float parameters of every kernel: [scale, softcap, 1 / softcap, 0 ...] (8 floats: one layout,
 # room to grow without changing a signature).
 FLOAT_PARAMS = 8
+
+
+def cached_hash(value) -> int:
+    """The hash of a frozen dataclass of hashable fields, computed once and kept on the object (a
+    dataclass's own __hash__ builds the tuple of its fields on every call). For the values that key
+    per-call caches: kernel variants, GPU families, tunings. (A pickled copy would carry the hash to
+    a process with another string-hash seed; none of these values is pickled.)"""
+    cached = value.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple(getattr(value, f.name) for f in fields(value)))
+        object.__setattr__(value, "_hash", cached)
+    return cached
 
 
 class VariantFeatures(NamedTuple):
@@ -71,11 +83,7 @@ class VariantSet:
     backward_key_value: Any
 
     def __hash__(self) -> int:
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash((self.forward, self.backward_query, self.backward_key_value))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return cached_hash(self)
 
     def __iter__(self):
         return iter((self.forward, self.backward_query, self.backward_key_value))
@@ -113,6 +121,14 @@ def _float_params(scale: float, softcap: Optional[float]) -> mx.array:
     cap = softcap if softcap is not None else 1.0
     values = [scale, cap, 1.0 / cap]
     return mx.array(values + [0.0] * (FLOAT_PARAMS - len(values)), dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def constant_zeros(dtype: mx.Dtype, size: int) -> mx.array:
+    """A 1-D array of `size` zeros, made once: the dummy operands that keep a kernel's signature
+    fixed (never read). An mx.array of a list holds data at once, so no compile trace or stream
+    ever owns it; a new mx.zeros per launch was ~1 us of host time each."""
+    return mx.array([0] * size, dtype=dtype)
 
 
 def is_empty(spec: AttentionSpec) -> bool:

@@ -32,8 +32,8 @@ from .. import planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source
-from .common import (VariantFeatures, VariantSet, empty_backward, empty_forward, empty_sinks_gradient,
-                     float_params, is_empty, mask_strides)
+from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
+                     empty_sinks_gradient, float_params, is_empty, mask_strides)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
                           block_major, family_of, variant_set)
 
@@ -240,10 +240,13 @@ class CUDABackend:
         rows = spec.batch * spec.q_heads * spec.q_len
         has_d_lse = d_lse is not None
         key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse)
-        kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]), cuda_source.prepare_source(*key[1:]), 0))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]),
+                                                  cuda_source.prepare_source(*key[1:]), 0))
         blocks = -(-rows // PREPARE_ROWS_PER_BLOCK)
         grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
-        d_lse = d_lse.astype(mx.float32) if has_d_lse else mx.zeros((1,), mx.float32)
+        d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
         delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
                              output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
@@ -273,7 +276,11 @@ class CUDABackend:
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
-        return self._compiled(variant, lambda: (variant.name, cuda_source.source(variant), variant.shared_memory))
+        compiled = self._kernels.get(variant)  # every launch: one lookup, no closure made
+        if compiled is None:
+            compiled = self._compiled(variant, lambda: (variant.name, cuda_source.source(variant),
+                                                        variant.shared_memory))
+        return compiled
 
     def _compiled(self, key, describe):
         """The cached kernel for `key`; `describe()` -> (name, (header, body, inputs, outputs),

@@ -15,7 +15,7 @@ are chosen for its shared memory (tests/test_plans.py checks every head dim 1..5
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import FrozenSet, List, Mapping, Optional, Tuple
 
@@ -24,7 +24,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
-from .common import MASK_KINDS, VariantFeatures, VariantSet
+from .common import MASK_KINDS, VariantFeatures, VariantSet, cached_hash as _cached_hash
 
 MAX_HEAD_DIM = 512
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
@@ -77,6 +77,9 @@ class Family:
     threads: int
     wgmma: bool
     gpus: str
+
+    def __hash__(self) -> int:  # computed once: part of the variant-set cache's key on every call
+        return _cached_hash(self)
 
 
 @functools.lru_cache(maxsize=None)
@@ -151,6 +154,9 @@ class Tuning:
                                  f"{planner.KERNELS} (optionally + '_wgmma') with (P, T, H[, warps]).")
         object.__setattr__(self, "blocks", tuple(sorted((k, tuple(v)) for k, v in blocks.items())))
 
+    def __hash__(self) -> int:  # computed once: part of the variant-set cache's key on every call
+        return _cached_hash(self)
+
     def block_override(self, name: str) -> Optional[Tuple[int, ...]]:
         return dict(self.blocks).get(name)
 
@@ -217,21 +223,19 @@ class KernelVariant:
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return _cached_hash(self)
 
-    @property
+    # The launch geometry is read on every launch: computed once per variant (cached_property writes
+    # the instance's __dict__, which a frozen dataclass allows; not fields, so not in == or hash).
+    @functools.cached_property
     def row_groups(self) -> int:
         return self.warps // self.col_groups
 
-    @property
+    @functools.cached_property
     def threads(self) -> int:
         return 32 * self.warps + (128 if self.instruction == "wgmma" else 0)  # + the producer warpgroup
 
-    @property
+    @functools.cached_property
     def parallel_block(self) -> int:
         return 16 * self.m_tiles * self.row_groups
 

@@ -24,8 +24,8 @@ from .. import planner
 from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
-from .common import (VariantFeatures, VariantSet, empty_backward, empty_forward, empty_sinks_gradient,
-                     float_params, is_empty)
+from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
+                     empty_sinks_gradient, float_params, is_empty)
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits, source,
                            variant_set)
 
@@ -66,6 +66,17 @@ def family_from_architecture(architecture: str) -> Optional[str]:
     return "m3" if int(match.group(1)) >= 15 else "m1"
 
 
+@functools.lru_cache(maxsize=None)
+def _simulator_import_error() -> Optional[ImportError]:
+    """Why mlx_flash.metalsim cannot be imported, or None (tried once: an import statement on
+    every call was part of its host time)."""
+    try:
+        from .. import metalsim  # noqa: F401
+    except ImportError as e:
+        return e
+    return None
+
+
 def _kernel_factory():
     """mx.fast.metal_kernel, or the simulator's drop-in when MLX_FLASH_METAL_SIM=1."""
     if metal_simulated():
@@ -100,11 +111,8 @@ class MetalBackend:
 
     def unavailable_reason(self, device) -> Optional[str]:
         if metal_simulated():
-            try:
-                from .. import metalsim  # noqa: F401
-            except ImportError as e:
-                return f"MLX_FLASH_METAL_SIM=1 but the simulator cannot be imported ({e})"
-            return None
+            error = _simulator_import_error()
+            return None if error is None else f"MLX_FLASH_METAL_SIM=1 but the simulator cannot be imported ({error})"
         if not mx.metal.is_available():
             return "no Metal GPU (set MLX_FLASH_METAL_SIM=1 to run the kernels on the CPU simulator)"
         if device.type != mx.gpu:
@@ -270,8 +278,8 @@ def _accepts_compile_options() -> bool:
     return "compile_options" in doc.split("\n", 1)[0]
 
 
-# The small operands below are constants of a few ints: made once per value (mx.array of a list,
-# so never a lazy op that a compile trace could hold) instead of once per launch.
+# The small operands below are constants of a few ints: made once per value instead of once per
+# launch (mx.array of a list: data, never a lazy op that a compile trace could hold).
 def _params(spec: AttentionSpec) -> mx.array:
     return _params_of((spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads, spec.window, spec.diagonal_shift))
 
@@ -286,7 +294,7 @@ def _params_of(key: tuple) -> mx.array:
 
 def _sinks_operand(sinks) -> mx.array:
     """fp32 sinks [Hq], or a 1-element dummy that keeps the kernel signature fixed (never read)."""
-    return _dummy(mx.float32, 1) if sinks is None else sinks.astype(mx.float32)
+    return constant_zeros(mx.float32, 1) if sinks is None else sinks.astype(mx.float32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
@@ -295,13 +303,8 @@ def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
     Without a mask, a 1-element dummy keeps the kernel signature fixed (it is never read).
     """
     if mask is None:
-        return _dummy(mx.bool_, 1), _dummy(mx.int64, 8)
+        return constant_zeros(mx.bool_, 1), constant_zeros(mx.int64, 8)
     return mask, _mask_layout(tuple(mask.shape))
-
-
-@functools.lru_cache(maxsize=None)
-def _dummy(dtype: mx.Dtype, size: int) -> mx.array:
-    return mx.array([0] * size, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=256)

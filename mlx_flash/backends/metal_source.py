@@ -15,7 +15,7 @@ these tables in the forward pass).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Dict, Tuple
 
@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ..planner import KERNELS, BlockPlan, Table, plan
 from ..render import render
-from .common import DTYPE_NAMES, MASK_KINDS, VariantFeatures, VariantSet  # noqa: F401 (MASK_KINDS: part of this module's names)
+from .common import DTYPE_NAMES, MASK_KINDS, VariantFeatures, VariantSet, cached_hash  # noqa: F401 (MASK_KINDS: part of this module's names)
 
 # Threadgroup memory per threadgroup on every Apple GPU; mx.fast.metal_kernel sources can only
 # declare compile-time sized threadgroup arrays, so each kernel's tile size is fixed by its plan.
@@ -83,11 +83,7 @@ class KernelVariant:
     sinks: bool = False
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
-        cached = self.__dict__.get("_hash")
-        if cached is None:
-            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
-            object.__setattr__(self, "_hash", cached)
-        return cached
+        return cached_hash(self)
 
     @property
     def dtype(self) -> mx.Dtype:
