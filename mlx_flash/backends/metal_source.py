@@ -141,8 +141,10 @@ def make_variant(kernel: str, spec, family: str, table=None) -> KernelVariant:
 
 
 # Made once per key: working the three variants out again for each call (the guard's key, then
-# each launch) was most of a call's host time (benchmarks/host_time.py). A tuned table is part
-# of the key by value, so a new table gives new variants at once.
+# each launch) was the largest part of a call's host time. A tuned table is part of the key by
+# value, so a new table gives new variants at once. benchmarks/host_time.py (simulator with stub
+# kernels, 2-core CI machine, us per call, before -> after): forward 92 -> 59, forward + backward
+# 182 -> 115; flash_attention's own path with a do-nothing backend: 21 / 38.
 @functools.lru_cache(maxsize=1024)
 def variant_set(features: VariantFeatures, family: str, table: Table) -> VariantSet:
     """The forward, dQ and dK/dV variants of every call with `features` on `family`, planned from
