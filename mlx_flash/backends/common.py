@@ -10,8 +10,9 @@ to calls with nothing to compute.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, fields
 from types import MappingProxyType
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
@@ -24,6 +25,68 @@ DTYPE_NAMES = MappingProxyType({mx.float32: "float32", mx.float16: "float16", mx
 # Float parameters of every kernel: [scale, softcap, 1 / softcap, 0 ...] (8 floats: one layout,
 # room to grow without changing a signature).
 FLOAT_PARAMS = 8
+
+
+def cached_hash(value) -> int:
+    """The hash of a frozen dataclass of hashable fields, computed once and kept on the object (a
+    dataclass's own __hash__ builds the tuple of its fields on every call). For the values that key
+    per-call caches: kernel variants, GPU families, tunings. (A pickled copy would carry the hash to
+    a process with another string-hash seed; none of these values is pickled.)"""
+    cached = value.__dict__.get("_hash")
+    if cached is None:
+        cached = hash(tuple(getattr(value, f.name) for f in fields(value)))
+        object.__setattr__(value, "_hash", cached)
+    return cached
+
+
+class VariantFeatures(NamedTuple):
+    """What of a call is compiled into its kernels; the rest of an AttentionSpec (sizes, scale,
+    the window's and softcap's values) is runtime data. The key of the backends' variant-set
+    caches: every decode step's longer kv_len, every layer and every batch of one model share it.
+
+    A NamedTuple, not a frozen dataclass: it is made on every call, in a third of the time.
+    """
+
+    head_dim: int
+    dtype: mx.Dtype
+    causal: bool
+    window: bool
+    softcap: bool
+    mask_kind: str
+    has_sinks: bool
+
+    @staticmethod
+    def of(spec: AttentionSpec) -> "VariantFeatures":
+        return VariantFeatures(spec.head_dim, spec.dtype, spec.causal, spec.window is not None,
+                               spec.softcap is not None, spec.mask_kind, spec.has_sinks)
+
+    def spec(self) -> AttentionSpec:
+        """The smallest call with these features (one row, one key): what the variants are planned
+        from (make_variant reads only the features; tests check every variant against the call's own)."""
+        return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=1, kv_len=1, head_dim=self.head_dim,
+                             value_dim=self.head_dim, dtype=self.dtype, scale=1.0, causal=self.causal,
+                             window=(-1, -1) if self.window else None, softcap=1.0 if self.softcap else None,
+                             mask_kind=self.mask_kind, mask_shape=None if self.mask_kind == "none" else (1, 1, 1, 1),
+                             has_sinks=self.has_sinks)
+
+
+@dataclass(frozen=True)
+class VariantSet:
+    """The three kernel variants one call runs: what the first-contact guard checks once per process.
+
+    Made by the backends' variant-set caches, which hand out one object per key: its hash is
+    computed once, and a dictionary lookup with it (the guard's, every call) ends at the identity test.
+    """
+
+    forward: Any
+    backward_query: Any
+    backward_key_value: Any
+
+    def __hash__(self) -> int:
+        return cached_hash(self)
+
+    def __iter__(self):
+        return iter((self.forward, self.backward_query, self.backward_key_value))
 
 
 def mask_strides(shape: Optional[Sequence[int]]) -> List[int]:
@@ -46,13 +109,26 @@ def window_bounds(spec: AttentionSpec) -> Tuple[int, int]:
     return spec.window if spec.window is not None else (-1, -1)
 
 
-@functools.lru_cache(maxsize=1024)
 def float_params(spec: AttentionSpec) -> mx.array:
-    """[scale, cap, 1 / cap, 0, ...] as fp32 (cap = 1 without softcap). Cached per spec: a call
-    then uploads no new array."""
-    cap = spec.softcap if spec.softcap is not None else 1.0
-    values = [spec.scale, cap, 1.0 / cap]
+    """[scale, cap, 1 / cap, 0, ...] as fp32 (cap = 1 without softcap). Cached per (scale,
+    softcap): a call then uploads no new array, and the cache's key compares two floats, not
+    two specs (a spec's == took ~1.5 us of each launch)."""
+    return _float_params(spec.scale, spec.softcap)
+
+
+@functools.lru_cache(maxsize=1024)
+def _float_params(scale: float, softcap: Optional[float]) -> mx.array:
+    cap = softcap if softcap is not None else 1.0
+    values = [scale, cap, 1.0 / cap]
     return mx.array(values + [0.0] * (FLOAT_PARAMS - len(values)), dtype=mx.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def constant_zeros(dtype: mx.Dtype, size: int) -> mx.array:
+    """A 1-D array of `size` zeros, made once: the dummy operands that keep a kernel's signature
+    fixed (never read). An mx.array of a list holds data at once, so no compile trace or stream
+    ever owns it; a new mx.zeros per launch was ~1 us of host time each."""
+    return mx.array([0] * size, dtype=dtype)
 
 
 def is_empty(spec: AttentionSpec) -> bool:

@@ -32,10 +32,10 @@ from .. import planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source
-from .common import (empty_backward, empty_forward, empty_sinks_gradient, float_params, is_empty, mask_strides,
-                     window_bounds)
+from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
+                     empty_sinks_gradient, float_params, is_empty, mask_strides)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
-                          block_major, family_of, make_variant)
+                          block_major, family_of, variant_set)
 
 MAX_GRID_X_BLOCKS = 1 << 16  # the rest of the block count goes on grid y (limit 65535)
 CAPABILITY_VARIABLE = "MLX_FLASH_CUDA_CAPABILITY"
@@ -79,13 +79,20 @@ def _grid(total_blocks: int, threads: int) -> Tuple[Tuple[int, int, int], Tuple[
     return (gx * threads, gy, 1), (threads, 1, 1)
 
 
-# The parameter arrays are constants of (spec, launch shape): cached, so that a call does not
-# create and upload new ones (part of the per-call host time, which was ~4x MLX's attention's).
-@functools.lru_cache(maxsize=1024)
 def _int_params(spec: AttentionSpec, blocks: int, total: int, major: bool) -> mx.array:
-    # Order = enum Param in kernels/attention_common.cuh.
-    values = [spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.group, spec.diagonal,
-              *window_bounds(spec), *mask_strides(spec.mask_shape), blocks, total, int(major)]
+    """The launch's integer parameters (order = enum Param in kernels/attention_common.cuh)."""
+    return _int_params_of((spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.diagonal,
+                           spec.window, spec.mask_shape, blocks, total, major))
+
+
+# The parameter arrays are constants of (sizes, launch shape): cached, so that a call does not
+# create and upload new ones (part of the per-call host time, which was ~4x MLX's attention's).
+# Keyed by a tuple of ints, not by the spec: a spec's == took ~1.5 us of each launch.
+@functools.lru_cache(maxsize=1024)
+def _int_params_of(key: tuple) -> mx.array:
+    batch, q_heads, kv_heads, q_len, kv_len, diagonal, window, mask_shape, blocks, total, major = key
+    values = [batch, q_heads, kv_heads, q_len, kv_len, q_heads // kv_heads, diagonal,
+              *(window if window is not None else (-1, -1)), *mask_strides(mask_shape), blocks, total, int(major)]
     return mx.array(values, dtype=mx.int64)
 
 
@@ -129,12 +136,20 @@ class CUDABackend:
         """The wgmma kernels may run: the real GPU (not an override) is an sm_90, through MLX."""
         return self._factory is None and device_capability() == 90
 
-    def variant(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> KernelVariant:
-        """The variant that serves `kernel` for this call on this backend's GPU family."""
+    def variants(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> VariantSet:
+        """The forward, dQ and dK/dV variants that serve this call on this backend's GPU family
+        (cuda_source.variant_set: made once per features, family, tuning and table)."""
         family = self.family()
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
-        return make_variant(kernel, spec, mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
+        return variant_set(VariantFeatures.of(spec), mask_dtype, family, self.tuning, self.real_sm90(),
+                           self.table(family))
+
+    def variant(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> KernelVariant:
+        """The variant that serves `kernel` for this call on this backend's GPU family."""
+        if kernel not in KERNELS:
+            raise ValueError(f"[cuda] kernel must be one of {KERNELS}, got {kernel!r}.")
+        return getattr(self.variants(spec, mask_dtype), kernel)
 
     def table(self, family: Family) -> planner.Table:
         """The block table this backend plans from: its tuning's, else the active one (tuned or shipped)."""
@@ -145,7 +160,7 @@ class CUDABackend:
     def variant_key(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None):
         """The kernel variants a call runs, and what builds them (the GPU's NVRTC or the emulator):
         the guard builds and runs each such set once per process before a call uses it."""
-        return tuple(self.variant(kernel, spec, mask_dtype) for kernel in KERNELS), self._factory
+        return self.variants(spec, mask_dtype), self._factory
 
     def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> str:
         return self.variant(kernel, spec, mask_dtype).name
@@ -181,7 +196,7 @@ class CUDABackend:
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        variant = self.variant("forward", spec, None if mask is None else mask.dtype)
+        variant = self.variants(spec, None if mask is None else mask.dtype).forward
         out, lse = self._launch(variant, spec, [q, k, v], mask, rows=Nq, heads=Hq,
                                 output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32],
                                 sinks=sinks)
@@ -194,10 +209,12 @@ class CUDABackend:
         fixed order (deterministic, no atomics)."""
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
+        variants = self.variants(spec, None if mask is None else mask.dtype)
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        dq, d_sinks_part = self._backward_query(q, k, v, mask, d_out, lse2, delta, spec, sinks)
+        dq, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, d_out, lse2, delta, spec,
+                                                sinks)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
-        dk, dv = self._backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
+        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, lse2, delta, spec)
         return dq, dk, dv, d_sinks
 
     # -- the backward kernels separately (the benchmark times them apart) ------------------------
@@ -206,25 +223,30 @@ class CUDABackend:
         """dQ alone (preprocessing + the dQ kernel)."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
+        variant = self.variants(spec, None if mask is None else mask.dtype).backward_query
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        return self._backward_query(q, k, v, mask, d_out, lse2, delta, spec, sinks)[0]
+        return self._backward_query(variant, q, k, v, mask, d_out, lse2, delta, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec):
         """(dK, dV) alone (preprocessing + the dK/dV kernel)."""
         if is_empty(spec):
             return empty_backward(q, k, v)[1:]
+        variant = self.variants(spec, None if mask is None else mask.dtype).backward_key_value
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        return self._backward_key_value(q, k, v, mask, d_out, lse2, delta, spec)
+        return self._backward_key_value(variant, q, k, v, mask, d_out, lse2, delta, spec)
 
     def prepare_backward(self, out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
         """(delta, lse2): delta = rowsum(dO * O) - dL and lse in base 2 (+inf for rows with no key)."""
         rows = spec.batch * spec.q_heads * spec.q_len
         has_d_lse = d_lse is not None
         key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse)
-        kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]), cuda_source.prepare_source(*key[1:]), 0))
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]),
+                                                  cuda_source.prepare_source(*key[1:]), 0))
         blocks = -(-rows // PREPARE_ROWS_PER_BLOCK)
         grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
-        d_lse = d_lse.astype(mx.float32) if has_d_lse else mx.zeros((1,), mx.float32)
+        d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
         delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
                              output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
@@ -233,10 +255,9 @@ class CUDABackend:
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _backward_query(self, q, k, v, mask, d_out, lse2, delta, spec, sinks=None):
+    def _backward_query(self, variant, q, k, v, mask, d_out, lse2, delta, spec, sinks=None):
         """(dq, d_sinks_part [B, Hq, parts] with sinks, else None): one part per warp's rows
         (mma.sync: a row group, wgmma: a consumer warp's 16 rows), summed by the caller."""
-        variant = self.variant("backward_query", spec, None if mask is None else mask.dtype)
         shapes, dtypes = [q.shape], [spec.dtype]
         if sinks is not None:
             blocks = -(-spec.q_len // variant.parallel_block)
@@ -247,8 +268,7 @@ class CUDABackend:
                                heads=spec.q_heads, output_shapes=shapes, output_dtypes=dtypes, sinks=sinks)
         return results[0], (results[1] if sinks is not None else None)
 
-    def _backward_key_value(self, q, k, v, mask, d_out, lse2, delta, spec):
-        variant = self.variant("backward_key_value", spec, None if mask is None else mask.dtype)
+    def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
         dk, dv = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
                               heads=spec.kv_heads, output_shapes=[k.shape, v.shape],
                               output_dtypes=[spec.dtype, spec.dtype])
@@ -256,7 +276,11 @@ class CUDABackend:
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
-        return self._compiled(variant, lambda: (variant.name, cuda_source.source(variant), variant.shared_memory))
+        compiled = self._kernels.get(variant)  # every launch: one lookup, no closure made
+        if compiled is None:
+            compiled = self._compiled(variant, lambda: (variant.name, cuda_source.source(variant),
+                                                        variant.shared_memory))
+        return compiled
 
     def _compiled(self, key, describe):
         """The cached kernel for `key`; `describe()` -> (name, (header, body, inputs, outputs),

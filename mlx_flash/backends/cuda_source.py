@@ -24,7 +24,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
-from .common import MASK_KINDS
+from .common import MASK_KINDS, VariantFeatures, VariantSet, cached_hash as _cached_hash
 
 MAX_HEAD_DIM = 512
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
@@ -78,6 +78,9 @@ class Family:
     wgmma: bool
     gpus: str
 
+    def __hash__(self) -> int:  # computed once: part of the variant-set cache's key on every call
+        return _cached_hash(self)
+
 
 @functools.lru_cache(maxsize=None)
 def families() -> Tuple[Family, ...]:
@@ -97,6 +100,7 @@ def families() -> Tuple[Family, ...]:
     return tuple(rows)
 
 
+@functools.lru_cache(maxsize=None)
 def family_of(capability: Optional[int]) -> Optional[Family]:
     """The family of a compute capability (e.g. 86 -> sm86), None where no family has it."""
     return next((f for f in families() if capability in f.capabilities), None)
@@ -149,6 +153,9 @@ class Tuning:
                 raise ValueError(f"[cuda] Tuning.blocks: {name!r}: {shape!r} must name a kernel of "
                                  f"{planner.KERNELS} (optionally + '_wgmma') with (P, T, H[, warps]).")
         object.__setattr__(self, "blocks", tuple(sorted((k, tuple(v)) for k, v in blocks.items())))
+
+    def __hash__(self) -> int:  # computed once: part of the variant-set cache's key on every call
+        return _cached_hash(self)
 
     def block_override(self, name: str) -> Optional[Tuple[int, ...]]:
         return dict(self.blocks).get(name)
@@ -215,15 +222,20 @@ class KernelVariant:
     sinks: bool = False
     tuning: Tuning = Tuning()
 
-    @property
+    def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
+        return _cached_hash(self)
+
+    # The launch geometry is read on every launch: computed once per variant (cached_property writes
+    # the instance's __dict__, which a frozen dataclass allows; not fields, so not in == or hash).
+    @functools.cached_property
     def row_groups(self) -> int:
         return self.warps // self.col_groups
 
-    @property
+    @functools.cached_property
     def threads(self) -> int:
         return 32 * self.warps + (128 if self.instruction == "wgmma" else 0)  # + the producer warpgroup
 
-    @property
+    @functools.cached_property
     def parallel_block(self) -> int:
         return 16 * self.m_tiles * self.row_groups
 
@@ -348,6 +360,33 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
         variant = replace(variant, sinks=True)
     check_limits(variant, family)
     return variant
+
+
+# Made once per key: the three variants are a pure function of these arguments (a tuned table is
+# part of the key by value, so a table tuned in this process gives new variants at once), and
+# working them out again for the guard's key and for each launch was the largest part of a call's
+# host time. benchmarks/host_time.py (kernels stubbed, 2-core CI machine, us per call, before ->
+# after this cache and the launch constants keyed by ints): forward 85 -> 60, forward + backward
+# 149 -> 112 (decode B=1 Hq=32 D=128; prefill N=256 D=64 alike); flash_attention's own path with a
+# backend that does nothing costs 21 / 38, MLX's attention 5 / 20.
+@functools.lru_cache(maxsize=1024)
+def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                real_sm90: bool, table: planner.Table) -> VariantSet:
+    """The forward, dQ and dK/dV variants of every call with `features` (make_variant's arguments
+    otherwise); one object per key, made once.
+
+    Args:
+        table: the table to plan from, resolved by the caller (CUDABackend.table): a None here would
+            cache whichever table was active at the first call.
+
+    Raises:
+        ValueError: as make_variant (not cached: every call with these arguments raises again).
+    """
+    if not isinstance(table, planner.Table):
+        raise TypeError(f"[cuda] variant_set needs a planner.Table, got {table!r}.")
+    spec = features.spec()
+    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table)
+                        for kernel in planner.KERNELS))
 
 
 def check_limits(variant: KernelVariant, family: Family) -> None:

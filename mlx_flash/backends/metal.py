@@ -13,19 +13,21 @@ MLX_FLASH_METAL_FAMILY=m1|m3 overrides the GPU family that picks the block-table
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from .. import planner
 from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
-from .common import (empty_backward, empty_forward, empty_sinks_gradient, float_params, is_empty,
-                     window_bounds)
-from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits,
-                           make_variant, source)
+from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
+                     empty_sinks_gradient, float_params, is_empty)
+from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits, source,
+                           variant_set)
 
 FAMILIES = ("m1", "m3")
 
@@ -42,6 +44,12 @@ def detect_family() -> str:
         if override not in FAMILIES:
             raise ValueError(f"[metal] MLX_FLASH_METAL_FAMILY must be one of {FAMILIES}, got {override!r}.")
         return override
+    return _device_family()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_family() -> str:
+    """The Metal device's family (asked once: the device of a process does not change)."""
     if mx.metal.is_available():
         info = mx.device_info() if hasattr(mx, "device_info") else mx.metal.device_info()
         family = family_from_architecture(str(info.get("architecture", "")))
@@ -56,6 +64,17 @@ def family_from_architecture(architecture: str) -> Optional[str]:
     if not match:
         return None
     return "m3" if int(match.group(1)) >= 15 else "m1"
+
+
+@functools.lru_cache(maxsize=None)
+def _simulator_import_error() -> Optional[ImportError]:
+    """Why mlx_flash.metalsim cannot be imported, or None (tried once: an import statement on
+    every call was part of its host time)."""
+    try:
+        from .. import metalsim  # noqa: F401
+    except ImportError as e:
+        return e
+    return None
 
 
 def _kernel_factory():
@@ -92,11 +111,8 @@ class MetalBackend:
 
     def unavailable_reason(self, device) -> Optional[str]:
         if metal_simulated():
-            try:
-                from .. import metalsim  # noqa: F401
-            except ImportError as e:
-                return f"MLX_FLASH_METAL_SIM=1 but the simulator cannot be imported ({e})"
-            return None
+            error = _simulator_import_error()
+            return None if error is None else f"MLX_FLASH_METAL_SIM=1 but the simulator cannot be imported ({error})"
         if not mx.metal.is_available():
             return "no Metal GPU (set MLX_FLASH_METAL_SIM=1 to run the kernels on the CPU simulator)"
         if device.type != mx.gpu:
@@ -112,21 +128,27 @@ class MetalBackend:
     def family(self) -> str:
         return self._family or detect_family()
 
+    def variants(self, spec: AttentionSpec) -> VariantSet:
+        """The forward, dQ and dK/dV variants that serve this call (metal_source.variant_set: made
+        once per features, family and table)."""
+        family = self.family()
+        return variant_set(VariantFeatures.of(spec), family, self.table or planner.active_table("metal", family))
+
     def variant_key(self, spec: AttentionSpec, mask_dtype=None):
         """The kernel variants a call runs (with the mask dtype, which the compiled signature has)."""
-        family = self.family()
-        return (tuple(make_variant(kernel, spec, family, self.table) for kernel in INPUT_NAMES), mask_dtype,
-                metal_simulated())
+        return self.variants(spec), mask_dtype, metal_simulated()
 
     def variant_name(self, kernel: str, spec: AttentionSpec, mask_dtype=None) -> str:
-        return make_variant(kernel, spec, self.family(), self.table).name
+        if kernel not in INPUT_NAMES:
+            raise ValueError(f"[metal] kernel must be one of {tuple(INPUT_NAMES)}, got {kernel!r}.")
+        return getattr(self.variants(spec), kernel).name
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
         """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log, sinks included)."""
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        variant = make_variant("forward", spec, self.family(), self.table)
+        variant = self.variants(spec).forward
         mask_array, mask_strides = _mask_operands(mask)
         spill = (B * Hq * Nq * D,) if variant.spills("O") else (1,)
         out, lse, _ = self._launch(
@@ -144,8 +166,10 @@ class MetalBackend:
         """
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
-        dq, delta, d_sinks_part = self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)
-        dk, dv = self.backward_key_value(q, k, v, mask, out, lse, d_out, d_lse, spec, delta=delta)
+        variants = self.variants(spec)
+        dq, delta, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, out, lse, d_out,
+                                                       d_lse, spec, sinks)
+        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, lse, d_out, delta, spec)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
         return dq, dk, dv, d_sinks
 
@@ -155,7 +179,8 @@ class MetalBackend:
         """dq from the dQ kernel alone."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
-        return self._backward_query(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks)[0]
+        return self._backward_query(self.variants(spec).backward_query, q, k, v, mask, out, lse, d_out, d_lse,
+                                    spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
                            delta=None):
@@ -167,12 +192,18 @@ class MetalBackend:
         """
         if is_empty(spec):
             return empty_backward(q, k, v)[1:]
-        B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
         if delta is None:
             delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
             if d_lse is not None:
                 delta = delta - d_lse.astype(mx.float32)
-        variant = make_variant("backward_key_value", spec, self.family(), self.table)
+        return self._backward_key_value(self.variants(spec).backward_key_value, q, k, v, mask, lse, d_out, delta,
+                                        spec)
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _backward_key_value(self, variant, q, k, v, mask, lse, d_out, delta, spec):
+        """(dk, dv) from the dK/dV kernel `variant`, given delta (see backward_key_value)."""
+        B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
         mask_array, mask_strides = _mask_operands(mask)
         dk_spill = (B * Hkv * Nk * D,) if variant.spills("dK") else (1,)
         dv_spill = (B * Hkv * Nk * D,) if variant.spills("dV") else (1,)
@@ -184,12 +215,9 @@ class MetalBackend:
             output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.float32])
         return dk, dv
 
-    # -- internals ----------------------------------------------------------------------------
-
-    def _backward_query(self, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
+    def _backward_query(self, variant, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
         """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused."""
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        variant = make_variant("backward_query", spec, self.family(), self.table)
         mask_array, mask_strides = _mask_operands(mask)
         if d_lse is None:
             d_lse = mx.zeros((B, Hq, Nq), mx.float32)
@@ -212,6 +240,9 @@ class MetalBackend:
         key = (variant, simulated)
         compiled = self._kernels.get(key)
         if compiled is None:
+            # Checked here, before the kernel is built and cached, rather than at every launch: a
+            # variant that breaks the limits is never cached, so each of its launches raises.
+            check_launch_limits(variant)
             factory, real_metal = _kernel_factory()
             body, header = source(variant)
             kwargs = dict(name=variant.name, input_names=list(INPUT_NAMES[variant.kernel]),
@@ -233,7 +264,6 @@ class MetalBackend:
 
     def _launch(self, variant: KernelVariant, spec, parallel_len: int, heads: int, inputs,
                 output_shapes, output_dtypes):
-        check_launch_limits(variant)
         threads = variant.threads_per_threadgroup
         groups = -(-parallel_len // variant.plan.parallel_block)
         # mx.fast.metal_kernel's grid counts threads; a grid dim smaller than the threadgroup
@@ -248,15 +278,23 @@ def _accepts_compile_options() -> bool:
     return "compile_options" in doc.split("\n", 1)[0]
 
 
+# The small operands below are constants of a few ints: made once per value instead of once per
+# launch (mx.array of a list: data, never a lazy op that a compile trace could hold).
 def _params(spec: AttentionSpec) -> mx.array:
-    left, right = window_bounds(spec)
-    return mx.array([spec.q_len, spec.kv_len, spec.q_heads, spec.group, left, right,
-                     spec.kv_heads, spec.diagonal_shift], dtype=mx.int32)
+    return _params_of((spec.q_len, spec.kv_len, spec.q_heads, spec.kv_heads, spec.window, spec.diagonal_shift))
+
+
+@functools.lru_cache(maxsize=1024)
+def _params_of(key: tuple) -> mx.array:
+    q_len, kv_len, q_heads, kv_heads, window, diagonal_shift = key
+    left, right = window if window is not None else (-1, -1)
+    return mx.array([q_len, kv_len, q_heads, q_heads // kv_heads, left, right, kv_heads, diagonal_shift],
+                    dtype=mx.int32)
 
 
 def _sinks_operand(sinks) -> mx.array:
     """fp32 sinks [Hq], or a 1-element dummy that keeps the kernel signature fixed (never read)."""
-    return mx.zeros((1,), mx.float32) if sinks is None else sinks.astype(mx.float32)
+    return constant_zeros(mx.float32, 1) if sinks is None else sinks.astype(mx.float32)
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
@@ -265,8 +303,13 @@ def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
     Without a mask, a 1-element dummy keeps the kernel signature fixed (it is never read).
     """
     if mask is None:
-        return mx.zeros((1,), mx.bool_), mx.zeros((8,), mx.int64)
-    return mask, mx.array(common.mask_strides(mask.shape) + [0] * 4, dtype=mx.int64)
+        return constant_zeros(mx.bool_, 1), constant_zeros(mx.int64, 8)
+    return mask, _mask_layout(tuple(mask.shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _mask_layout(shape: Tuple[int, ...]) -> mx.array:
+    return mx.array(common.mask_strides(shape) + [0] * 4, dtype=mx.int64)
 
 
 BACKEND = MetalBackend()

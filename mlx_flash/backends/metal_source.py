@@ -14,15 +14,16 @@ these tables in the forward pass).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from ..planner import BlockPlan, plan
+from ..planner import KERNELS, BlockPlan, Table, plan
 from ..render import render
-from .common import DTYPE_NAMES, MASK_KINDS  # noqa: F401 (MASK_KINDS: part of this module's names)
+from .common import DTYPE_NAMES, MASK_KINDS, VariantFeatures, VariantSet, cached_hash  # noqa: F401 (MASK_KINDS: part of this module's names)
 
 # Threadgroup memory per threadgroup on every Apple GPU; mx.fast.metal_kernel sources can only
 # declare compile-time sized threadgroup arrays, so each kernel's tile size is fixed by its plan.
@@ -32,6 +33,7 @@ MAX_THREADS_PER_THREADGROUP = 1024
 # fragment reads of a tile do not all land in one memory bank.
 TILE_PAD_BYTES = 16
 
+DTYPES = MappingProxyType({name: dtype for dtype, name in DTYPE_NAMES.items()})
 INPUT_TYPES = MappingProxyType({mx.float32: "float", mx.float16: "half", mx.bfloat16: "bfloat16_t"})
 
 # Operands each kernel can keep in registers, as the block table names them.
@@ -80,9 +82,12 @@ class KernelVariant:
     softcap: bool
     sinks: bool = False
 
+    def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
+        return cached_hash(self)
+
     @property
     def dtype(self) -> mx.Dtype:
-        return {v: k for k, v in DTYPE_NAMES.items()}[self.dtype_name]
+        return DTYPES[self.dtype_name]
 
     @property
     def head_dim(self) -> int:
@@ -133,6 +138,26 @@ def make_variant(kernel: str, spec, family: str, table=None) -> KernelVariant:
                          window=spec.window is not None, softcap=spec.softcap is not None,
                          # The dK/dV kernel needs no sink term: the forward's lse includes it.
                          sinks=spec.has_sinks and kernel != "backward_key_value")
+
+
+# Made once per key: working the three variants out again for each call (the guard's key, then
+# each launch) was the largest part of a call's host time. A tuned table is part of the key by
+# value, so a new table gives new variants at once. benchmarks/host_time.py (simulator with stub
+# kernels, 2-core CI machine, us per call, before -> after): forward 92 -> 59, forward + backward
+# 182 -> 115; flash_attention's own path with a do-nothing backend: 21 / 38.
+@functools.lru_cache(maxsize=1024)
+def variant_set(features: VariantFeatures, family: str, table: Table) -> VariantSet:
+    """The forward, dQ and dK/dV variants of every call with `features` on `family`, planned from
+    `table`; one object per key.
+
+    Args:
+        table: the table to plan from, resolved by the caller (planner.active_table when the backend
+            has none): a None here would cache whichever table was active at the first call.
+    """
+    if not isinstance(table, Table):
+        raise TypeError(f"[metal] variant_set needs a planner.Table, got {table!r}.")
+    spec = features.spec()
+    return VariantSet(*(make_variant(kernel, spec, family, table) for kernel in KERNELS))
 
 
 def check_launch_limits(variant: KernelVariant) -> None:

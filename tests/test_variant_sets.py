@@ -1,0 +1,130 @@
+"""The backends' variant-set caches (cuda_source.variant_set, metal_source.variant_set).
+
+A call's three kernel variants are made once per (compiled features, family, tuning, table) and
+handed out as one object. These tests check that the cached set is exactly what make_variant
+gives for the call's own spec (the features hold everything a variant reads), that calls which
+differ only in runtime data share it, that a tuned table takes effect at once, and that the
+first-contact guard still checks each set once. No kernel runs: the kernel factory is a stub.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import mlx.core as mx
+import pytest
+
+from mlx_flash import flash_attention, planner, tune, tuned
+from mlx_flash.backends import cuda_source, guard, metal_source
+from mlx_flash.backends.cuda import CUDABackend
+from mlx_flash.backends.cuda_source import Tuning
+from mlx_flash.backends.metal import MetalBackend
+from mlx_flash.spec import check_inputs
+
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+WGMMA = Tuning(wgmma_forward=True, wgmma_backward=True)
+
+
+def _stub_factory(**kwargs):
+    """A kernel factory whose kernels return zeros of the output shapes without running anything."""
+    def kernel(*, inputs, output_shapes, output_dtypes, **unused):
+        return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes)]
+    return kernel
+
+
+def _spec(head_dim=64, dtype=mx.float16, mask=None, window=None, softcap=None, sinks=False, q_len=8, kv_len=8,
+          heads=(2, 1), batch=1, scale=None):
+    q = mx.zeros((batch, heads[0], q_len, head_dim), dtype)
+    k = mx.zeros((batch, heads[1], kv_len, head_dim), dtype)
+    if mask in ("bool", "additive"):
+        mask = mx.zeros((q_len, kv_len), mx.bool_ if mask == "bool" else mx.float32 if dtype == mx.float32 else dtype)
+    spec, mask_array = check_inputs(q, k, k, mask=mask, window_size=window, softcap=softcap, scale=scale,
+                                    sinks=mx.zeros((heads[0],), dtype) if sinks else None)
+    return spec, None if mask_array is None else mask_array.dtype
+
+
+# Every compiled feature varied at least once, at head dims across the tables' rows.
+FEATURES = [dict(head_dim=d, dtype=t) for d, t in itertools.product((1, 40, 64, 128, 200, 512),
+                                                                     (mx.float16, mx.bfloat16))] + [
+    dict(mask="causal"), dict(mask="bool"), dict(mask="additive"), dict(mask="additive", dtype=mx.bfloat16),
+    dict(window=(5, 0)), dict(softcap=30.0), dict(sinks=True), dict(mask="causal", window=(3, -1), softcap=2.0,
+                                                                    sinks=True, head_dim=96)]
+
+
+@pytest.mark.parametrize("capability,tuning,real_sm90", [(90, Tuning(), False), (90, WGMMA, True), (80, Tuning(), False),
+                                                         (86, Tuning(block_major=True), False)])
+def test_cuda_set_is_make_variant_of_the_call(capability, tuning, real_sm90):
+    family = cuda_source.family_of(capability)
+    table = planner.shipped_table("cuda")
+    for features in FEATURES:
+        spec, mask_dtype = _spec(**features)
+        got = cuda_source.variant_set(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
+                                      table)
+        want = tuple(cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table)
+                     for kernel in planner.KERNELS)
+        assert tuple(got) == want, features
+
+
+@pytest.mark.parametrize("family", ["m1", "m3"])
+def test_metal_set_is_make_variant_of_the_call(family):
+    table = planner.shipped_table("metal")
+    for features in FEATURES + [dict(dtype=mx.float32), dict(dtype=mx.float32, head_dim=256, mask="additive")]:
+        spec, _ = _spec(**features)
+        got = metal_source.variant_set(metal_source.VariantFeatures.of(spec), family, table)
+        assert tuple(got) == tuple(metal_source.make_variant(kernel, spec, family, table)
+                                   for kernel in planner.KERNELS), features
+
+
+def test_runtime_data_shares_one_set():
+    """Lengths, batch, heads, scale and the window's and softcap's values are runtime data: one set."""
+    cuda_backend, metal_backend = CUDABackend(kernel_factory=_stub_factory, capability=90), MetalBackend("m3")
+    base, _ = _spec(mask="causal", window=(4, 0), softcap=5.0)
+    others = [_spec(mask="causal", window=(9, 2), softcap=1.5, q_len=1, kv_len=700 + i, heads=(8, 2), batch=3,
+                    scale=0.3)[0] for i in range(3)]
+    for backend in (cuda_backend, metal_backend):
+        assert all(backend.variants(spec) is backend.variants(base) for spec in others)
+    assert cuda_backend.variants(base) is not cuda_backend.variants(_spec(mask="causal", softcap=5.0)[0])
+    assert cuda_backend.variants(base, mx.bool_) is not cuda_backend.variants(base)  # the mask dtype is compiled in
+
+
+def test_set_needs_a_resolved_table():
+    """None would cache whichever table was active at the first call: refused."""
+    spec, _ = _spec()
+    with pytest.raises(TypeError, match="planner.Table"):
+        cuda_source.variant_set(cuda_source.VariantFeatures.of(spec), None, cuda_source.family_of(90), Tuning(),
+                                False, None)
+    with pytest.raises(TypeError, match="planner.Table"):
+        metal_source.variant_set(metal_source.VariantFeatures.of(spec), "m3", None)
+
+
+def test_guard_checks_a_decode_loop_once_and_a_tuned_table_again(monkeypatch, tmp_path):
+    """A decode loop (one key more per step) is first-contact-checked once; a tuned table written
+    in the process gives new variants at the next call, checked once too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MLX_FLASH_TUNED", raising=False)
+    monkeypatch.setattr(tuned, "device_identity", lambda target: ("stub gpu", "sm_86"))
+    tuned.forget()
+    guard.GUARD.forget()
+    backend = CUDABackend(kernel_factory=_stub_factory, capability=86)  # sm86: tuned tables are keyed by family
+    q = mx.zeros((1, 4, 1, 64), mx.float16)
+    try:
+        for step in range(5):
+            kv = mx.zeros((1, 2, 100 + step, 64), mx.float16)
+            flash_attention(q, kv, kv, backend=backend)
+        assert len(guard.GUARD.records()) == 1
+        spec, _ = _spec(heads=(4, 2))
+        before = backend.variants(spec)
+        row = planner.find_row(planner.shipped_table("cuda"), "forward", 64, "mixed", "sm86")
+        moved = dataclasses.replace(row, traversal_block=row.traversal_block // 2)
+        tuned.write("cuda", "sm86", tune.with_row(planner.shipped_table("cuda"), moved, 64, "tuned"))
+        after = backend.variants(spec)
+        assert after.forward.traversal_block == moved.traversal_block != before.forward.traversal_block
+        flash_attention(q, kv, kv, backend=backend)
+        assert len(guard.GUARD.records()) == 2
+        monkeypatch.setenv("MLX_FLASH_TUNED", "0")
+        tuned.forget()
+        assert backend.variants(spec) is before
+    finally:
+        tuned.forget()
+        guard.GUARD.forget()
