@@ -54,7 +54,7 @@ PRESETS = {
                 steps=4),
     # The same structure, tiny: runs in seconds on a 2-core CPU (the path, not a speed figure).
     "cpu": dict(hidden_size=128, intermediate_size=256, heads=4, kv_heads=1, head_dim=32, layers=2,
-                vocab_size=512, seq_lens=[128, 256], dtype="bfloat16", warmup=1, rounds=2, steps=2),
+                vocab_size=512, seq_lens=[64, 128], dtype="bfloat16", warmup=1, rounds=2, steps=2),
 }
 VARIANTS = ("mlx-lm", "mlx-flash")
 MIB = 1 << 20
@@ -104,17 +104,21 @@ class Runner:
             self.steps[variant], self.state = make_step(self.model, self.optimizer)
         mx.eval(self.state)
 
+    def mode(self, variant: str):
+        """The context a variant's steps run in: patched for mlx-flash (entered once per block of
+        steps, outside the timed region: a patch + unpatch walks every loaded module, ~5 ms),
+        checked unpatched for mlx-lm. The flash step is only ever called while patched, so a
+        retrace (a new shape) keeps the flash path."""
+        return flash_mlx_lm.patched(self.backend) if variant == "mlx-flash" else _Unpatched()
+
     def run(self, variant: str, inputs, targets) -> float:
-        """One step of `variant`, evaluated; returns the loss. The flash step is always called
-        while patched: a retrace (a new shape) then keeps the flash path."""
-        context = flash_mlx_lm.patched(self.backend) if variant == "mlx-flash" else _unpatched()
-        with context:
-            loss = self.steps[variant](inputs, targets)
-            mx.eval(loss, self.state)
-        return loss.item()
+        """One step of `variant` (inside `mode(variant)`), evaluated; returns the loss."""
+        loss = self.steps[variant](inputs, targets)
+        mx.eval(loss, self.state)
+        return loss
 
 
-class _unpatched:
+class _Unpatched:
     def __enter__(self):
         if flash_mlx_lm.is_patched():
             raise RuntimeError("[bench_training] the mlx-lm variant must run unpatched")
@@ -130,24 +134,27 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
     mx.eval(inputs, targets)
     losses = {}
     for variant in VARIANTS:  # the first call traces and compiles
-        for _ in range(settings.warmup):
-            losses[variant] = runner.run(variant, inputs, targets)
+        with runner.mode(variant):
+            for _ in range(settings.warmup):
+                losses[variant] = runner.run(variant, inputs, targets).item()
     memory = {}
     for variant in VARIANTS:
-        mx.synchronize()
-        mx.clear_cache()
-        resident = mx.get_active_memory()
-        mx.reset_peak_memory()
-        runner.run(variant, inputs, targets)
-        memory[variant] = dict(peak=mx.get_peak_memory(), resident=resident)
+        with runner.mode(variant):
+            mx.synchronize()
+            mx.clear_cache()
+            resident = mx.get_active_memory()
+            mx.reset_peak_memory()
+            runner.run(variant, inputs, targets)
+            memory[variant] = dict(peak=mx.get_peak_memory(), resident=resident)
     times = {variant: [] for variant in VARIANTS}
     for r in range(settings.rounds):
         order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
         for variant in order:
-            for _ in range(settings.steps):
-                start = time.perf_counter()
-                runner.run(variant, inputs, targets)
-                times[variant].append(time.perf_counter() - start)
+            with runner.mode(variant):
+                for _ in range(settings.steps):
+                    start = time.perf_counter()
+                    runner.run(variant, inputs, targets)
+                    times[variant].append(time.perf_counter() - start)
     row = {"seq_len": seq_len, "tokens_per_step": seq_len}
     for variant in VARIANTS:
         ms = statistics.median(times[variant]) * 1e3
