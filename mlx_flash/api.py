@@ -66,7 +66,8 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
                                                d_lse if lse_is_used else None, spec, sinks=sinks)
         grads = (dq, dk, dv)
         if has_mask:
-            grads += (mx.zeros_like(mask),)  # masks get no gradient
+            # Masks get no gradient: a broadcast zero (no mask-sized buffer even if evaluated).
+            grads += (mx.broadcast_to(mx.array(0, mask.dtype), mask.shape),)
         if spec.has_sinks:
             grads += (d_sinks,)
         return grads
