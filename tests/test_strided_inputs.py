@@ -154,3 +154,18 @@ def test_one_copy_of_strided_inputs_per_call():
     d_out_bytes, v_bytes = 16 * 1024 * 128 * 2, 4 * 1024 * 128 * 2
     assert once <= strided + v_bytes + d_out_bytes // 4, (once, strided)
     assert per_launch >= once + d_out_bytes // 2, (per_launch, once)
+
+
+def test_strided_inputs_under_compile_and_grad():
+    """The contiguous copies and the VJP's d_out copy trace under mx.compile (mlx-lm's training step)."""
+    q, k, v, cotangent = mlx_lm_layouts()
+    backend = RowContiguousMLX()
+
+    def loss(q, k, v):
+        out = flash_attention(q, k, v, mask="causal", backend=backend)
+        return (out.transpose(0, 2, 1, 3).reshape(B, N, -1) * cotangent).sum()
+
+    compiled = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    eager = mx.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    for c, e in zip(compiled, eager):
+        assert mx.array_equal(c, e)
