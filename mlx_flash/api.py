@@ -15,12 +15,33 @@ from .backends import select_backend
 from .fallback import record_fallback
 from .spec import FLOAT_DTYPES, check_inputs, mlx_argument_rules
 
+# Backends whose kernels read q, k, v and d_out as row-contiguous [B, H, N, D] arrays: they are
+# launched with ensure_row_contiguous=True, which copies a strided input (mlx-lm's values are a
+# transposed [B, N, H, D] view, the output's cotangent too) at every launch, as a temporary that
+# lives until its command buffer completes.
+_ROW_CONTIGUOUS_BACKENDS = ("cuda", "metal")
+
+
+def takes_row_contiguous(backend) -> bool:
+    """Whether `backend` reads row-contiguous q, k, v and d_out only (it copies strided ones per launch).
+
+    A backend says so with a `row_contiguous_inputs` attribute; without one, the kernel backends
+    ("cuda", "metal", and objects named so, e.g. the CUDA emulator's) do and the others ("mlx",
+    which takes strides) do not.
+    """
+    return bool(getattr(backend, "row_contiguous_inputs", backend.name in _ROW_CONTIGUOUS_BACKENDS))
+
 
 def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     """A custom_function (q, k, v[, mask][, sinks]) -> (out, lse) whose VJP runs the backend's backward.
 
     sinks is a differentiable primal (its gradient comes from the backward); the mask gets none.
+    For a backend that reads row-contiguous arrays only, the caller passes q, k, v made contiguous
+    once (`flash_attention`), and d_out is made contiguous here once: otherwise each of the
+    backward's three launches (preprocessing, dQ, dK/dV) copied a strided d_out again (and dQ, dK/dV
+    strided q, k, v), ~224 MiB of copies per mlx-lm Llama layer at N = 16K (Hq 16, Hkv 4, D 128, bf16).
     """
+    contiguous_d_out = takes_row_contiguous(backend)
 
     def split(primals):
         q, k, v = primals[:3]
@@ -39,11 +60,14 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
         q, k, v, mask, sinks = split(primals)
         d_out, d_lse = cotangents
         out, lse = outputs
+        if contiguous_d_out:
+            d_out = mx.contiguous(d_out)  # no copy when it is row-contiguous already
         dq, dk, dv, d_sinks = backend.backward(q, k, v, mask, out, lse, d_out,
                                                d_lse if lse_is_used else None, spec, sinks=sinks)
         grads = (dq, dk, dv)
         if has_mask:
-            grads += (mx.zeros_like(mask),)  # masks get no gradient
+            # Masks get no gradient: a broadcast zero (no mask-sized buffer even if evaluated).
+            grads += (mx.broadcast_to(mx.array(0, mask.dtype), mask.shape),)
         if spec.has_sinks:
             grads += (d_sinks,)
         return grads
@@ -94,6 +118,11 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
             # mx.fast with MLX's own VJP (the fallback rule never picks it when lse is asked for).
             return chosen.attention(q, k, v, mask_array, spec)
         attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
+        if takes_row_contiguous(chosen):
+            # One copy of a strided q, k or v (none for a row-contiguous one), made before the
+            # custom function: the forward and both backward kernels read that copy, and it is what
+            # the backward keeps (the strided view's buffer is freed unless the caller holds it).
+            q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
         inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
         if sinks is not None:
             # As MLX: the sinks join the softmax in the output dtype (astype carries the gradient back).
