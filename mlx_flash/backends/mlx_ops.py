@@ -126,13 +126,14 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
 
 
 # -- the fused elementwise parts (mx.compile: one kernel each where MLX can fuse) ----------------
+# Each is built once per (scale, softcap, mask kind, band, dtype) -- immutable values of the call --
+# and traced once per distinct chunk shape.
 
-@functools.lru_cache(maxsize=None)
-def _score_function(softcap: Optional[float], mask_kind: str, banded: bool):
-    """final_scores(s, keep, mask) -> fp32 scores (softcapped, -inf where masked); keep / mask may be None."""
+def _score_function(scale: float, softcap: Optional[float], mask_kind: str):
+    """final_scores(s, keep, mask) -> fp32 scores: scale, softcap, mask (-inf where masked)."""
 
     def final_scores(s, keep, mask):
-        s = s.astype(mx.float32)
+        s = s.astype(mx.float32) * scale
         if softcap is not None:
             s = mx.tanh(s * (1.0 / softcap)) * softcap
         if mask_kind == "additive":
@@ -146,10 +147,6 @@ def _score_function(softcap: Optional[float], mask_kind: str, banded: bool):
     return final_scores
 
 
-def _pack(keep, mask):
-    return tuple(x for x in (keep, mask) if x is not None)
-
-
 def _unpack(args, banded: bool, mask_kind: str):
     args = list(args)
     keep = args.pop(0) if banded else None
@@ -158,40 +155,53 @@ def _unpack(args, banded: bool, mask_kind: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_scores(softcap, mask_kind, banded):
+def _forward_scores(scale, softcap, mask_kind, banded):
     """Compiled: (s, [keep], [mask]) -> fp32 final scores."""
-    final = _score_function(softcap, mask_kind, banded)
+    final = _score_function(scale, softcap, mask_kind)
     return mx.compile(lambda s, *rest: final(s, *_unpack(rest, banded, mask_kind)))
 
 
 @functools.lru_cache(maxsize=None)
 def _probabilities(dtype):
-    """Compiled: (fp32 scores, safe lse) -> P = exp(S - lse) rounded to `dtype` (for the P V product)."""
-    return mx.compile(lambda s, lse: mx.exp(s - lse).astype(dtype))
+    """Compiled: (fp32 scores, lse) -> P = exp(S - lse) in `dtype` (0 on rows with lse -inf)."""
+
+    def probabilities(s, lse):
+        # Rows that see no key (lse -inf): subtract +inf instead, so P = exp(-inf) = 0.
+        return mx.exp(s - mx.where(lse == -math.inf, math.inf, lse)).astype(dtype)
+
+    return mx.compile(probabilities)
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_terms(softcap, mask_kind, banded, dtype):
-    """Compiled: (s, dp, safe lse, D, [keep], [mask]) -> (P, dS) in `dtype`, recomputing the final
-    scores from the raw product s: P = exp(S - lse), dS = P (dP - D) (times 1 - tanh^2 with softcap)."""
-    final = _score_function(softcap, mask_kind, banded)
+def _backward_terms(scale, softcap, mask_kind, banded, dtype):
+    """Compiled: (s, dp, safe lse, D, [keep], [mask]) -> (P, scale * dS) in `dtype`, recomputing the
+    final scores from the raw product s = q k^T: P = exp(S - lse), dS = P (dP - D) (times
+    1 - tanh^2 with softcap). The scale of dS is the one of S, so dQ = (scale dS) k and
+    dK = (scale dS)^T q need no further scaling."""
+    final = _score_function(scale, softcap, mask_kind)
 
     def terms(s, dp, lse, row_term, *rest):
         p = mx.exp(final(s, *_unpack(rest, banded, mask_kind)) - lse)
         ds = p * (dp.astype(mx.float32) - row_term)
         if softcap is not None:
-            t = mx.tanh(s.astype(mx.float32) * (1.0 / softcap))
+            t = mx.tanh(s.astype(mx.float32) * (scale / softcap))
             ds = ds * (1.0 - t * t)
-        return p.astype(dtype), ds.astype(dtype)
+        return p.astype(dtype), (ds * scale).astype(dtype)
 
     return mx.compile(terms)
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulate():
+    """Compiled: (fp32 rows, product rows) -> their sum in fp32."""
+    return mx.compile(lambda acc, x: acc + x.astype(mx.float32))
 
 
 class _Problem:
     """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test.
 
-    q is stored pre-scaled (q * scale) in the input dtype as [B, Hkv, G, Nq, D]; k, v stay
-    [B, Hkv, Nk, D] in the input dtype. A chunk's G query heads x rows are one matrix
+    q is viewed as [B, Hkv, G, Nq, D]; k, v stay [B, Hkv, Nk, D]; all in the input dtype (the
+    scale multiplies the fp32 scores). A chunk's G query heads x rows are one matrix
     [B, Hkv, G * rows, D], so every product is a plain batched matmul (no broadcast of k / v).
     """
 
@@ -199,7 +209,7 @@ class _Problem:
         B, Hkv, G = q.shape[0], spec.kv_heads, spec.group
         self.spec = spec
         self.shape = (B, Hkv, G)
-        self.q = (q * mx.array(spec.scale, q.dtype)).reshape(B, Hkv, G, spec.q_len, spec.head_dim)
+        self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
         self.k, self.v = k, v
         self.mask = None
         if mask is not None:
@@ -214,12 +224,6 @@ class _Problem:
         B, Hkv, G = self.shape
         return x[..., q0:q1, :].reshape(B, Hkv, G * (q1 - q0), x.shape[-1])
 
-    def product(self, q0, q1, k0, k1):
-        """Raw scores q k^T (q pre-scaled) of a chunk, [B, Hkv, G, q1-q0, k1-k0] in the input dtype."""
-        B, Hkv, G = self.shape
-        s = mx.matmul(self.rows(self.q, q0, q1), mx.swapaxes(self.k[..., k0:k1, :], -1, -2))
-        return s.reshape(B, Hkv, G, q1 - q0, k1 - k0)
-
     def extras(self, q0, q1, k0, k1):
         """The compiled functions' trailing inputs ([keep], [mask]) and whether keep is present."""
         keep = self._band(q0, q1, k0, k1)
@@ -227,7 +231,7 @@ class _Problem:
         if m is not None:
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
             m = m[..., k0:k1] if m.shape[-1] > 1 else m
-        return keep is not None, _pack(keep, m)
+        return keep is not None, tuple(x for x in (keep, m) if x is not None)
 
     def _band(self, q0, q1, k0, k1) -> Optional[mx.array]:
         """Bool [q, k] index mask for a chunk straddling the causal/window edge; None if all visible."""
@@ -283,46 +287,38 @@ def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, m
 def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
-    Dv = spec.value_dim
+    D, Dv, dtype = spec.head_dim, spec.value_dim, spec.dtype
     sink = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, G, 1)
-    # The step chain (see the module docstring): step i's result is ONE fp32 array holding its
-    # output rows, its lse and the q rows of step i + 1, which step i + 1 reads from it.
+    # The step chain (see the module docstring): step i's result is ONE array holding its output
+    # rows and the q rows of step i + 1, which step i + 1 reads from it.
     outs, lses = [], []
-    q_rows = None
+    q_rows = problem.rows(problem.q, *chunks[0][:2])
     for index, (q0, q1, k0, k1) in enumerate(chunks):
         rows = q1 - q0
-        n_q = G * rows * spec.head_dim
-        if q_rows is None:
-            q_rows = problem.rows(problem.q, q0, q1)
         if k0 >= k1:  # no key visible to any row of the chunk
-            out = mx.zeros((B, Hkv, G, rows, Dv), mx.float32)
+            out = mx.zeros((B, Hkv, G * rows, Dv), dtype)
             lse = (mx.full((B, Hkv, G, rows), -math.inf, mx.float32) if sink is None
                    else mx.broadcast_to(sink, (B, Hkv, G, rows)))
         else:
             banded, extras = problem.extras(q0, q1, k0, k1)
             s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, k1 - k0)
-            s = _forward_scores(spec.softcap, spec.mask_kind, banded)(s, *extras)
+            s = _forward_scores(spec.scale, spec.softcap, spec.mask_kind, banded)(s, *extras)
             lse = mx.logsumexp(s, axis=-1)
             if sink is not None:
                 lse = mx.logaddexp(lse, sink)
-            # Rows that see no key (lse -inf): subtract +inf instead, so P = exp(-inf) = 0.
-            safe_lse = mx.where(lse == -math.inf, math.inf, lse)
-            p = _probabilities(spec.dtype)(s, safe_lse[..., None])
+            p = _probabilities(dtype)(s, lse[..., None])
             out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :])
-        parts = [out.astype(mx.float32).reshape(B, Hkv, -1), lse.reshape(B, Hkv, -1)]
-        if index + 1 < len(chunks):
-            n0, n1 = chunks[index + 1][:2]
-            parts.append(problem.rows(problem.q, n0, n1).astype(mx.float32).reshape(B, Hkv, -1))
-        state = mx.concatenate(parts, axis=-1)
-        n_out = G * rows * Dv
-        outs.append(state[..., :n_out].reshape(B, Hkv, G, rows, Dv))
-        lses.append(state[..., n_out:n_out + G * rows].reshape(B, Hkv, G, rows))
-        if index + 1 < len(chunks):
-            q_rows = state[..., n_out + G * rows:].astype(spec.dtype).reshape(B, Hkv, -1, spec.head_dim)
+        lses.append(lse)
+        if index + 1 == len(chunks):
+            outs.append(out.reshape(B, Hkv, G, rows, Dv))
+            break
+        following = problem.rows(problem.q, *chunks[index + 1][:2])
+        state = mx.concatenate([out.reshape(B, Hkv, -1), following.reshape(B, Hkv, -1)], axis=-1)
+        outs.append(state[..., :G * rows * Dv].reshape(B, Hkv, G, rows, Dv))
+        q_rows = state[..., G * rows * Dv:].reshape(following.shape)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
-    out = out.astype(spec.dtype).reshape(B, spec.q_heads, spec.q_len, Dv)
-    return out, lse.reshape(B, spec.q_heads, spec.q_len)
+    return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
@@ -360,53 +356,47 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
     Nk, D, Dv, dtype = spec.kv_len, spec.head_dim, spec.value_dim, q.dtype
-    W = D + Dv
     safe_lse = safe_lse.reshape(B, Hkv, G, spec.q_len, 1)
     row_term = row_term.reshape(B, Hkv, G, spec.q_len, 1)
     d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
-    scale = mx.array(spec.scale, mx.float32)
 
-    def inputs(q0, q1):  # a step's q rows and dO rows, flat fp32 (to travel in the step state)
-        return [problem.rows(x, q0, q1).astype(mx.float32).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
+    def inputs(q0, q1):  # a step's q rows and dO rows, flat
+        return [problem.rows(x, q0, q1).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
 
     # The fp32 dK | dV rows of all keys, updated in place (slice_update) by each step; and the step
-    # chain (see the module docstring): step i's result is ONE fp32 array holding its finished dQ
-    # rows, the q and dO rows of step i + 1 (which step i + 1 reads from it) and one element of the
-    # dK | dV array after step i (so that that update, too, happens inside step i).
-    acc = mx.zeros((B, Hkv, Nk, W), mx.float32)
+    # chain (see the module docstring): step i's result is ONE array holding its finished dQ rows,
+    # the q and dO rows of step i + 1 (which step i + 1 reads from them) and one element of the
+    # dK | dV array after step i (so that this update, too, happens inside step i).
+    acc = mx.zeros((B, Hkv, Nk, D + Dv), mx.float32)
     dqs = []
-    carried = None
+    carried = mx.concatenate(inputs(*chunks[0][:2]), axis=-1)
     for index, (q0, q1, k0, k1) in enumerate(chunks):
         rows = q1 - q0
         n_q, n_o = G * rows * D, G * rows * Dv
-        if carried is None:
-            q_rows, do_rows = (x.reshape(B, Hkv, G * rows, -1).astype(dtype) for x in inputs(q0, q1))
-        else:
-            q_rows = carried[..., :n_q].astype(dtype).reshape(B, Hkv, G * rows, D)
-            do_rows = carried[..., n_q:n_q + n_o].astype(dtype).reshape(B, Hkv, G * rows, Dv)
+        q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
+        do_rows = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, Dv)
         if k0 >= k1:
-            dq_rows = mx.zeros((B, Hkv, G * rows, D), mx.float32)
+            dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
         else:
             banded, extras = problem.extras(q0, q1, k0, k1)
             keys = k1 - k0
             s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
             dp = mx.matmul(do_rows, mx.swapaxes(v[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
-            p, ds = _backward_terms(spec.softcap, spec.mask_kind, banded, dtype)(
+            p, ds = _backward_terms(spec.scale, spec.softcap, spec.mask_kind, banded, dtype)(
                 s, dp, safe_lse[..., q0:q1, :], row_term[..., q0:q1, :], *extras)
             p = p.reshape(B, Hkv, G * rows, keys)
-            ds = ds.reshape(B, Hkv, G * rows, keys)
+            ds = ds.reshape(B, Hkv, G * rows, keys)  # already times the scale
             dq_rows = mx.matmul(ds, k[..., k0:k1, :])  # complete for these rows
-            # dK from the pre-scaled q: scale * dS^T q, so dK needs no further scaling. The G query
-            # heads of a kv head are rows of one product: their sum is the matmul's fp32 accumulation.
-            dk = mx.matmul(mx.swapaxes(ds, -1, -2), q_rows)
-            dv = mx.matmul(mx.swapaxes(p, -1, -2), do_rows)
-            update = acc[..., k0:k1, :] + mx.concatenate([dk, dv], axis=-1).astype(mx.float32)
-            acc = mx.slice_update(acc, update, mx.array([k0]), axes=(2,))
-        parts = [dq_rows.astype(mx.float32).reshape(B, Hkv, -1), acc[..., :1, :1].reshape(B, Hkv, 1)]
+            # The G query heads of a kv head are rows of one product: their sum is the matmul's
+            # fp32 accumulation.
+            dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
+                                  mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
+            acc = mx.slice_update(acc, _accumulate()(acc[..., k0:k1, :], dkv), mx.array([k0]), axes=(2,))
+        parts = [dq_rows.reshape(B, Hkv, -1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
         if index + 1 < len(chunks):
             parts += inputs(*chunks[index + 1][:2])
         state = mx.concatenate(parts, axis=-1)
-        dqs.append((state[..., :n_q] * scale).astype(dtype).reshape(B, Hkv, G, rows, D))
+        dqs.append(state[..., :n_q].reshape(B, Hkv, G, rows, D))
         carried = state[..., n_q + 1:]
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
     return dq.reshape(q.shape), acc[..., :D].astype(k.dtype), acc[..., D:].astype(v.dtype)
