@@ -86,14 +86,16 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if mx.default_device().type == mx.gpu else "cpu")
     parser.add_argument("--old-tree", default=None, help="directory holding the old checkout's mlx_flash package")
     parser.add_argument("--fractions", type=int, nargs="+", default=None,
-                        help=f"SCORE_FRACTION values of the new backend (default: 8 and the shipped {mlx_ops.SCORE_FRACTION})")
+                        help="SCORE_FRACTION values of the new backend (default: 8, 16 and the shipped "
+                             f"{mlx_ops.SCORE_FRACTION} on the gpu preset, the shipped one elsewhere)")
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--max-repeats", type=int, default=5)
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="start no new shape after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    fractions = args.fractions or sorted({8, mlx_ops.SCORE_FRACTION})
+    fractions = args.fractions or sorted({8, 16, mlx_ops.SCORE_FRACTION} if args.preset == "gpu"
+                                         else {mlx_ops.SCORE_FRACTION})
     impls = {}
     if args.old_tree:
         impls["old"] = old_backend(load_old(args.old_tree))

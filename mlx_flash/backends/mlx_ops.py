@@ -1,47 +1,56 @@
-"""The "mlx" backend: blocked attention from MLX ops alone. Runs on every MLX device.
+"""The "mlx" backend: attention from MLX ops alone, in query-row chunks. Runs on every MLX device.
 
-Shape of the computation: all query rows at once, streaming key blocks of `key_block`
-columns. The forward keeps an online-softmax state; the backward is the one-pass,
-five-product variant of ALGORITHM.md (per key block: recompute S and P, then dV, dP, dS,
-dQ += dS K and dK), race-free here because each block is whole-array ops. No array larger
-than one score block [B, Hq, Nq, key_block] is built, so memory grows O(N * block), not
-O(N^2). Causal and window masks skip whole key blocks and, inside a key block, touch only
-the query rows that can see it (a contiguous range); an index mask is built only for
-blocks that straddle the band edge.
+Shape of the computation: MLX's own unfused attention cut into chunks of query rows, each chunk
+attending to all of the keys its rows may see at once (no online softmax, no rescaling):
+    forward   S = q k^T (one matmul), then one compiled elementwise kernel (scale, softcap, masks:
+              fp32 scores), lse = logsumexp(S) (MLX's fused reduction), P = exp(S - lse) (compiled,
+              rounded to the input dtype), O = P V (one matmul). Each chunk's O and lse are final.
+    backward  per chunk: recompute S, dP = dO V^T, then one compiled kernel gives P and
+              scale * dS = scale * P (dP - D) (times 1 - tanh^2 under softcap); dQ of the chunk's
+              rows = (scale dS) K is final; dK | dV of its keys += [(scale dS)^T q | P^T dO], summed
+              in fp32 in place (slice_update) -- five products, as ALGORITHM.md's one-pass variant.
+Under a causal mask or a window a chunk [q0, q1) sees only keys spec.key_range(q0, q1): about half
+of the causal work is skipped, and an index mask is built only for the chunk's band edge. GQA:
+a chunk's G query heads x rows are the rows of one matrix [B, Hkv, G * rows, D], so every product
+is a plain batched matmul against k / v [B, Hkv, Nk, D] (never tiled) and dK / dV sum the G heads
+in the matmul's fp32 accumulation.
 
-Why one packed state per step: MLX evaluates the graph in depth-first order of the inputs,
-so when a block's temporaries feed several independent accumulator chains (max, sum and
-output; or dQ, dK and dV) it computes every block's temporaries while walking the first
-chain and keeps them all until the others are walked -- O(N^2) memory (measured: fwd peak
-525 MiB at N=4096 with 4 MiB blocks). Packing each step's results into ONE array that the
-next step reads makes every temporary die inside its own step (and `mx.depends` is no
-help: its outputs keep the whole upstream graph alive). Measured after the change: see
-tests/test_memory.py.
+Why the chunks are chained: MLX does not evaluate independent chunks one after another. Measured
+on the CPU (B=1 H=8 N=4096 D=16, 16 chunks of 32 MiB scores): chunks whose results are only
+concatenated at the end peak at all of their score blocks (516 MiB for softmax + P V; 1 GiB with
+logsumexp + exp); mx.depends did not help (546 MiB). So step i's result is ONE array that step
+i + 1 reads its inputs from: the forward packs the chunk's output rows with the next chunk's q
+rows; the backward packs the chunk's dQ rows, the next chunk's q and dO rows and one element of
+the dK | dV array after the chunk's update (so the update, too, is done within the step). Then
+a step's temporaries die inside it, and the peak is the operations MLX keeps in flight: about
+nine score blocks on the CPU (fwd 164 MiB, fwd+bwd 132 MiB in the measurement above with 1/32
+blocks). The O(N * D) copies this costs are per chunk and small next to a chunk's products.
 
-Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in
-fp32 and rounds the product to the input dtype, as its own unfused attention does); scores,
-softmax statistics (row max, row sum, lse), P before its rounding for the P V / P^T dO products,
-dS and the O / dQ accumulators are fp32, and dK / dV blocks are summed over GQA heads in fp32.
-The scale is folded into q once (q * scale in the input dtype, as MLX does). dP is a rounded
-product, and when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32
-the rounding of dP alone survives (a 10% error in dQ, found by the property tests), so for
-fp16 / bf16 D is rounded to the input dtype too, the same rounding that dP gets, and the
-cancellation is exact again. fp32 inputs compute everything in fp32.
+Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in fp32
+and rounds the product to the input dtype, as its own unfused attention does); the scale,
+softcap, masks, softmax statistics (lse) and P, dS before their rounding for the products are
+fp32 (inside the compiled kernels), and dK / dV accumulate in fp32. dP is a rounded product, and
+when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32 the rounding of
+dP alone survives (a 10% error in dQ, found by the property tests), so for fp16 / bf16 D is
+rounded to the input dtype too, the same rounding that dP gets, and the cancellation is exact
+again. fp32 inputs compute everything in fp32.
 
-Block sizes (plan_blocks): one fp32 score block [B, Hq, Nq, key_block] may take 1/32 of the
-whole score matrix (half of it for small problems, up to 8 MiB: fewer steps where memory is
-cheap), and at most 1/512 of the device's memory clamped to [32, 256] MiB; key blocks are
-multiples of 64 columns, at least 128. Forward+backward peaks at about 8 to 16 score blocks (MLX
-keeps about ten operations in flight), so the 1/32 keeps the peak at a quarter to a half of one
-score matrix (MLX's unfused attention: about 3.2 score matrices), and
-the device share bounds the block of large problems, so memory grows linearly in N past it.
+Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of the
+whole score matrix (or half of it while that is at most 8 MiB), and at most 1/512 of the device's
+memory clamped to [32, 256] MiB; chunks start on multiples of 64 rows and take at least 64 (fewer
+rows than that cost more in steps than they save). Narrow chunks (the first ones under a causal
+mask) are taller, so each holds about one block of scores. The 1/32 is the CPU's memory target
+(forward+backward peak under a quarter of MLX's unfused attention, tests/test_memory.py); each
+chunk costs about ten MLX operations forward and fifteen backward, so on a GPU fewer, larger chunks
+trade memory for launch overhead: benchmarks/mlx_backend_variants.py measures both.
 
-Sinks: a row's sink is the first score its online softmax sees (_initial_state: row max = sink,
-row sum = 1); its gradient -sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no
-rounded dP cancels against D there.
+mx.compile: the elementwise parts are compiled per (scale, softcap, mask kind, band, dtype) and
+traced once per distinct chunk shape (a causal plan has one shape per chunk; each trace is a few
+milliseconds on the CPU, the first compile of each kernel about a second there).
 
-GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
-broadcasting shares each kv head with its query heads without tiling k or v.
+Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); its gradient
+-sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no rounded dP cancels against D
+there.
 """
 from __future__ import annotations
 
@@ -287,7 +296,7 @@ def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, m
 def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
-    D, Dv, dtype = spec.head_dim, spec.value_dim, spec.dtype
+    Dv, dtype = spec.value_dim, spec.dtype
     sink = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, G, 1)
     # The step chain (see the module docstring): step i's result is ONE array holding its output
     # rows and the q rows of step i + 1, which step i + 1 reads from it.
