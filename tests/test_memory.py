@@ -75,7 +75,8 @@ def test_chunk_plan_follows_the_problem_and_the_device():
     def rows(chunks):
         return [q1 - q0 for q0, q1, _, _ in chunks]
 
-    assert rows(plan(256, heads=2)) == [128, 128]                # small: half the score matrix
+    assert rows(plan(256, heads=2)) == [256]                     # small: the whole score matrix
+    assert rows(plan(1024, heads=4)) == [256] * 4                # 16 MiB: 4 MiB blocks
     assert set(rows(plan(4096))) == {128}                         # 1/32 of the 1 GiB score matrix
     assert set(rows(plan(8192, memory=80 << 30))) == {256}        # 1/32 of 4 GiB = 128 MiB < 160 MiB
     assert set(rows(plan(16384, memory=80 << 30))) == {128}       # the device share (1/512: 160 MiB)

@@ -19,10 +19,10 @@ Why the chunks are chained: MLX does not evaluate independent chunks one after a
 on the CPU (B=1 H=8 N=4096 D=16, 16 chunks of 32 MiB scores): chunks whose results are only
 concatenated at the end peak at all of their score blocks (516 MiB for softmax + P V; 1 GiB with
 logsumexp + exp); mx.depends did not help (546 MiB). So step i's result is ONE array that step
-i + 1 reads its inputs from: the forward packs the chunk's output rows with the next chunk's q
-rows; the backward packs the chunk's dQ rows, the next chunk's q and dO rows and one element of
-the dK | dV array after the chunk's update (so the update, too, is done within the step). Then
-a step's temporaries die inside it, and the peak is the operations MLX keeps in flight: about
+i + 1 reads its inputs from: the next chunk's q rows (and dO rows, backward) packed with one
+element of each result of the step (its output rows; its dQ rows and the dK | dV array after its
+update), so that every result is computed within its step. Then a step's temporaries die inside it
+(and the packed arrays with the next step; the results are separate arrays, not views of them), and the peak is the operations MLX keeps in flight: about
 nine score blocks on the CPU (fwd 164 MiB, fwd+bwd 132 MiB in the measurement above with 1/32
 blocks). The O(N * D) copies this costs are per chunk and small next to a chunk's products.
 
@@ -36,7 +36,8 @@ rounded to the input dtype too, the same rounding that dP gets, and the cancella
 again. fp32 inputs compute everything in fp32.
 
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of the
-whole score matrix (or half of it while that is at most 8 MiB), and at most 1/512 of the device's
+whole score matrix (all of it while that is at most 8 MiB: one chunk, no chain, for small
+problems and for the ring's key pieces; at least 4 MiB above that), and at most 1/512 of the device's
 memory clamped to [32, 256] MiB; chunks start on multiples of 64 rows and take at least 64 (fewer
 rows than that cost more in steps than they save). Narrow chunks (the first ones under a causal
 mask) are taller, so each holds about one block of scores. The 1/32 is the CPU's memory target
@@ -65,9 +66,10 @@ from .budget import device_memory_bytes
 from .sinks import empty_lse, sinks_gradient
 
 # Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
-# 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (or half of it while that is at most
-# SMALL_BLOCK_BYTES: one or two chunks where memory is cheap), and at most 1/DEVICE_FRACTION of the
-# device's memory clamped to [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
+# 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (all of it while that is at most
+# SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
+# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory clamped to
+# [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
 SCORE_FRACTION = 32
 SMALL_BLOCK_BYTES = 8 << 20
 DEVICE_FRACTION = 512
@@ -81,7 +83,7 @@ def score_block_bytes(spec: AttentionSpec, memory_bytes: int) -> int:
     """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with `memory_bytes`."""
     device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
-    problem_share = max(whole // SCORE_FRACTION, min(whole // 2, SMALL_BLOCK_BYTES))
+    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // SCORE_FRACTION, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
@@ -298,8 +300,8 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
     B, Hkv, G = problem.shape
     Dv, dtype = spec.value_dim, spec.dtype
     sink = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, G, 1)
-    # The step chain (see the module docstring): step i's result is ONE array holding its output
-    # rows and the q rows of step i + 1, which step i + 1 reads from it.
+    # The step chain (see the module docstring): step i's result is ONE array holding one element
+    # of its output rows and the q rows of step i + 1, which step i + 1 reads from it.
     outs, lses = [], []
     q_rows = problem.rows(problem.q, *chunks[0][:2])
     for index, (q0, q1, k0, k1) in enumerate(chunks):
@@ -318,13 +320,11 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
             p = _probabilities(dtype)(s, lse[..., None])
             out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :])
         lses.append(lse)
-        if index + 1 == len(chunks):
-            outs.append(out.reshape(B, Hkv, G, rows, Dv))
-            break
-        following = problem.rows(problem.q, *chunks[index + 1][:2])
-        state = mx.concatenate([out.reshape(B, Hkv, -1), following.reshape(B, Hkv, -1)], axis=-1)
-        outs.append(state[..., :G * rows * Dv].reshape(B, Hkv, G, rows, Dv))
-        q_rows = state[..., G * rows * Dv:].reshape(following.shape)
+        outs.append(out.reshape(B, Hkv, G, rows, Dv))
+        if index + 1 < len(chunks):
+            following = problem.rows(problem.q, *chunks[index + 1][:2])
+            state = mx.concatenate([out[..., :1, :1].reshape(B, Hkv, 1), following.reshape(B, Hkv, -1)], axis=-1)
+            q_rows = state[..., 1:].reshape(following.shape)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
     return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
@@ -373,9 +373,9 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
         return [problem.rows(x, q0, q1).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
 
     # The fp32 dK | dV rows of all keys, updated in place (slice_update) by each step; and the step
-    # chain (see the module docstring): step i's result is ONE array holding its finished dQ rows,
-    # the q and dO rows of step i + 1 (which step i + 1 reads from them) and one element of the
-    # dK | dV array after step i (so that this update, too, happens inside step i).
+    # chain (see the module docstring): step i's result is ONE array holding one element of its
+    # finished dQ rows and one of the dK | dV array after its update (so that both happen inside
+    # step i) and the q and dO rows of step i + 1 (which step i + 1 reads from it).
     acc = mx.zeros((B, Hkv, Nk, D + Dv), mx.float32)
     dqs = []
     carried = mx.concatenate(inputs(*chunks[0][:2]), axis=-1)
@@ -401,12 +401,10 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
             dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
                                   mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
             acc = mx.slice_update(acc, _accumulate()(acc[..., k0:k1, :], dkv), mx.array([k0]), axes=(2,))
-        parts = [dq_rows.reshape(B, Hkv, -1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
+        dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
         if index + 1 < len(chunks):
-            parts += inputs(*chunks[index + 1][:2])
-        state = mx.concatenate(parts, axis=-1)
-        dqs.append(state[..., :n_q].reshape(B, Hkv, G, rows, D))
-        carried = state[..., n_q + 1:]
+            ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
+            carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., 2:]
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
     return dq.reshape(q.shape), acc[..., :D].astype(k.dtype), acc[..., D:].astype(v.dtype)
 
