@@ -64,18 +64,28 @@ def test_mlx_backend_peak_grows_linearly_in_each_dtype(dtype):
     assert large < 6 * small, f"{dtype}: peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
 
 
-def test_block_plan_follows_the_problem_and_the_device():
+def test_chunk_plan_follows_the_problem_and_the_device():
     from mlx_flash.backends import mlx_ops
     from mlx_flash.spec import check_inputs
 
-    def plan(n, heads=16, memory=80 << 30):
-        spec, _ = check_inputs(*[mx.zeros((1, heads, n, 8))] * 3)
-        return mlx_ops.plan_blocks(spec, memory)[1]
+    def plan(n, heads=16, memory=80 << 30, mask=None):
+        spec, _ = check_inputs(*[mx.zeros((1, heads, n, 8))] * 3, mask=mask)
+        return mlx_ops.plan_chunks(spec, memory)[1]
 
-    assert plan(256, heads=2) == 128                        # small: two key blocks
-    assert plan(4096) == 128                                # 1/32 of the 1 GiB score matrix
-    assert plan(8192, memory=80 << 30) == 256               # 1/32 of 4 GiB = 128 MiB < 160 MiB (1/512 of 80 GiB)
-    assert plan(16384, memory=80 << 30) == 128              # the device share (160 MiB) bounds it
-    assert plan(16384, memory=8 << 30) == 128               # 32 MiB floor, then the 128-key minimum
+    def rows(chunks):
+        return [q1 - q0 for q0, q1, _, _ in chunks]
+
+    assert rows(plan(256, heads=2)) == [256]                     # small: the whole score matrix
+    assert rows(plan(1024, heads=4)) == [256] * 4                # 16 MiB: 4 MiB blocks
+    assert set(rows(plan(4096))) == {128}                         # 1/32 of the 1 GiB score matrix
+    assert set(rows(plan(8192, memory=80 << 30))) == {256}        # 1/32 of 4 GiB = 128 MiB < 160 MiB
+    assert set(rows(plan(16384, memory=80 << 30))) == {128}       # the device share (1/512: 160 MiB)
+    assert set(rows(plan(16384, memory=8 << 30))) == {64}         # 32 MiB floor, then 64 rows minimum
+    causal = plan(4096, mask="causal")
+    assert rows(causal)[0] > rows(causal)[-1] == 128              # narrow causal chunks are taller
+    assert all(k1 == q1 and k0 == 0 for _, q1, k0, k1 in causal)  # each sees exactly its keys
     for n in (1000, 3000, 5000):
-        assert plan(n) % 64 == 0 or plan(n) == n
+        chunks = plan(n)
+        assert chunks[0][0] == 0 and chunks[-1][1] == n
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:]))
+        assert all((q1 - q0) % 64 == 0 for q0, q1, _, _ in chunks[:-1])

@@ -19,11 +19,11 @@ def test_auto_backend_matches_reference(case):
     check_case(case, backend="auto")
 
 
-def test_multiple_key_blocks(monkeypatch):
-    """Small blocks force many key blocks, band-edge masks and skipped blocks at test sizes."""
+def test_multiple_row_chunks(monkeypatch):
+    """Small blocks force many query-row chunks, band-edge masks and keyless chunks at test sizes."""
     from mlx_flash.backends import mlx_ops
-    for knob, value in (("MIN_BLOCK_BYTES", 2048), ("MAX_BLOCK_BYTES", 2048), ("KEY_BLOCK_ALIGN", 1),
-                        ("MIN_KEY_BLOCK", 7)):
+    for knob, value in (("MIN_BLOCK_BYTES", 2048), ("MAX_BLOCK_BYTES", 2048), ("ROW_ALIGN", 1),
+                        ("MIN_ROWS", 3)):
         monkeypatch.setattr(mlx_ops, knob, value)
     for mask in ("none", "causal", "window", "causal_window", "bool", "additive"):
         for q_len, kv_len in ((61, 45), (45, 61), (33, 33)):
@@ -31,6 +31,6 @@ def test_multiple_key_blocks(monkeypatch):
                             mask=mask, window=(9, 4), softcap=5.0 if mask == "bool" else None,
                             lse_gradient=True, sinks=mask in ("causal", "window", "bool"),
                             seed=q_len * kv_len))
-    # The test is only meaningful if the plan really splits the keys into several blocks.
+    # The test is only meaningful if the plan really splits the rows into several chunks.
     spec, _ = check_inputs(*[mx.zeros((2, 4, 61, 12))] * 3)
-    assert mlx_ops.plan_blocks(spec)[1] < 61
+    assert len(mlx_ops.plan_chunks(spec)[1]) > 2

@@ -1,50 +1,67 @@
-"""The "mlx" backend: blocked attention from MLX ops alone. Runs on every MLX device.
+"""The "mlx" backend: attention from MLX ops alone, in query-row chunks. Runs on every MLX device.
 
-Shape of the computation: all query rows at once, streaming key blocks of `key_block`
-columns. The forward keeps an online-softmax state; the backward is the one-pass,
-five-product variant of ALGORITHM.md (per key block: recompute S and P, then dV, dP, dS,
-dQ += dS K and dK), race-free here because each block is whole-array ops. No array larger
-than one score block [B, Hq, Nq, key_block] is built, so memory grows O(N * block), not
-O(N^2). Causal and window masks skip whole key blocks and, inside a key block, touch only
-the query rows that can see it (a contiguous range); an index mask is built only for
-blocks that straddle the band edge.
+Shape of the computation: MLX's own unfused attention cut into chunks of query rows, each chunk
+attending to all of the keys its rows may see at once (no online softmax, no rescaling):
+    forward   S = q k^T (one matmul), then one compiled elementwise kernel (scale, softcap, masks:
+              fp32 scores), lse = logsumexp(S) (MLX's fused reduction), P = exp(S - lse) (compiled,
+              rounded to the input dtype), O = P V (one matmul). Each chunk's O and lse are final.
+    backward  per chunk: recompute S, dP = dO V^T, then one compiled kernel gives P and
+              scale * dS = scale * P (dP - D) (times 1 - tanh^2 under softcap); dQ of the chunk's
+              rows = (scale dS) K is final; dK | dV of its keys += [(scale dS)^T q | P^T dO], summed
+              in fp32 in place (slice_update) -- five products, as ALGORITHM.md's one-pass variant.
+Under a causal mask or a window a chunk [q0, q1) sees only keys spec.key_range(q0, q1): about half
+of the causal work is skipped, and an index mask is built only for the chunk's band edge. GQA:
+a chunk's G query heads x rows are the rows of one matrix [B, Hkv, G * rows, D], so every product
+is a plain batched matmul against k / v [B, Hkv, Nk, D] (never tiled) and dK / dV sum the G heads
+in the matmul's fp32 accumulation.
 
-Why one packed state per step: MLX evaluates the graph in depth-first order of the inputs,
-so when a block's temporaries feed several independent accumulator chains (max, sum and
-output; or dQ, dK and dV) it computes every block's temporaries while walking the first
-chain and keeps them all until the others are walked -- O(N^2) memory (measured: fwd peak
-525 MiB at N=4096 with 4 MiB blocks). Packing each step's results into ONE array that the
-next step reads makes every temporary die inside its own step (and `mx.depends` is no
-help: its outputs keep the whole upstream graph alive). Measured after the change: see
-tests/test_memory.py.
+Why the chunks are chained: MLX does not evaluate independent chunks one after another. Measured
+on the CPU (B=1 H=8 N=4096 D=16, 16 chunks of 32 MiB scores): chunks whose results are only
+concatenated at the end peak at all of their score blocks (516 MiB for softmax + P V; 1 GiB with
+logsumexp + exp); mx.depends did not help (546 MiB). So step i's result is ONE array that step
+i + 1 reads its inputs from: the next chunk's q rows (and dO rows, backward) packed with one
+element of each result of the step (its output rows; its dQ rows and the dK | dV array after its
+update), so that every result is computed within its step. Then a step's temporaries die inside
+it (the packed arrays with the next step; the results are separate arrays, not views of them),
+and the peak is the operations MLX keeps in flight: about ten score blocks on the CPU (fwd
+162 MiB, fwd+bwd 130 MiB in the measurement above with 1/32 blocks). The O(N * D) copies this
+costs are per chunk and small next to a chunk's products.
 
-Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in
-fp32 and rounds the product to the input dtype, as its own unfused attention does); scores,
-softmax statistics (row max, row sum, lse), P before its rounding for the P V / P^T dO products,
-dS and the O / dQ accumulators are fp32, and dK / dV blocks are summed over GQA heads in fp32.
-The scale is folded into q once (q * scale in the input dtype, as MLX does). dP is a rounded
-product, and when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32
-the rounding of dP alone survives (a 10% error in dQ, found by the property tests), so for
-fp16 / bf16 D is rounded to the input dtype too, the same rounding that dP gets, and the
-cancellation is exact again. fp32 inputs compute everything in fp32.
+Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in fp32
+and rounds the product to the input dtype, as its own unfused attention does); the scale,
+softcap, masks, softmax statistics (lse) and P, dS before their rounding for the products are
+fp32 (inside the compiled kernels), and dK / dV accumulate in fp32. dP is a rounded product, and
+when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32 the rounding of
+dP alone survives (a 10% error in dQ, found by the property tests), so for fp16 / bf16 D is
+rounded to the input dtype too, the same rounding that dP gets, and the cancellation is exact
+again. fp32 inputs compute everything in fp32.
 
-Block sizes (plan_blocks): one fp32 score block [B, Hq, Nq, key_block] may take 1/32 of the
-whole score matrix (half of it for small problems, up to 8 MiB: fewer steps where memory is
-cheap), and at most 1/512 of the device's memory clamped to [32, 256] MiB; key blocks are
-multiples of 64 columns, at least 128. Forward+backward peaks at about 8 to 16 score blocks (MLX
-keeps about ten operations in flight), so the 1/32 keeps the peak at a quarter to a half of one
-score matrix (MLX's unfused attention: about 3.2 score matrices), and
-the device share bounds the block of large problems, so memory grows linearly in N past it.
+Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
+the whole score matrix (all of it while that is at most 8 MiB: one chunk, no chain, for small
+problems and for the ring's key pieces; at least 4 MiB above that), and at most 1/512 of the
+device's memory clamped to [32, 256] MiB; chunks start on multiples of 64 rows and take at least
+64. Narrow chunks (the first ones under a causal mask) are taller, so each holds about one block
+of scores. The 1/32 is the CPU's memory target (forward+backward peak under a quarter of MLX's
+unfused attention, tests/test_memory.py); each chunk costs about seven MLX operations forward and
+twelve backward, so on a GPU fewer, larger chunks trade memory for launch overhead:
+benchmarks/mlx_backend_variants.py measures both.
 
-Sinks: a row's sink is the first score its online softmax sees (_initial_state: row max = sink,
-row sum = 1); its gradient -sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no
-rounded dP cancels against D there.
+Measured on the 2-core CPU (fp32 B=1 H=8 D=64, fwd+bwd, interleaved, a loaded machine), against
+MLX's unfused attention / mx.fast (the same path there): N=1024 1.24x / 1.28x the time at 0.54x
+the peak, causal 0.82x / 0.72x at 0.44x. Non-causal, the backward's recomputed S is one product
+more than MLX's autodiff of its unfused attention (which keeps P): 7 products against 6.
 
-GQA: q is viewed as [B, Hkv, group, Nq, D] and k/v as [B, Hkv, 1, Nk, D], so matmul
-broadcasting shares each kv head with its query heads without tiling k or v.
+mx.compile: the elementwise parts are compiled per (scale, softcap, mask kind, band, dtype) and
+traced once per distinct chunk shape (a causal plan has one shape per chunk; each trace is a few
+milliseconds on the CPU, the first compile of each kernel about a second there).
+
+Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); its gradient
+-sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no rounded dP cancels against D
+there.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -54,28 +71,34 @@ from ..spec import AttentionSpec
 from .budget import device_memory_bytes
 from .sinks import empty_lse, sinks_gradient
 
-# Block plan (see the module docstring). Peak memory of forward+backward in fp32 score blocks,
-# measured on the CPU (B=1 H=8, N=1024/2048): 4.2 with one key block, 5.1-5.2 with two, 7.9-8.5
-# with four; 16 at N=4096 H=2 with 4 MiB blocks. MLX's unfused attention: ~3.2 score matrices.
-SCORE_FRACTION = 32            # a score block is at most 1/32 of the whole Nq x Nk score matrix
-SMALL_BLOCK_BYTES = 8 << 20    # ... or up to half of it while that is at most 8 MiB (fewer steps)
-DEVICE_FRACTION = 512          # ... and at most 1/512 of the device's memory,
-MIN_BLOCK_BYTES = 32 << 20     # clamped to [32, 256] MiB
+# Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
+# 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (all of it while that is at most
+# SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
+# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory clamped to
+# [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
+SCORE_FRACTION = 32
+SMALL_BLOCK_BYTES = 8 << 20
+DEVICE_FRACTION = 512
+MIN_BLOCK_BYTES = 32 << 20
 MAX_BLOCK_BYTES = 256 << 20
-KEY_BLOCK_ALIGN = 64
-MIN_KEY_BLOCK = 128
+ROW_ALIGN = 64                 # chunk boundaries on multiples of 64 query rows (matmul tiles)
+MIN_ROWS = 64                  # ... and at least 64 rows per chunk (fewer steps beat a smaller block)
 
 
 def score_block_bytes(spec: AttentionSpec, memory_bytes: int) -> int:
-    """Bytes one fp32 score block of this call may take on a device with `memory_bytes`."""
+    """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with `memory_bytes`."""
     device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
-    problem_share = max(whole // SCORE_FRACTION, min(whole // 2, SMALL_BLOCK_BYTES))
+    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // SCORE_FRACTION, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
-def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tuple[int, int]:
-    """(batch_chunk, key_block): batch entries per independent chunk and keys per block.
+def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None):
+    """(batch_chunk, [(q0, q1, k0, k1), ...]): batch entries per independent chunk and the query-row
+    chunks, each with the keys [k0, k1) its rows may see (k0 >= k1: none).
+
+    A chunk takes as many rows as keep rows x visible keys within the score block, so under a
+    causal mask or a window the early (narrow) chunks are taller.
 
     Args:
         spec: the call.
@@ -84,27 +107,127 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
     if memory_bytes is None:
         memory_bytes = device_memory_bytes(mx.default_device())
     elements = score_block_bytes(spec, memory_bytes) // 4
-    rows = max(1, spec.q_heads * spec.q_len)
-    key_block = elements // (spec.batch * rows)
-    key_block = max(MIN_KEY_BLOCK, key_block // KEY_BLOCK_ALIGN * KEY_BLOCK_ALIGN)
-    key_block = max(1, min(key_block, spec.kv_len))
-    batch_chunk = max(1, min(spec.batch, elements // (rows * key_block)))
-    return batch_chunk, key_block
+    heads, Nq = max(1, spec.q_heads), spec.q_len
+    min_rows = max(1, min(MIN_ROWS, Nq))
+    batch_chunk = max(1, min(spec.batch, elements // max(1, heads * min_rows * spec.kv_len)))
+    per_row = batch_chunk * heads  # score elements per (query row, key)
+
+    def fits(q0, q1):
+        k0, k1 = spec.key_range(q0, q1)
+        return (q1 - q0) * max(k1 - k0, 1) * per_row <= elements
+
+    chunks, q0 = [], 0
+    while q0 < Nq:
+        lo, hi = min(q0 + min_rows, Nq), Nq  # the largest q1 in [lo, hi] that fits (at least lo)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(q0, mid) else (lo, mid - 1)
+        q1 = lo if lo == Nq or lo - q0 < ROW_ALIGN else q0 + (lo - q0) // ROW_ALIGN * ROW_ALIGN
+        k0, k1 = spec.key_range(q0, q1)
+        chunks.append((q0, q1, k0, k1))
+        q0 = q1
+    return batch_chunk, chunks
+
+
+def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tuple[int, int]:
+    """(batch_chunk, keys): the keys of a score block that spans all query rows of a batch chunk.
+
+    For callers that size their own key pieces to this backend's memory budget (the ring).
+    """
+    if memory_bytes is None:
+        memory_bytes = device_memory_bytes(mx.default_device())
+    batch_chunk, _ = plan_chunks(spec, memory_bytes)
+    elements = score_block_bytes(spec, memory_bytes) // 4
+    keys = elements // max(1, batch_chunk * spec.q_heads * spec.q_len)
+    return batch_chunk, max(1, min(max(keys, MIN_ROWS), spec.kv_len))
+
+
+# -- the fused elementwise parts (mx.compile: one kernel each where MLX can fuse) ----------------
+# Each is built once per (scale, softcap, mask kind, band, dtype) -- immutable values of the call --
+# and traced once per distinct chunk shape.
+
+def _score_function(scale: float, softcap: Optional[float], mask_kind: str):
+    """final_scores(s, keep, mask) -> fp32 scores: scale, softcap, mask (-inf where masked)."""
+
+    def final_scores(s, keep, mask):
+        s = s.astype(mx.float32) * scale
+        if softcap is not None:
+            s = mx.tanh(s * (1.0 / softcap)) * softcap
+        if mask_kind == "additive":
+            s = s + mask.astype(mx.float32)
+        elif mask_kind == "bool":
+            keep = mask if keep is None else mx.logical_and(keep, mask)
+        if keep is not None:
+            s = mx.where(keep, s, -math.inf)
+        return s
+
+    return final_scores
+
+
+def _unpack(args, banded: bool, mask_kind: str):
+    args = list(args)
+    keep = args.pop(0) if banded else None
+    mask = args.pop(0) if mask_kind != "none" else None
+    return keep, mask
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_scores(scale, softcap, mask_kind, banded):
+    """Compiled: (s, [keep], [mask]) -> fp32 final scores."""
+    final = _score_function(scale, softcap, mask_kind)
+    return mx.compile(lambda s, *rest: final(s, *_unpack(rest, banded, mask_kind)))
+
+
+@functools.lru_cache(maxsize=None)
+def _probabilities(dtype):
+    """Compiled: (fp32 scores, lse) -> P = exp(S - lse) in `dtype` (0 on rows with lse -inf)."""
+
+    def probabilities(s, lse):
+        # Rows that see no key (lse -inf): subtract +inf instead, so P = exp(-inf) = 0.
+        return mx.exp(s - mx.where(lse == -math.inf, math.inf, lse)).astype(dtype)
+
+    return mx.compile(probabilities)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_terms(scale, softcap, mask_kind, banded, dtype):
+    """Compiled: (s, dp, safe lse, D, [keep], [mask]) -> (P, scale * dS) in `dtype`, recomputing the
+    final scores from the raw product s = q k^T: P = exp(S - lse), dS = P (dP - D) (times
+    1 - tanh^2 with softcap). The scale of dS is the one of S, so dQ = (scale dS) k and
+    dK = (scale dS)^T q need no further scaling."""
+    final = _score_function(scale, softcap, mask_kind)
+
+    def terms(s, dp, lse, row_term, *rest):
+        p = mx.exp(final(s, *_unpack(rest, banded, mask_kind)) - lse)
+        ds = p * (dp.astype(mx.float32) - row_term)
+        if softcap is not None:
+            t = mx.tanh(s.astype(mx.float32) * (scale / softcap))
+            ds = ds * (1.0 - t * t)
+        return p.astype(dtype), (ds * scale).astype(dtype)
+
+    return mx.compile(terms)
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulate():
+    """Compiled: (fp32 rows, product rows) -> their sum in fp32."""
+    return mx.compile(lambda acc, x: acc + x.astype(mx.float32))
 
 
 class _Problem:
     """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test.
 
-    q is stored pre-scaled (q * scale) in the input dtype; k, v, too, stay in the input dtype.
+    q is viewed as [B, Hkv, G, Nq, D]; k, v stay [B, Hkv, Nk, D]; all in the input dtype (the
+    scale multiplies the fp32 scores). A chunk's G query heads x rows are one matrix
+    [B, Hkv, G * rows, D], so every product is a plain batched matmul (no broadcast of k / v).
     """
 
-    def __init__(self, q, k, v, mask, spec: AttentionSpec, key_block: int):
+    def __init__(self, q, k, v, mask, spec: AttentionSpec):
         B, Hkv, G = q.shape[0], spec.kv_heads, spec.group
         self.spec = spec
-        self.key_block = key_block
-        self.q = (q * mx.array(spec.scale, q.dtype)).reshape(B, Hkv, G, spec.q_len, spec.head_dim)
-        self.k = mx.expand_dims(k, 2)
-        self.v = mx.expand_dims(v, 2)
+        self.shape = (B, Hkv, G)
+        self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
+        self.k, self.v = k, v
         self.mask = None
         if mask is not None:
             mb, mh, mq, mk = mask.shape
@@ -113,38 +236,22 @@ class _Problem:
             else:
                 self.mask = mask.reshape(mb, 1, 1, mq, mk)
 
-    def steps(self):
-        """Key blocks (k0, k1) with the query rows (q0, q1) that can see them; empty ones skipped."""
-        spec = self.spec
-        for k0 in range(0, spec.kv_len, self.key_block):
-            k1 = min(k0 + self.key_block, spec.kv_len)
-            q0, q1 = spec.query_range(k0, k1)
-            if q0 < q1:
-                yield k0, k1, q0, q1
+    def rows(self, x, q0, q1):
+        """x [B, Hkv, G, N, d] rows [q0, q1) as one matrix [B, Hkv, G * (q1 - q0), d]."""
+        B, Hkv, G = self.shape
+        return x[..., q0:q1, :].reshape(B, Hkv, G * (q1 - q0), x.shape[-1])
 
-    def scores(self, q0, q1, k0, k1):
-        """Final fp32 scores [B, Hkv, G, q1-q0, k1-k0] (softcapped, -inf where masked) and tanh(s/c)."""
-        spec = self.spec
-        s = mx.matmul(self.q[..., q0:q1, :], mx.swapaxes(self.k[..., k0:k1, :], -1, -2)).astype(mx.float32)
-        t = None
-        if spec.softcap is not None:
-            t = mx.tanh(s * (1.0 / spec.softcap))
-            s = t * spec.softcap
+    def extras(self, q0, q1, k0, k1):
+        """The compiled functions' trailing inputs ([keep], [mask]) and whether keep is present."""
         keep = self._band(q0, q1, k0, k1)
-        if self.mask is not None:
-            m = self.mask
+        m = self.mask
+        if m is not None:
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
             m = m[..., k0:k1] if m.shape[-1] > 1 else m
-            if m.dtype == mx.bool_:
-                keep = m if keep is None else mx.logical_and(keep, m)
-            else:
-                s = s + m.astype(mx.float32)
-        if keep is not None:
-            s = mx.where(keep, s, -math.inf)
-        return s, t
+        return keep is not None, tuple(x for x in (keep, m) if x is not None)
 
     def _band(self, q0, q1, k0, k1) -> Optional[mx.array]:
-        """Bool [q, k] index mask for a block straddling the causal/window edge; None if all visible."""
+        """Bool [q, k] index mask for a chunk straddling the causal/window edge; None if all visible."""
         spec = self.spec
         if not spec.has_band:
             return None
@@ -153,7 +260,7 @@ class _Problem:
         lo_first, _ = spec.key_range(q0, q0 + 1)
         _, hi_last = spec.key_range(q1 - 1, q1)
         if max(lo_first, lo_last) <= k0 and k1 <= min(hi_first, hi_last):
-            return None  # every query row of the block sees every key in it
+            return None  # every query row of the chunk sees every key in it
         i = mx.arange(q0, q1)[:, None] + spec.diagonal
         j = mx.arange(k0, k1)[None, :]
         keep = None
@@ -165,15 +272,6 @@ class _Problem:
                 if cond is not None:
                     keep = cond if keep is None else mx.logical_and(keep, cond)
         return keep
-
-
-def _splice(state, q0, q1, rows):
-    """state with rows [q0, q1) (axis -2) replaced by `rows`: one new array, the packed step result."""
-    n = state.shape[-2]
-    if q0 == 0 and q1 == n:
-        return rows
-    parts = ([state[..., :q0, :]] if q0 > 0 else []) + [rows] + ([state[..., q1:, :]] if q1 < n else [])
-    return mx.concatenate(parts, axis=-2)
 
 
 def _chunks(spec: AttentionSpec, batch_chunk: int):
@@ -192,11 +290,10 @@ def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, m
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
         return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
-    batch_chunk, key_block = plan_blocks(spec)
+    batch_chunk, chunks = plan_chunks(spec)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
-        out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, key_block,
-                                  sinks)
+        out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, chunks, sinks)
         outs.append(out)
         lses.append(lse)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=0)
@@ -204,44 +301,39 @@ def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, m
     return out, lse
 
 
-def _initial_state(B, Hkv, G, Nq, Dv, sinks=None):
-    """The online-softmax state before any key: [acc (Dv) | row_sum | row_max] = [0 | 0 | -inf].
-
-    With sinks the sink is the first score seen: row_max = sink and row_sum = exp(sink - sink) = 1
-    (0 for a sink of -inf, which is no sink).
-    """
-    if sinks is None:
-        return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv + 1), mx.float32),
-                               mx.full((B, Hkv, G, Nq, 1), -math.inf, mx.float32)], axis=-1)
-    sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, G, 1, 1), (B, Hkv, G, Nq, 1))
-    return mx.concatenate([mx.zeros((B, Hkv, G, Nq, Dv), mx.float32),
-                           mx.where(sink == -math.inf, 0.0, 1.0), sink], axis=-1)
-
-
-def _forward_chunk(q, k, v, mask, spec, key_block, sinks=None):
-    problem = _Problem(q, k, v, mask, spec, key_block)
-    B, Hkv, G, Nq, Dv = q.shape[0], spec.kv_heads, spec.group, spec.q_len, spec.value_dim
-    # Packed state per query row: [acc (Dv) | row_sum | row_max], fp32.
-    state = _initial_state(B, Hkv, G, Nq, Dv, sinks)
-    for k0, k1, q0, q1 in problem.steps():
-        s, _ = problem.scores(q0, q1, k0, k1)
-        rows = state[..., q0:q1, :]
-        row_max = rows[..., -1]
-        new_max = mx.maximum(row_max, s.max(-1))
-        # Rows that have seen no key yet keep max -inf; subtract 0 instead (exp(-inf) = 0).
-        safe_max = mx.where(new_max == -math.inf, 0.0, new_max)
-        p = mx.exp(s - safe_max[..., None])
-        correction = mx.exp(row_max - safe_max)[..., None]
-        pv = mx.matmul(p.astype(v.dtype), problem.v[..., k0:k1, :]).astype(mx.float32)
-        updated = mx.concatenate([rows[..., :Dv] * correction + pv,
-                                  rows[..., Dv:Dv + 1] * correction + p.sum(-1, keepdims=True),
-                                  new_max[..., None]], axis=-1)
-        state = _splice(state, q0, q1, updated)
-    acc, row_sum, row_max = state[..., :Dv], state[..., Dv], state[..., Dv + 1]
-    seen = row_sum > 0
-    out = mx.where(seen[..., None], acc / mx.where(seen, row_sum, 1.0)[..., None], 0.0)
-    lse = mx.where(seen, row_max + mx.log(mx.where(seen, row_sum, 1.0)), -math.inf)
-    return out.astype(spec.dtype).reshape(B, spec.q_heads, Nq, Dv), lse.reshape(B, spec.q_heads, Nq)
+def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
+    problem = _Problem(q, k, v, mask, spec)
+    B, Hkv, G = problem.shape
+    Dv, dtype = spec.value_dim, spec.dtype
+    sink = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, G, 1)
+    # The step chain (see the module docstring): step i's result is ONE array holding one element
+    # of its output rows and the q rows of step i + 1, which step i + 1 reads from it.
+    outs, lses = [], []
+    q_rows = problem.rows(problem.q, *chunks[0][:2])
+    for index, (q0, q1, k0, k1) in enumerate(chunks):
+        rows = q1 - q0
+        if k0 >= k1:  # no key visible to any row of the chunk
+            out = mx.zeros((B, Hkv, G * rows, Dv), dtype)
+            lse = (mx.full((B, Hkv, G, rows), -math.inf, mx.float32) if sink is None
+                   else mx.broadcast_to(sink, (B, Hkv, G, rows)))
+        else:
+            banded, extras = problem.extras(q0, q1, k0, k1)
+            s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, k1 - k0)
+            s = _forward_scores(spec.scale, spec.softcap, spec.mask_kind, banded)(s, *extras)
+            lse = mx.logsumexp(s, axis=-1)
+            if sink is not None:
+                lse = mx.logaddexp(lse, sink)
+            p = _probabilities(dtype)(s, lse[..., None])
+            out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :])
+        lses.append(lse)
+        outs.append(out.reshape(B, Hkv, G, rows, Dv))
+        if index + 1 < len(chunks):
+            following = problem.rows(problem.q, *chunks[index + 1][:2])
+            state = mx.concatenate([out[..., :1, :1].reshape(B, Hkv, 1), following.reshape(B, Hkv, -1)], axis=-1)
+            q_rows = state[..., 1:].reshape(following.shape)
+    out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
+    lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
+    return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
@@ -265,69 +357,62 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
     safe_lse = mx.where(lse == -math.inf, math.inf, lse)
-    batch_chunk, key_block = plan_blocks(spec)
+    batch_chunk, chunks = plan_chunks(spec)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
-                                     safe_lse[b0:b1], row_term[b0:b1], d_out[b0:b1], spec, key_block))
+                                     safe_lse[b0:b1], row_term[b0:b1], d_out[b0:b1], spec, chunks))
     if len(grads) == 1:
         return (*grads[0], d_sinks)
     return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
 
 
-def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, key_block):
-    problem = _Problem(q, k, v, mask, spec, key_block)
-    B, Hkv, G, Nq, Nk, D, Dv = (q.shape[0], spec.kv_heads, spec.group, spec.q_len,
-                                spec.kv_len, spec.head_dim, spec.value_dim)
-    safe_lse = safe_lse.reshape(B, Hkv, G, Nq)
-    row_term = row_term.reshape(B, Hkv, G, Nq)
-    d_out = d_out.astype(q.dtype).reshape(B, Hkv, G, Nq, Dv)
-    # Packed state: dQ rows (all of them, [.., G, Nq, D]) and the dK | dV rows of the key blocks
-    # done so far ([.., Nk_done, D + Dv]); each step reads the previous state and writes a new one.
-    dq = mx.zeros((B, Hkv, G, Nq, D), mx.float32)
-    dkv = []
-    done = 0
-    for k0, k1, q0, q1 in problem.steps():
-        if k0 > done:
-            dkv.append(mx.zeros((B, Hkv, k0 - done, D + Dv), mx.float32))
-        s, t = problem.scores(q0, q1, k0, k1)
-        p = mx.exp(s - safe_lse[..., q0:q1, None])
-        do_blk = d_out[..., q0:q1, :]
-        dp = mx.matmul(do_blk, mx.swapaxes(problem.v[..., k0:k1, :], -1, -2)).astype(mx.float32)
-        ds = p * (dp - row_term[..., q0:q1, None])
-        if t is not None:
-            ds = ds * (1.0 - t * t)
-        ds, p = ds.astype(q.dtype), p.astype(q.dtype)
-        dq_rows = dq[..., q0:q1, :] + mx.matmul(ds, problem.k[..., k0:k1, :]).astype(mx.float32)
-        # dK from the pre-scaled q: scale * dS^T q, so dK needs no further scaling.
-        dk_blk = _sum_groups(mx.matmul(mx.swapaxes(ds, -1, -2), problem.q[..., q0:q1, :]))
-        dv_blk = _sum_groups(mx.matmul(mx.swapaxes(p, -1, -2), do_blk))
-        dq = _splice(dq, q0, q1, dq_rows)
-        dkv.append(mx.concatenate([dk_blk, dv_blk], axis=-1))
-        # Tie the new dK|dV rows to dQ so the step is one packed result (see the module docstring).
-        packed = mx.concatenate([dq.reshape(B, Hkv, G * Nq * D)] + [x.reshape(B, Hkv, -1) for x in dkv], axis=-1)
-        dq = packed[..., :G * Nq * D].reshape(B, Hkv, G, Nq, D)
-        offset, rebuilt = G * Nq * D, []
-        for x in dkv:
-            size = x.shape[2] * (D + Dv)
-            rebuilt.append(packed[..., offset:offset + size].reshape(x.shape))
-            offset += size
-        dkv = [mx.concatenate(rebuilt, axis=2)] if len(rebuilt) > 1 else rebuilt
-        done = k1
-    if done < Nk:
-        dkv.append(mx.zeros((B, Hkv, Nk - done, D + Dv), mx.float32))
-    dkv = dkv[0] if len(dkv) == 1 else mx.concatenate(dkv, axis=2)
-    dq = (dq * spec.scale).astype(q.dtype).reshape(q.shape)
-    dk = dkv[..., :D].astype(k.dtype)
-    dv = dkv[..., D:].astype(v.dtype)
-    return dq, dk, dv
+def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
+    problem = _Problem(q, k, v, mask, spec)
+    B, Hkv, G = problem.shape
+    Nk, D, Dv, dtype = spec.kv_len, spec.head_dim, spec.value_dim, q.dtype
+    safe_lse = safe_lse.reshape(B, Hkv, G, spec.q_len, 1)
+    row_term = row_term.reshape(B, Hkv, G, spec.q_len, 1)
+    d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
 
+    def inputs(q0, q1):  # a step's q rows and dO rows, flat
+        return [problem.rows(x, q0, q1).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
 
-def _sum_groups(x):
-    """Sum a [B, Hkv, G, n, d] product over the G query heads of each kv head, in fp32."""
-    if x.shape[2] == 1:
-        return x.squeeze(2).astype(mx.float32)
-    return x.astype(mx.float32).sum(2)
+    # The fp32 dK | dV rows of all keys, updated in place (slice_update) by each step; and the step
+    # chain (see the module docstring): step i's result is ONE array holding one element of its
+    # finished dQ rows and one of the dK | dV array after its update (so that both happen inside
+    # step i) and the q and dO rows of step i + 1 (which step i + 1 reads from it).
+    acc = mx.zeros((B, Hkv, Nk, D + Dv), mx.float32)
+    dqs = []
+    carried = mx.concatenate(inputs(*chunks[0][:2]), axis=-1)
+    for index, (q0, q1, k0, k1) in enumerate(chunks):
+        rows = q1 - q0
+        n_q, n_o = G * rows * D, G * rows * Dv
+        q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
+        do_rows = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, Dv)
+        if k0 >= k1:
+            dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
+        else:
+            banded, extras = problem.extras(q0, q1, k0, k1)
+            keys = k1 - k0
+            s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
+            dp = mx.matmul(do_rows, mx.swapaxes(v[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
+            p, ds = _backward_terms(spec.scale, spec.softcap, spec.mask_kind, banded, dtype)(
+                s, dp, safe_lse[..., q0:q1, :], row_term[..., q0:q1, :], *extras)
+            p = p.reshape(B, Hkv, G * rows, keys)
+            ds = ds.reshape(B, Hkv, G * rows, keys)  # already times the scale
+            dq_rows = mx.matmul(ds, k[..., k0:k1, :])  # complete for these rows
+            # The G query heads of a kv head are rows of one product: their sum is the matmul's
+            # fp32 accumulation.
+            dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
+                                  mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
+            acc = mx.slice_update(acc, _accumulate()(acc[..., k0:k1, :], dkv), mx.array([k0]), axes=(2,))
+        dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
+        if index + 1 < len(chunks):
+            ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
+            carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., 2:]
+    dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
+    return dq.reshape(q.shape), acc[..., :D].astype(k.dtype), acc[..., D:].astype(v.dtype)
 
 
 class MLXOpsBackend:
