@@ -6,7 +6,7 @@ For each shape: forward+backward (mx.vjp of out with a random cotangent, all eva
                  checkout's mlx_flash package, e.g. `git archive <commit> mlx_flash | tar -x -C DIR`),
                  imported under another name
     new/F        this checkout's "mlx" backend with its score block at most 1/F of the score matrix
-                 (mlx_ops.SCORE_FRACTION = F for the call; the shipped value is marked with *)
+                 (mlx_ops.SCORE_FRACTIONS set to F for the call; the shipped value is marked with *)
     unfused      plain MLX ops (mlx_flash.benchmark.unfused_attention; N x N scores)
     mx.fast      mx.fast.scaled_dot_product_attention
 then a table: times, peaks, and new / unfused, new / mx.fast. The first call of each variant
@@ -34,6 +34,9 @@ from mlx_flash import benchmark as bm  # noqa: E402
 from mlx_flash.api import flash_attention  # noqa: E402
 from mlx_flash.backends import mlx_ops  # noqa: E402
 
+# The shipped score fraction of the device this runs on (marked * in the table).
+SHIPPED = mlx_ops.score_fraction("gpu" if mx.default_device().type == mx.gpu else "cpu")
+
 # (B, H, N, D, dtype, causal)
 PRESETS = {
     "gpu": [(1, 16, 4096, 128, "bfloat16", True), (1, 16, 8192, 128, "bfloat16", True),
@@ -60,12 +63,12 @@ def load_old(tree: str):
 
 @contextlib.contextmanager
 def score_fraction(value):
-    saved = mlx_ops.SCORE_FRACTION
-    mlx_ops.SCORE_FRACTION = value
+    saved = mlx_ops.SCORE_FRACTIONS
+    mlx_ops.SCORE_FRACTIONS = (("cpu", value), ("gpu", value))
     try:
         yield
     finally:
-        mlx_ops.SCORE_FRACTION = saved
+        mlx_ops.SCORE_FRACTIONS = saved
 
 
 def new_backend(fraction):
@@ -86,24 +89,24 @@ def main(argv=None):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="gpu" if mx.default_device().type == mx.gpu else "cpu")
     parser.add_argument("--old-tree", default=None, help="directory holding the old checkout's mlx_flash package")
     parser.add_argument("--fractions", type=int, nargs="+", default=None,
-                        help="SCORE_FRACTION values of the new backend (default: 8, 16 and the shipped "
-                             f"{mlx_ops.SCORE_FRACTION} on the gpu preset, the shipped one elsewhere)")
+                        help="score fractions of the new backend (default: 8, 16 and the shipped "
+                             f"{SHIPPED} on the gpu preset, the shipped one elsewhere)")
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--max-repeats", type=int, default=5)
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="start no new shape after this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    fractions = args.fractions or sorted({8, 16, mlx_ops.SCORE_FRACTION} if args.preset == "gpu"
-                                         else {mlx_ops.SCORE_FRACTION})
+    fractions = args.fractions or sorted({8, 16, SHIPPED} if args.preset == "gpu"
+                                         else {SHIPPED})
     impls = {}
     if args.old_tree:
         impls["old"] = old_backend(load_old(args.old_tree))
     for f in fractions:
-        impls[f"new/{f}" + ("*" if f == mlx_ops.SCORE_FRACTION else "")] = new_backend(f)
+        impls[f"new/{f}" + ("*" if f == SHIPPED else "")] = new_backend(f)
     impls["unfused"] = bm.unfused_attention
     impls["mx.fast"] = bm.fast_attention
-    new = f"new/{mlx_ops.SCORE_FRACTION}*" if mlx_ops.SCORE_FRACTION in fractions else f"new/{fractions[0]}"
+    new = f"new/{SHIPPED}*" if SHIPPED in fractions else f"new/{fractions[0]}"
 
     settings = bm.Settings(warmup=1, min_repeats=3, max_repeats=args.max_repeats, target_seconds=args.target_seconds)
     env = bm.environment("mlx", "mlx")

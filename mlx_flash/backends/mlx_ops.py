@@ -76,7 +76,14 @@ from .sinks import empty_lse, sinks_gradient
 # SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
 # SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory clamped to
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
-SCORE_FRACTION = 32
+# The fraction per device type. CPU: 32 keeps forward+backward within a fraction of one score
+# matrix (tests/test_memory.py). GPU: 8. On an H100 (B=1 H=16, fwd+bwd, bf16 unless noted;
+# benchmarks/mlx_backend_variants.py, results/h100_mlx_backend_variants.json), 1/8 was the fastest
+# of 8 / 16 / 32 at every shape: 22.3 / 23.3 / 24.6 ms at N=4096 D=128 causal, 15.9 / 17.3 / 23.4 ms at
+# N=2048 D=256 causal. Its peak was no higher at 5 of 7 shapes (2.6 vs 3.9 GB at N=4096 D=128 causal;
+# 12.2 vs 13.8 GB at N=4096 D=256). MLX's CUDA backend holds a step's temporaries until its command
+# buffer completes, so smaller blocks do not bound the GPU's peak the way they bound the CPU's.
+SCORE_FRACTIONS = (("cpu", 32), ("gpu", 8))
 SMALL_BLOCK_BYTES = 8 << 20
 DEVICE_FRACTION = 512
 MIN_BLOCK_BYTES = 32 << 20
@@ -85,11 +92,18 @@ ROW_ALIGN = 64                 # chunk boundaries on multiples of 64 query rows 
 MIN_ROWS = 64                  # ... and at least 64 rows per chunk (fewer steps beat a smaller block)
 
 
-def score_block_bytes(spec: AttentionSpec, memory_bytes: int) -> int:
-    """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with `memory_bytes`."""
+def score_fraction(device_type: str) -> int:
+    """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu")."""
+    return dict(SCORE_FRACTIONS)["gpu" if device_type == "gpu" else "cpu"]
+
+
+def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu") -> int:
+    """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with
+    `memory_bytes` of type `device_type` ("cpu" or "gpu")."""
     device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
-    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // SCORE_FRACTION, SMALL_BLOCK_BYTES // 2)
+    fraction = score_fraction(device_type)
+    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // fraction, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
@@ -104,9 +118,10 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None):
         spec: the call.
         memory_bytes: the device's memory; default: the default device's (budget.py).
     """
+    device = mx.default_device()
     if memory_bytes is None:
-        memory_bytes = device_memory_bytes(mx.default_device())
-    elements = score_block_bytes(spec, memory_bytes) // 4
+        memory_bytes = device_memory_bytes(device)
+    elements = score_block_bytes(spec, memory_bytes, "gpu" if device.type == mx.gpu else "cpu") // 4
     heads, Nq = max(1, spec.q_heads), spec.q_len
     min_rows = max(1, min(MIN_ROWS, Nq))
     batch_chunk = max(1, min(spec.batch, elements // max(1, heads * min_rows * spec.kv_len)))
@@ -134,10 +149,11 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
 
     For callers that size their own key pieces to this backend's memory budget (the ring).
     """
+    device = mx.default_device()
     if memory_bytes is None:
-        memory_bytes = device_memory_bytes(mx.default_device())
+        memory_bytes = device_memory_bytes(device)
     batch_chunk, _ = plan_chunks(spec, memory_bytes)
-    elements = score_block_bytes(spec, memory_bytes) // 4
+    elements = score_block_bytes(spec, memory_bytes, "gpu" if device.type == mx.gpu else "cpu") // 4
     keys = elements // max(1, batch_chunk * spec.q_heads * spec.q_len)
     return batch_chunk, max(1, min(max(keys, MIN_ROWS), spec.kv_len))
 
