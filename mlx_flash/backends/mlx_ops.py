@@ -78,7 +78,7 @@ from .sinks import empty_lse, sinks_gradient
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
 # The fraction per device type. CPU: 32 keeps forward+backward within a fraction of one score
 # matrix (tests/test_memory.py). GPU: 8. On an H100 (B=1 H=16, fwd+bwd, bf16 unless noted;
-# benchmarks/mlx_backend_variants.py, results/h100_mlx_backend_variants.json), 1/8 was the fastest
+# benchmarks/mlx_backend_variants.py, results/h100_cpu2core_mlx_backend_variants.json), 1/8 was the fastest
 # of 8 / 16 / 32 at every shape: 22.3 / 23.3 / 24.6 ms at N=4096 D=128 causal, 15.9 / 17.3 / 23.4 ms at
 # N=2048 D=256 causal. Its peak was no higher at 5 of 7 shapes (2.6 vs 3.9 GB at N=4096 D=128 causal;
 # 12.2 vs 13.8 GB at N=4096 D=256). MLX's CUDA backend holds a step's temporaries until its command
