@@ -6,7 +6,7 @@ For each shape: forward+backward (mx.vjp of out with a random cotangent, all eva
                  checkout's mlx_flash package, e.g. `git archive <commit> mlx_flash | tar -x -C DIR`),
                  imported under another name
     new/F        this checkout's "mlx" backend with its score block at most 1/F of the score matrix
-                 (mlx_ops.SCORE_FRACTIONS set to F for the call; the shipped value is marked with *)
+                 (an MLXOpsBackend with score fraction F; the shipped value is marked with *)
     unfused      plain MLX ops (mlx_flash.benchmark.unfused_attention; N x N scores)
     mx.fast      mx.fast.scaled_dot_product_attention
 then a table: times, peaks, and new / unfused, new / mx.fast. The first call of each variant
@@ -18,7 +18,6 @@ then a table: times, peaks, and new / unfused, new / mx.fast. The first call of 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import sys
@@ -61,20 +60,11 @@ def load_old(tree: str):
     return module
 
 
-@contextlib.contextmanager
-def score_fraction(value):
-    saved = mlx_ops.SCORE_FRACTIONS
-    mlx_ops.SCORE_FRACTIONS = (("cpu", value), ("gpu", value))
-    try:
-        yield
-    finally:
-        mlx_ops.SCORE_FRACTIONS = saved
-
-
 def new_backend(fraction):
+    backend = mlx_ops.MLXOpsBackend(score_fractions=(("cpu", fraction), ("gpu", fraction)))
+
     def attend(q, k, v, causal, scale):
-        with score_fraction(fraction):  # the plan is made while the graph is built, inside the call
-            return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend="mlx")
+        return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
     return attend
 
 

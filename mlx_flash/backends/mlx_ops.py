@@ -92,22 +92,23 @@ ROW_ALIGN = 64                 # chunk boundaries on multiples of 64 query rows 
 MIN_ROWS = 64                  # ... and at least 64 rows per chunk (fewer steps beat a smaller block)
 
 
-def score_fraction(device_type: str) -> int:
+def score_fraction(device_type: str, score_fractions=SCORE_FRACTIONS) -> int:
     """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu")."""
-    return dict(SCORE_FRACTIONS)["gpu" if device_type == "gpu" else "cpu"]
+    return dict(score_fractions)["gpu" if device_type == "gpu" else "cpu"]
 
 
-def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu") -> int:
+def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu",
+                      score_fractions=SCORE_FRACTIONS) -> int:
     """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with
-    `memory_bytes` of type `device_type` ("cpu" or "gpu")."""
+    `memory_bytes` of type `device_type` ("cpu" or "gpu"), with `score_fractions` per device type."""
     device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
-    fraction = score_fraction(device_type)
+    fraction = score_fraction(device_type, score_fractions)
     problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // fraction, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
-def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None):
+def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_fractions=SCORE_FRACTIONS):
     """(batch_chunk, [(q0, q1, k0, k1), ...]): batch entries per independent chunk and the query-row
     chunks, each with the keys [k0, k1) its rows may see (k0 >= k1: none).
 
@@ -117,11 +118,13 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None):
     Args:
         spec: the call.
         memory_bytes: the device's memory; default: the default device's (budget.py).
+        score_fractions: ((device type, fraction), ...), default SCORE_FRACTIONS.
     """
     device = mx.default_device()
     if memory_bytes is None:
         memory_bytes = device_memory_bytes(device)
-    elements = score_block_bytes(spec, memory_bytes, "gpu" if device.type == mx.gpu else "cpu") // 4
+    device_type = "gpu" if device.type == mx.gpu else "cpu"
+    elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions) // 4
     heads, Nq = max(1, spec.q_heads), spec.q_len
     min_rows = max(1, min(MIN_ROWS, Nq))
     batch_chunk = max(1, min(spec.batch, elements // max(1, heads * min_rows * spec.kv_len)))
@@ -298,15 +301,17 @@ def _slice_batch(x, b0, b1):
     return None if x is None else (x[b0:b1] if x.shape[0] > 1 else x)
 
 
-def forward(q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
+def forward(q, k, v, mask, spec: AttentionSpec, sinks=None,
+            score_fractions=SCORE_FRACTIONS) -> Tuple[mx.array, mx.array]:
     """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log).
 
     sinks ([Hq] or None): per-head sink logits, one extra softmax score with no value.
+    score_fractions: the chunk plan's score fraction per device type (plan_chunks).
     """
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
         return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
-    batch_chunk, chunks = plan_chunks(spec)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
         out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, chunks, sinks)
@@ -352,9 +357,10 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
     return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
 
 
-def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
+             score_fractions=SCORE_FRACTIONS):
     """Returns (dq, dk, dv, d_sinks) in the input dtypes (d_sinks None without sinks).
-    d_lse (or None) is the cotangent of lse."""
+    d_lse (or None) is the cotangent of lse; score_fractions as for forward."""
     # D_i = rowsum(dO * O), minus the lse cotangent (dlse/ds = P folds into the same term).
     dot = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
     d_lse32 = None if d_lse is None else d_lse.astype(mx.float32)
@@ -373,7 +379,7 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
     safe_lse = mx.where(lse == -math.inf, math.inf, lse)
-    batch_chunk, chunks = plan_chunks(spec)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
@@ -432,9 +438,17 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
 
 
 class MLXOpsBackend:
-    """Backend protocol implementation for the blocked MLX-ops path (always available)."""
+    """Backend protocol implementation for the blocked MLX-ops path (always available).
+
+    Args:
+        score_fractions: the chunk plan's ((device type, fraction), ...); an immutable value of the
+            backend object (benchmarks/mlx_backend_variants.py compares others through it).
+    """
 
     name = "mlx"
+
+    def __init__(self, score_fractions=SCORE_FRACTIONS):
+        self.score_fractions = tuple((str(t), int(f)) for t, f in score_fractions)
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
@@ -442,8 +456,11 @@ class MLXOpsBackend:
     def unsupported_reason(self, spec: AttentionSpec) -> Optional[str]:
         return None
 
-    forward = staticmethod(forward)
-    backward = staticmethod(backward)
+    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
+        return forward(q, k, v, mask, spec, sinks, self.score_fractions)
+
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+        return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions)
 
 
 BACKEND = MLXOpsBackend()
