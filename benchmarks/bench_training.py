@@ -44,6 +44,7 @@ from mlx_lm.models import llama  # noqa: E402
 
 import mlx_flash  # noqa: E402
 from mlx_flash import benchmark as bm  # noqa: E402
+from mlx_flash.cli import positive_int  # noqa: E402
 from mlx_flash.integrations import mlx_lm as flash_mlx_lm  # noqa: E402
 
 # Model sizes and step settings per preset; command-line options override them.
@@ -180,16 +181,6 @@ def table(rows) -> str:
                      f"{row['speed_ratio']:.2f}x | {base['peak_bytes'] / MIB:.0f} | {flash['peak_bytes'] / MIB:.0f} | "
                      f"{row['peak_ratio']:.3f}x | {'-' if above is None else f'{above:.3f}x'} |")
     return "\n".join(lines)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def parse_args(argv=None):
