@@ -10,7 +10,7 @@ For each shape: forward+backward (mx.vjp of out with a random cotangent, all eva
     unfused      plain MLX ops (mlx_flash.benchmark.unfused_attention; N x N scores)
     mx.fast      mx.fast.scaled_dot_product_attention
 then a table: times, peaks, and new / unfused, new / mx.fast. The first call of each variant
-(untimed; it measures the peak) also pays the mx.compile traces of its shapes; `first ms` shows it.
+(untimed; it measures the peak) also pays the first use of its shapes; `first ms` shows it.
 
     python benchmarks/mlx_backend_variants.py --preset gpu --old-tree /tmp/old   # H100, < 4 min
     python benchmarks/mlx_backend_variants.py --preset cpu --old-tree /tmp/old   # fp32 B=1 H=8 D=64

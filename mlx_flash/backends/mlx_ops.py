@@ -61,7 +61,6 @@ there.
 """
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional, Tuple
 
@@ -161,84 +160,40 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
     return batch_chunk, max(1, min(max(keys, MIN_ROWS), spec.kv_len))
 
 
-# -- the fused elementwise parts (mx.compile: one kernel each where MLX can fuse) ----------------
-# Each is built once per (scale, softcap, mask kind, band, dtype) -- immutable values of the call --
-# and traced once per distinct chunk shape.
+# -- the elementwise parts, each an MLX primitive on the input dtype --------------------------------
+# No mx.compile: under mx.grad / mx.value_and_grad every array derived from the primals is a tracer,
+# and a compiled function called with tracers runs uncompiled. On the H100 the fp32 chains that were
+# meant to fuse ran as ~10 kernels per score block (N=4096 D=128 bf16 causal, fwd+bwd: 325 kernels,
+# 15.0 ms of kernel time, the 7 products 1.5 ms of it). So the passes over a score block are MLX's
+# fused primitives instead (softmax with fp32 statistics, logsumexp) and a few elementwise ops in
+# the input dtype; the scale is folded into k once per call.
 
-def _score_function(scale: float, softcap: Optional[float], mask_kind: str):
-    """final_scores(s, keep, mask) -> fp32 scores: scale, softcap, mask (-inf where masked)."""
-
-    def final_scores(s, keep, mask):
-        s = s.astype(mx.float32) * scale
-        if softcap is not None:
-            s = mx.tanh(s * (1.0 / softcap)) * softcap
-        if mask_kind == "additive":
-            s = s + mask.astype(mx.float32)
-        elif mask_kind == "bool":
+def _final_scores(s, keep, mask, softcap: Optional[float]):
+    """The final scores from the product s = q (scale k)^T, in s's dtype: softcap (in fp32), the
+    additive mask, -inf where `keep` (bool, or None) is False. Returns (scores, t) with
+    t = tanh(s / softcap) in fp32 under softcap (the backward's 1 - t^2), else None."""
+    t = None
+    if softcap is not None:
+        t = mx.tanh(s.astype(mx.float32) * (1.0 / softcap))
+        s = (t * softcap).astype(s.dtype)
+    if mask is not None:
+        if mask.dtype == mx.bool_:
             keep = mask if keep is None else mx.logical_and(keep, mask)
-        if keep is not None:
-            s = mx.where(keep, s, -math.inf)
-        return s
-
-    return final_scores
-
-
-def _unpack(args, banded: bool, mask_kind: str):
-    args = list(args)
-    keep = args.pop(0) if banded else None
-    mask = args.pop(0) if mask_kind != "none" else None
-    return keep, mask
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_scores(scale, softcap, mask_kind, banded):
-    """Compiled: (s, [keep], [mask]) -> fp32 final scores."""
-    final = _score_function(scale, softcap, mask_kind)
-    return mx.compile(lambda s, *rest: final(s, *_unpack(rest, banded, mask_kind)))
-
-
-@functools.lru_cache(maxsize=None)
-def _probabilities(dtype):
-    """Compiled: (fp32 scores, lse) -> P = exp(S - lse) in `dtype` (0 on rows with lse -inf)."""
-
-    def probabilities(s, lse):
-        # Rows that see no key (lse -inf): subtract +inf instead, so P = exp(-inf) = 0.
-        return mx.exp(s - mx.where(lse == -math.inf, math.inf, lse)).astype(dtype)
-
-    return mx.compile(probabilities)
-
-
-@functools.lru_cache(maxsize=None)
-def _backward_terms(scale, softcap, mask_kind, banded, dtype):
-    """Compiled: (s, dp, safe lse, D, [keep], [mask]) -> (P, scale * dS) in `dtype`, recomputing the
-    final scores from the raw product s = q k^T: P = exp(S - lse), dS = P (dP - D) (times
-    1 - tanh^2 with softcap). The scale of dS is the one of S, so dQ = (scale dS) k and
-    dK = (scale dS)^T q need no further scaling."""
-    final = _score_function(scale, softcap, mask_kind)
-
-    def terms(s, dp, lse, row_term, *rest):
-        p = mx.exp(final(s, *_unpack(rest, banded, mask_kind)) - lse)
-        ds = p * (dp.astype(mx.float32) - row_term)
-        if softcap is not None:
-            t = mx.tanh(s.astype(mx.float32) * (scale / softcap))
-            ds = ds * (1.0 - t * t)
-        return p.astype(dtype), (ds * scale).astype(dtype)
-
-    return mx.compile(terms)
-
-
-@functools.lru_cache(maxsize=None)
-def _accumulate():
-    """Compiled: (fp32 rows, product rows) -> their sum in fp32."""
-    return mx.compile(lambda acc, x: acc + x.astype(mx.float32))
+        else:
+            s = s + mask
+    if keep is not None:
+        s = mx.where(keep, s, mx.array(-math.inf, s.dtype))
+    return s, t
 
 
 class _Problem:
-    """One chunk of batch entries: GQA-shaped views, the broadcastable mask, the band test.
+    """One chunk of batch entries: GQA-shaped views, the scaled keys, the broadcastable mask, the band.
 
-    q is viewed as [B, Hkv, G, Nq, D]; k, v stay [B, Hkv, Nk, D]; all in the input dtype (the
-    scale multiplies the fp32 scores). A chunk's G query heads x rows are one matrix
-    [B, Hkv, G * rows, D], so every product is a plain batched matmul (no broadcast of k / v).
+    q is viewed as [B, Hkv, G, Nq, D]; k, v stay [B, Hkv, Nk, D]; all in the input dtype. The scale
+    is folded into the keys once (k_scaled = scale * k), so S = q k_scaled^T and dQ = dS k_scaled
+    need no further scaling (dK = scale * dS^T q is scaled once, in fp32, at the end). A chunk's G
+    query heads x rows are one matrix [B, Hkv, G * rows, D], so every product is a plain batched
+    matmul (no broadcast of k / v).
     """
 
     def __init__(self, q, k, v, mask, spec: AttentionSpec):
@@ -246,6 +201,7 @@ class _Problem:
         self.spec = spec
         self.shape = (B, Hkv, G)
         self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
+        self.k_scaled = k * spec.scale  # a Python float keeps k's dtype
         self.k, self.v = k, v
         self.mask = None
         if mask is not None:
@@ -260,14 +216,27 @@ class _Problem:
         B, Hkv, G = self.shape
         return x[..., q0:q1, :].reshape(B, Hkv, G * (q1 - q0), x.shape[-1])
 
-    def extras(self, q0, q1, k0, k1):
-        """The compiled functions' trailing inputs ([keep], [mask]) and whether keep is present."""
-        keep = self._band(q0, q1, k0, k1)
+    def scores(self, q_rows, q0, q1, k0, k1):
+        """The chunk's final scores [B, Hkv, G, rows, keys] in the input dtype, and softcap's t."""
+        B, Hkv, G = self.shape
+        s = mx.matmul(q_rows, mx.swapaxes(self.k_scaled[..., k0:k1, :], -1, -2))
+        s = s.reshape(B, Hkv, G, q1 - q0, k1 - k0)
         m = self.mask
         if m is not None:
             m = m[..., q0:q1, :] if m.shape[-2] > 1 else m
             m = m[..., k0:k1] if m.shape[-1] > 1 else m
-        return keep is not None, tuple(x for x in (keep, m) if x is not None)
+        return _final_scores(s, self._band(q0, q1, k0, k1), m, self.spec.softcap)
+
+    def may_have_empty_rows(self, q0, q1) -> bool:
+        """Whether a row of [q0, q1) may see no key (its softmax is NaN, its output 0): an array mask
+        may hide whole rows; under a causal mask or window the rows that see a key are one interval
+        (key_range is monotone in the row), so the first and last rows tell."""
+        spec = self.spec
+        if spec.mask_kind != "none":
+            return True
+        if not spec.has_band:
+            return False
+        return any(lo >= hi for lo, hi in (spec.key_range(q0, q0 + 1), spec.key_range(q1 - 1, q1)))
 
     def _band(self, q0, q1, k0, k1) -> Optional[mx.array]:
         """Bool [q, k] index mask for a chunk straddling the causal/window edge; None if all visible."""
@@ -328,30 +297,37 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
     Dv, dtype = spec.value_dim, spec.dtype
     sink = None if sinks is None else sinks.astype(mx.float32).reshape(1, Hkv, G, 1)
     # The step chain (see the module docstring): step i's result is ONE array holding one element
-    # of its output rows and the q rows of step i + 1, which step i + 1 reads from it.
+    # of its output rows, one of its lse (the lse is not an input of the output, so untied it
+    # would keep the step's scores alive to the end) and the q rows of step i + 1, which step
+    # i + 1 reads from it.
     outs, lses = [], []
     q_rows = problem.rows(problem.q, *chunks[0][:2])
     for index, (q0, q1, k0, k1) in enumerate(chunks):
         rows = q1 - q0
         if k0 >= k1:  # no key visible to any row of the chunk
-            out = mx.zeros((B, Hkv, G * rows, Dv), dtype)
+            out = mx.zeros((B, Hkv, G, rows, Dv), dtype)
             lse = (mx.full((B, Hkv, G, rows), -math.inf, mx.float32) if sink is None
                    else mx.broadcast_to(sink, (B, Hkv, G, rows)))
         else:
-            banded, extras = problem.extras(q0, q1, k0, k1)
-            s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, k1 - k0)
-            s = _forward_scores(spec.scale, spec.softcap, spec.mask_kind, banded)(s, *extras)
-            lse = mx.logsumexp(s, axis=-1)
+            s, _ = problem.scores(q_rows, q0, q1, k0, k1)
+            # lse in fp32 from the rounded scores (the statistics MLX's precise softmax keeps).
+            lse_keys = mx.logsumexp(s.astype(mx.float32), axis=-1)
+            p = mx.softmax(s, axis=-1, precise=True)
+            out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :]).reshape(B, Hkv, G, rows, Dv)
+            lse = lse_keys
             if sink is not None:
-                lse = mx.logaddexp(lse, sink)
-            p = _probabilities(dtype)(s, lse[..., None])
-            out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :])
+                lse = mx.logaddexp(lse_keys, sink)
+                out = (out * mx.exp(lse_keys - lse)[..., None]).astype(dtype)  # the keys' share
+            if problem.may_have_empty_rows(q0, q1):
+                # Rows that see no key: their softmax is 0 / 0; the output is 0 (rows x Dv, cheap).
+                out = mx.where((lse_keys > -math.inf)[..., None], out, mx.array(0, dtype))
         lses.append(lse)
-        outs.append(out.reshape(B, Hkv, G, rows, Dv))
+        outs.append(out)
         if index + 1 < len(chunks):
             following = problem.rows(problem.q, *chunks[index + 1][:2])
-            state = mx.concatenate([out[..., :1, :1].reshape(B, Hkv, 1), following.reshape(B, Hkv, -1)], axis=-1)
-            q_rows = state[..., 1:].reshape(following.shape)
+            ties = [out[..., :1, :1, :1].reshape(B, Hkv, 1), lse[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
+            state = mx.concatenate(ties + [following.reshape(B, Hkv, -1)], axis=-1)
+            q_rows = state[..., 2:].reshape(following.shape)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
     return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
@@ -377,24 +353,34 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
         row_term = row_term - d_lse32
     if min(spec.batch, spec.kv_heads, spec.q_len, spec.kv_len) == 0:
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
-    # Rows that saw no key have lse = -inf: use +inf so P = exp(S - lse) is 0 there.
-    safe_lse = mx.where(lse == -math.inf, math.inf, lse)
+    # The keys' share of each row's softmax: 1 without sinks; 1 - p_sink with them. A row whose
+    # share is 0 saw no key (its recomputed softmax is 0 / 0 and is replaced by 0).
+    if sinks is None:
+        share = None
+        seen = lse > -math.inf
+    else:
+        share = -mx.expm1(sinks.astype(mx.float32).reshape(1, -1, 1) - lse)
+        seen = share > 0
     batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
-                                     safe_lse[b0:b1], row_term[b0:b1], d_out[b0:b1], spec, chunks))
+                                     row_term[b0:b1], None if share is None else share[b0:b1], seen[b0:b1],
+                                     d_out[b0:b1], spec, chunks))
     if len(grads) == 1:
         return (*grads[0], d_sinks)
     return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
 
 
-def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
+def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
     Nk, D, Dv, dtype = spec.kv_len, spec.head_dim, spec.value_dim, q.dtype
-    safe_lse = safe_lse.reshape(B, Hkv, G, spec.q_len, 1)
-    row_term = row_term.reshape(B, Hkv, G, spec.q_len, 1)
+    rows_shape = (B, Hkv, G, spec.q_len, 1)
+    # dS = P (dP - D) in the input dtype, as MLX's own softmax VJP (D rounded as dP is, above).
+    row_term = row_term.astype(dtype).reshape(rows_shape)
+    share = None if share is None else share.astype(dtype).reshape(rows_shape)
+    seen = seen.reshape(rows_shape)
     d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
 
     def inputs(q0, q1):  # a step's q rows and dO rows, flat
@@ -415,26 +401,31 @@ def _backward_chunk(q, k, v, mask, safe_lse, row_term, d_out, spec, chunks):
         if k0 >= k1:
             dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
         else:
-            banded, extras = problem.extras(q0, q1, k0, k1)
             keys = k1 - k0
-            s = mx.matmul(q_rows, mx.swapaxes(k[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
+            s, t = problem.scores(q_rows, q0, q1, k0, k1)
+            p = mx.softmax(s, axis=-1, precise=True)
+            if share is not None:
+                p = p * share[..., q0:q1, :]
+            if problem.may_have_empty_rows(q0, q1):
+                p = mx.where(seen[..., q0:q1, :], p, mx.array(0, dtype))
             dp = mx.matmul(do_rows, mx.swapaxes(v[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
-            p, ds = _backward_terms(spec.scale, spec.softcap, spec.mask_kind, banded, dtype)(
-                s, dp, safe_lse[..., q0:q1, :], row_term[..., q0:q1, :], *extras)
+            ds = p * (dp - row_term[..., q0:q1, :])
+            if t is not None:  # d softcap(x) / dx = 1 - tanh^2
+                ds = (ds.astype(mx.float32) * (1.0 - t * t)).astype(dtype)
             p = p.reshape(B, Hkv, G * rows, keys)
-            ds = ds.reshape(B, Hkv, G * rows, keys)  # already times the scale
-            dq_rows = mx.matmul(ds, k[..., k0:k1, :])  # complete for these rows
+            ds = ds.reshape(B, Hkv, G * rows, keys)
+            dq_rows = mx.matmul(ds, problem.k_scaled[..., k0:k1, :])  # complete for these rows
             # The G query heads of a kv head are rows of one product: their sum is the matmul's
-            # fp32 accumulation.
+            # fp32 accumulation. dK's scale is applied once, at the end.
             dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
                                   mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
-            acc = mx.slice_update(acc, _accumulate()(acc[..., k0:k1, :], dkv), mx.array([k0]), axes=(2,))
+            acc = mx.slice_update(acc, acc[..., k0:k1, :] + dkv.astype(mx.float32), mx.array([k0]), axes=(2,))
         dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
         if index + 1 < len(chunks):
             ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
             carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., 2:]
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
-    return dq.reshape(q.shape), acc[..., :D].astype(k.dtype), acc[..., D:].astype(v.dtype)
+    return dq.reshape(q.shape), (acc[..., :D] * spec.scale).astype(k.dtype), acc[..., D:].astype(v.dtype)
 
 
 class MLXOpsBackend:
