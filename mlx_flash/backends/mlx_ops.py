@@ -386,11 +386,15 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
     def inputs(q0, q1):  # a step's q rows and dO rows, flat
         return [problem.rows(x, q0, q1).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
 
-    # The fp32 dK | dV rows of all keys, updated in place (slice_update) by each step; and the step
-    # chain (see the module docstring): step i's result is ONE array holding one element of its
-    # finished dQ rows and one of the dK | dV array after its update (so that both happen inside
-    # step i) and the q and dO rows of step i + 1 (which step i + 1 reads from it).
-    acc = mx.zeros((B, Hkv, Nk, D + Dv), mx.float32)
+    # The fp32 dK | dV rows of all keys, kept as key blocks whose edges are the chunks' key-range
+    # edges, so a step adds into whole blocks (no slice_update: MLX's GPU backends do not donate a
+    # buffer that an op of the open command buffer still references, so every slice_update copied
+    # the whole array). And the step chain (see the module docstring): step i's result is ONE array
+    # holding one element of its finished dQ rows and one of each block it updated (so that all of
+    # it happens inside step i) and the q and dO rows of step i + 1 (which step i + 1 reads from it).
+    edges = sorted({0, Nk} | {e for _, _, k0, k1 in chunks if k0 < k1 for e in (k0, k1)})
+    blocks = {a: mx.zeros((B, Hkv, b - a, D + Dv), mx.float32) for a, b in zip(edges, edges[1:])}
+    block_end = dict(zip(edges, edges[1:]))
     dqs = []
     carried = mx.concatenate(inputs(*chunks[0][:2]), axis=-1)
     for index, (q0, q1, k0, k1) in enumerate(chunks):
@@ -398,6 +402,7 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
         n_q, n_o = G * rows * D, G * rows * Dv
         q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
         do_rows = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, Dv)
+        touched = []  # the dK | dV blocks this step adds to
         if k0 >= k1:
             dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
         else:
@@ -419,12 +424,21 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
             # fp32 accumulation. dK's scale is applied once, at the end.
             dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
                                   mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
-            acc = mx.slice_update(acc, acc[..., k0:k1, :] + dkv.astype(mx.float32), mx.array([k0]), axes=(2,))
+            dkv = dkv.astype(mx.float32)
+            touched = [a for a in edges[:-1] if k0 <= a < k1]
+            for a in touched:
+                b = block_end[a]
+                blocks[a] = blocks[a] + (dkv if (a, b) == (k0, k1) else dkv[..., a - k0:b - k0, :])
         dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
         if index + 1 < len(chunks):
-            ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1), acc[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
-            carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., 2:]
+            ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1)]
+            if touched:
+                ties.append(mx.concatenate([blocks[a][..., :1, :1].reshape(B, Hkv, 1) for a in touched],
+                                           axis=-1).astype(dtype))
+            tied = sum(x.shape[-1] for x in ties)
+            carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., tied:]
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
+    acc = blocks[0] if len(blocks) == 1 else mx.concatenate([blocks[a] for a in edges[:-1]], axis=2)
     return dq.reshape(q.shape), (acc[..., :D] * spec.scale).astype(k.dtype), acc[..., D:].astype(v.dtype)
 
 
