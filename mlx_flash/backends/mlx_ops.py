@@ -270,6 +270,20 @@ def _slice_batch(x, b0, b1):
     return None if x is None else (x[b0:b1] if x.shape[0] > 1 else x)
 
 
+def _chained(payload, ties, B, Hkv):
+    """The step chain's ONE array [B, Hkv, n + t]: the payload arrays of the next step, flattened per
+    (batch, kv head), first; then one element of each of this step's results (`ties`), padded to a
+    multiple of 8 elements. The next step reads its rows as views [..., :n]: at offset 0, with a row
+    stride that keeps 16-byte alignment where n does. (With the ties in front, the views started at
+    an odd element and MLX's CUDA matmuls of every step fell back to cuBLAS's align-1 kernels.)"""
+    flat = [x.reshape(B, Hkv, -1) for x in payload]
+    tied = [t.reshape(B, Hkv, 1).astype(flat[0].dtype) for t in ties]
+    pad = -len(tied) % 8
+    if pad:
+        tied.append(mx.zeros((B, Hkv, pad), flat[0].dtype))
+    return mx.concatenate(flat + tied, axis=-1)
+
+
 def forward(q, k, v, mask, spec: AttentionSpec, sinks=None,
             score_fractions=SCORE_FRACTIONS) -> Tuple[mx.array, mx.array]:
     """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log).
@@ -325,9 +339,8 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
         outs.append(out)
         if index + 1 < len(chunks):
             following = problem.rows(problem.q, *chunks[index + 1][:2])
-            ties = [out[..., :1, :1, :1].reshape(B, Hkv, 1), lse[..., :1, :1].astype(dtype).reshape(B, Hkv, 1)]
-            state = mx.concatenate(ties + [following.reshape(B, Hkv, -1)], axis=-1)
-            q_rows = state[..., 2:].reshape(following.shape)
+            state = _chained([following], [out[..., :1, :1, :1], lse[..., :1, :1]], B, Hkv)
+            q_rows = state[..., :following.size // (B * Hkv)].reshape(following.shape)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
     return out.reshape(B, spec.q_heads, spec.q_len, Dv), lse.reshape(B, spec.q_heads, spec.q_len)
@@ -383,26 +396,33 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
     seen = seen.reshape(rows_shape)
     d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
 
-    def inputs(q0, q1):  # a step's q rows and dO rows, flat
-        return [problem.rows(x, q0, q1).reshape(B, Hkv, -1) for x in (problem.q, d_out)]
-
-    # The fp32 dK | dV rows of all keys, kept as key blocks whose edges are the chunks' key-range
-    # edges, so a step adds into whole blocks (no slice_update: MLX's GPU backends do not donate a
-    # buffer that an op of the open command buffer still references, so every slice_update copied
-    # the whole array). And the step chain (see the module docstring): step i's result is ONE array
-    # holding one element of its finished dQ rows and one of each block it updated (so that all of
-    # it happens inside step i) and the q and dO rows of step i + 1 (which step i + 1 reads from it).
-    edges = sorted({0, Nk} | {e for _, _, k0, k1 in chunks if k0 < k1 for e in (k0, k1)})
-    blocks = {a: mx.zeros((B, Hkv, b - a, D + Dv), mx.float32) for a, b in zip(edges, edges[1:])}
-    block_end = dict(zip(edges, edges[1:]))
+    # The fp32 dK | dV of the keys [a, b) that a later step may still add to, and the pieces that are
+    # final. The steps run in reverse row order: under a causal mask or a window a chunk's key range
+    # [k0, k1) only moves left as its rows do (no band: it is all keys), so the keys at or past the
+    # step's k1 are final (copied out, so the older array's buffer is freed) and the rest takes ONE
+    # add of the step's products. (Key blocks added into in place instead cost a number of adds
+    # quadratic in the chunks under a causal mask: 135 per call at N=8192 on the H100; a
+    # slice_update copied the whole array every step, since MLX's GPU backends do not donate a
+    # buffer that an op of the open command buffer still references.)
+    # And the step chain (see the module docstring): step i's result is ONE array holding one
+    # element of each of its results (dQ rows, the dK | dV array, the final piece) and the q and dO
+    # rows of step i + 1, which step i + 1 reads from it.
+    order = chunks[::-1]
+    acc, a, b = None, 0, 0
+    finals = []  # (first key, final fp32 dK | dV of keys [first, first + width))
     dqs = []
-    carried = mx.concatenate(inputs(*chunks[0][:2]), axis=-1)
-    for index, (q0, q1, k0, k1) in enumerate(chunks):
+
+    def step_inputs(index):
+        q0, q1 = order[index][:2]
+        return [problem.rows(x, q0, q1) for x in (problem.q, d_out)]
+
+    carried = _chained(step_inputs(0), [], B, Hkv)
+    for index, (q0, q1, k0, k1) in enumerate(order):
         rows = q1 - q0
         n_q, n_o = G * rows * D, G * rows * Dv
         q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
         do_rows = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, Dv)
-        touched = []  # the dK | dV blocks this step adds to
+        results = []
         if k0 >= k1:
             dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
         else:
@@ -423,23 +443,38 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
             # The G query heads of a kv head are rows of one product: their sum is the matmul's
             # fp32 accumulation. dK's scale is applied once, at the end.
             dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
-                                  mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1)
-            dkv = dkv.astype(mx.float32)
-            touched = [a for a in edges[:-1] if k0 <= a < k1]
-            for a in touched:
-                b = block_end[a]
-                blocks[a] = blocks[a] + (dkv if (a, b) == (k0, k1) else dkv[..., a - k0:b - k0, :])
+                                  mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1).astype(mx.float32)
+            if acc is not None:
+                done = max(k1, a)  # keys [done, b) are final (k1 <= b and k0 <= a: the order)
+                if done < b:
+                    piece = acc if done == a else mx.contiguous(acc[..., done - a:, :])
+                    finals.append((done, piece))
+                    results.append(piece[..., :1, :1])
+                if k1 > a:  # the keys [a, k1) take this step's products too
+                    kept = acc[..., :k1 - a, :]
+                    if k0 == a:
+                        dkv = dkv + kept
+                    else:
+                        dkv = mx.concatenate([dkv[..., :a - k0, :], dkv[..., a - k0:, :] + kept], axis=2)
+            acc, a, b = dkv, k0, k1
+            results.append(acc[..., :1, :1])
         dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
-        if index + 1 < len(chunks):
-            ties = [dq_rows[..., :1, :1].reshape(B, Hkv, 1)]
-            if touched:
-                ties.append(mx.concatenate([blocks[a][..., :1, :1].reshape(B, Hkv, 1) for a in touched],
-                                           axis=-1).astype(dtype))
-            tied = sum(x.shape[-1] for x in ties)
-            carried = mx.concatenate(ties + inputs(*chunks[index + 1][:2]), axis=-1)[..., tied:]
-    dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs, axis=3)
-    acc = blocks[0] if len(blocks) == 1 else mx.concatenate([blocks[a] for a in edges[:-1]], axis=2)
-    return dq.reshape(q.shape), (acc[..., :D] * spec.scale).astype(k.dtype), acc[..., D:].astype(v.dtype)
+        if index + 1 < len(order):
+            following = step_inputs(index + 1)
+            carried = _chained(following, [dq_rows[..., :1, :1]] + results, B, Hkv)
+    if acc is not None:
+        finals.append((a, acc))
+    dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs[::-1], axis=3)
+    pieces, edge = [], 0  # the final pieces in key order, zeros for keys no row sees
+    for first, piece in sorted(finals, key=lambda f: f[0]):
+        if first > edge:
+            pieces.append(mx.zeros((B, Hkv, first - edge, D + Dv), mx.float32))
+        pieces.append(piece)
+        edge = first + piece.shape[2]
+    if edge < Nk:
+        pieces.append(mx.zeros((B, Hkv, Nk - edge, D + Dv), mx.float32))
+    dkv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+    return dq.reshape(q.shape), (dkv[..., :D] * spec.scale).astype(k.dtype), dkv[..., D:].astype(v.dtype)
 
 
 class MLXOpsBackend:
