@@ -21,7 +21,8 @@ backend is never routed (a routed or fallen-back row would not count as measured
 The rule (conservative: a call does not know whether a backward follows):
 - a measured point is (dtype, head dim, causal, N) with Nq = Nk = N; it routes only when, for
   every head layout and batch measured at that point (MHA and GQA alike), mx.fast's median is
-  below (1 - margin) x ours in BOTH the forward and the forward+backward pass, MLX runs it
+  below ours in BOTH the forward and the forward+backward pass, and below (1 - margin) x ours in
+  at least one of them (so a tie in one pass does not keep a clear loss in the other), MLX runs it
   through cuDNN (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend
   "cuda", no fallback);
 - a point with a missing, skipped or failed row does not route, nor one where a head layout
@@ -67,8 +68,9 @@ HEADER = """\
 # (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
 # its family, dtype, head dim (exactly), mask and N: Nq = Nk = N, min_n <= N <= max_n (only
 # square problems are measured).
-# Rule: every measured head layout (MHA, GQA) at that N had mx.fast's median below (1 - margin)
-# x ours in both the forward and the forward+backward pass; adjacent such N merge into a range;
+# Rule: every measured head layout (MHA, GQA) at that N had mx.fast's median below ours in both the
+# forward and the forward+backward pass, and below (1 - margin) x ours in at least one; adjacent
+# such N merge into a range;
 # nothing routes outside a measured range. forward / fwd_bwd: the range's largest mx.fast / ours
 # median-time ratio (lower = mx.fast faster).
 # Columns (each followed by at least one space; mlx_flash/backends/dispatch.py parses them):
@@ -89,7 +91,7 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
 
     Args:
         rows: bench.py's JSON rows.
-        margin: mx.fast must be faster by more than this fraction in both passes.
+        margin: mx.fast must be faster in both passes, and by more than this fraction in at least one.
     """
     # point -> layout (batch, q_heads, kv_heads) -> (implementation, pass) -> median ms (None: unusable)
     table: Dict = defaultdict(lambda: defaultdict(dict))
@@ -118,12 +120,15 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
         worst = [0.0, 0.0]
         routes = cudnn_fuses(spec)
         for times in layouts.values():
+            clear = False  # mx.fast faster by more than the margin in at least one pass
             for i, pass_name in enumerate(PASSES):
                 ours, theirs = times.get(("mlx-flash", pass_name)), times.get(("mx.fast", pass_name))
-                if ours is None or theirs is None or not theirs < (1 - margin) * ours:
+                if ours is None or theirs is None or not theirs < ours:
                     routes = False
                 else:
                     worst[i] = max(worst[i], theirs / ours)
+                    clear = clear or theirs < (1 - margin) * ours
+            routes = routes and clear
         verdicts[point] = tuple(worst) if routes else None
     return verdicts
 
