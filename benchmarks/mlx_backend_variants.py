@@ -70,8 +70,14 @@ def new_backend(fraction):
 
 
 def old_backend(old):
+    # The old tree's own backend object: its registry names modules absolutely ("mlx_flash.backends.
+    # mlx_ops"), so backend="mlx" would run THIS checkout's backend under the old API.
+    backend = importlib.import_module(old.__name__ + ".backends.mlx_ops").BACKEND
+    if not backend.__class__.__module__.startswith(old.__name__):
+        raise SystemExit(f"--old-tree: its mlx backend resolved to {backend.__class__.__module__}, not the old tree")
+
     def attend(q, k, v, causal, scale):
-        return old.flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend="mlx")
+        return old.flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
     return attend
 
 

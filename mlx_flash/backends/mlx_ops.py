@@ -2,62 +2,62 @@
 
 Shape of the computation: MLX's own unfused attention cut into chunks of query rows, each chunk
 attending to all of the keys its rows may see at once (no online softmax, no rescaling):
-    forward   S = q k^T (one matmul), then one compiled elementwise kernel (scale, softcap, masks:
-              fp32 scores), lse = logsumexp(S) (MLX's fused reduction), P = exp(S - lse) (compiled,
-              rounded to the input dtype), O = P V (one matmul). Each chunk's O and lse are final.
-    backward  per chunk: recompute S, dP = dO V^T, then one compiled kernel gives P and
-              scale * dS = scale * P (dP - D) (times 1 - tanh^2 under softcap); dQ of the chunk's
-              rows = (scale dS) K is final; dK | dV of its keys += [(scale dS)^T q | P^T dO], summed
-              in fp32 in place (slice_update) -- five products, as ALGORITHM.md's one-pass variant.
+    forward   S = q (scale k)^T (one matmul), the masks (where / add), lse = logsumexp of S in fp32,
+              P = softmax(S) (MLX's precise softmax: fp32 statistics, P in the input dtype),
+              O = P V (one matmul). Each chunk's O and lse are final.
+    backward  per chunk: recompute S and P = softmax(S) (lse is not needed), dP = dO V^T,
+              dS = P (dP - D) (times 1 - tanh^2 under softcap); dQ of the chunk's rows =
+              dS (scale k) is final; dK | dV of its keys += [dS^T q | P^T dO] in fp32 -- five
+              products, as ALGORITHM.md's one-pass variant (dK takes the scale once, at the end).
+Every pass over a score block is one MLX primitive. mx.compile is not used: under mx.grad /
+mx.value_and_grad every array derived from the primals is a tracer, and a compiled function called
+with tracers runs uncompiled, so the fused fp32 chains this backend once compiled ran as ~10
+kernels per block on the H100 (N=4096 D=128 bf16 causal, fwd+bwd under value_and_grad: 325
+kernels, 15.0 ms of kernel time, 16.6 ms per call; now 300 kernels, 7.1 ms, 8.8 ms). Per score
+element the forward reads / writes about 18 bytes (mask 5, fp32 copy 6 and logsumexp 4 for lse,
+softmax 4), the backward about 19 (mask 5, softmax 4, dP - D 4, times P 6).
+
 Under a causal mask or a window a chunk [q0, q1) sees only keys spec.key_range(q0, q1): about half
-of the causal work is skipped, and an index mask is built only for the chunk's band edge. GQA:
-a chunk's G query heads x rows are the rows of one matrix [B, Hkv, G * rows, D], so every product
-is a plain batched matmul against k / v [B, Hkv, Nk, D] (never tiled) and dK / dV sum the G heads
-in the matmul's fp32 accumulation.
+of the causal work is skipped, and an index mask is built only for the chunk's band edge. Rows
+that see no key (a softmax of -inf only is 0 / 0) output 0 and get P = 0 in the backward, where a
+chunk may hold such rows (array masks; the chunk at the edge of a causal mask with Nq > Nk or a
+window). GQA: a chunk's G query heads x rows are the rows of one matrix [B, Hkv, G * rows, D], so
+every product is a plain batched matmul against k / v [B, Hkv, Nk, D] (never tiled) and dK / dV
+sum the G heads in the matmul's fp32 accumulation.
 
 Why the chunks are chained: MLX does not evaluate independent chunks one after another. Measured
 on the CPU (B=1 H=8 N=4096 D=16, 16 chunks of 32 MiB scores): chunks whose results are only
 concatenated at the end peak at all of their score blocks (516 MiB for softmax + P V; 1 GiB with
 logsumexp + exp); mx.depends did not help (546 MiB). So step i's result is ONE array that step
 i + 1 reads its inputs from: the next chunk's q rows (and dO rows, backward) packed with one
-element of each result of the step (its output rows; its dQ rows and the dK | dV array after its
-update), so that every result is computed within its step. Then a step's temporaries die inside
-it (the packed arrays with the next step; the results are separate arrays, not views of them),
-and the peak is the operations MLX keeps in flight: about ten score blocks on the CPU (fwd
-162 MiB, fwd+bwd 130 MiB in the measurement above with 1/32 blocks). The O(N * D) copies this
-costs are per chunk and small next to a chunk's products.
+element of each result of the step (its output rows and lse; its dQ rows and the dK | dV arrays
+it made), so that every result is computed within its step (_chained). Then a step's temporaries
+die inside it, and the peak is the operations MLX keeps in flight. The O(N * D) copies this costs
+are per chunk and small next to a chunk's products. On a GPU, MLX keeps every input of an op until
+its command buffer completes and lets several buffers run ahead; there the chain bounds the peak
+only when MLX waits for memory (mx.set_memory_limit; benchmarks/RESULTS.md has the figures).
 
 Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in fp32
-and rounds the product to the input dtype, as its own unfused attention does); the scale,
-softcap, masks, softmax statistics (lse) and P, dS before their rounding for the products are
-fp32 (inside the compiled kernels), and dK / dV accumulate in fp32. dP is a rounded product, and
-when a row sees one key dP - D cancels exactly in exact arithmetic: with D in fp32 the rounding of
-dP alone survives (a 10% error in dQ, found by the property tests), so for fp16 / bf16 D is
-rounded to the input dtype too, the same rounding that dP gets, and the cancellation is exact
-again. fp32 inputs compute everything in fp32.
+and rounds the product to the input dtype) and for the elementwise passes, as MLX's own unfused
+attention and its softmax VJP; the softmax statistics and lse are fp32, and dK / dV accumulate
+across chunks in fp32. dP is a rounded product, and when a row sees one key dP - D cancels exactly
+in exact arithmetic: with D in fp32 the rounding of dP alone survives (a 10% error in dQ, found by
+the property tests), so D is rounded to the input dtype too, the same rounding that dP gets, and
+the cancellation is exact again. fp32 inputs compute everything in fp32.
 
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
-the whole score matrix (all of it while that is at most 8 MiB: one chunk, no chain, for small
-problems and for the ring's key pieces; at least 4 MiB above that), and at most 1/512 of the
-device's memory clamped to [32, 256] MiB; chunks start on multiples of 64 rows and take at least
-64. Narrow chunks (the first ones under a causal mask) are taller, so each holds about one block
-of scores. The 1/32 is the CPU's memory target (forward+backward peak under a quarter of MLX's
-unfused attention, tests/test_memory.py); each chunk costs about seven MLX operations forward and
-twelve backward, so on a GPU fewer, larger chunks trade memory for launch overhead:
-benchmarks/mlx_backend_variants.py measures both.
+the whole score matrix on the CPU and 1/4 on a GPU (all of it while that is at most 8 MiB: one
+chunk, no chain, for small problems and for the ring's key pieces; at least 4 MiB above that), and
+at most 1/512 of the device's memory clamped to [32, 256] MiB; chunks start on multiples of 64
+rows and take at least 64. Narrow chunks (the first ones under a causal mask) are taller, so each
+holds about one block of scores. The 1/32 is the CPU's memory target (forward+backward peak under
+a quarter of MLX's unfused attention, tests/test_memory.py); each chunk costs about twelve MLX
+operations forward and twenty backward, so on a GPU fewer, larger chunks trade memory for launch
+overhead: benchmarks/mlx_backend_variants.py measures both.
 
-Measured on the 2-core CPU (fp32 B=1 H=8 D=64, fwd+bwd, interleaved, a loaded machine), against
-MLX's unfused attention / mx.fast (the same path there): N=1024 1.24x / 1.28x the time at 0.54x
-the peak, causal 0.82x / 0.72x at 0.44x. Non-causal, the backward's recomputed S is one product
-more than MLX's autodiff of its unfused attention (which keeps P): 7 products against 6.
-
-mx.compile: the elementwise parts are compiled per (scale, softcap, mask kind, band, dtype) and
-traced once per distinct chunk shape (a causal plan has one shape per chunk; each trace is a few
-milliseconds on the CPU, the first compile of each kernel about a second there).
-
-Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); its gradient
--sum_i p_sink,i D_i (sinks.py) takes the unrounded fp32 D_i, since no rounded dP cancels against D
-there.
+Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); the keys' share of the
+row, 1 - p_sink, scales O (forward) and P (backward); the sink's gradient -sum_i p_sink,i D_i
+(sinks.py) takes the unrounded fp32 D_i, since no rounded dP cancels against D there.
 """
 from __future__ import annotations
 
@@ -76,13 +76,15 @@ from .sinks import empty_lse, sinks_gradient
 # SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory clamped to
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
 # The fraction per device type. CPU: 32 keeps forward+backward within a fraction of one score
-# matrix (tests/test_memory.py). GPU: 8. On an H100 (B=1 H=16, fwd+bwd, bf16 unless noted;
-# benchmarks/mlx_backend_variants.py, results/h100_cpu2core_mlx_backend_variants.json), 1/8 was the fastest
-# of 8 / 16 / 32 at every shape: 22.3 / 23.3 / 24.6 ms at N=4096 D=128 causal, 15.9 / 17.3 / 23.4 ms at
-# N=2048 D=256 causal. Its peak was no higher at 5 of 7 shapes (2.6 vs 3.9 GB at N=4096 D=128 causal;
-# 12.2 vs 13.8 GB at N=4096 D=256). MLX's CUDA backend holds a step's temporaries until its command
-# buffer completes, so smaller blocks do not bound the GPU's peak the way they bound the CPU's.
-SCORE_FRACTIONS = (("cpu", 32), ("gpu", 8))
+# matrix (tests/test_memory.py). GPU: 4. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
+# results/h100_cpu2core_mlx_backend_variants.json) 1/8 was slower than 1/2 and 1/4 at 6 of 7 shapes:
+# bf16 N=4096 D=128 causal 9.37 vs 8.52 ms (1/4), D=64 8.43 vs 7.94 ms, N=2048 D=256 causal 7.15 vs
+# 4.22 ms. 1/2 and 1/4 give the same plan at N >= 4096 there (the device share, 1/512 of 80 GB,
+# caps both), so their differences (within 5%) are the noise of the run. MLX's CUDA
+# backend holds an op's inputs until its command buffer (100 ops on an H100) completes and lets
+# up to 10 buffers run ahead, so the block size bounds the GPU's peak only when MLX has to wait
+# for memory (mx.set_memory_limit): benchmarks/RESULTS.md.
+SCORE_FRACTIONS = (("cpu", 32), ("gpu", 4))
 SMALL_BLOCK_BYTES = 8 << 20
 DEVICE_FRACTION = 512
 MIN_BLOCK_BYTES = 32 << 20
