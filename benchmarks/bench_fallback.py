@@ -8,6 +8,7 @@ For each shape: forward+backward (mx.vjp of out with a random cotangent, all eva
 and the ratios mlx / unfused and mlx / mx.fast (time, memory).
 
     python benchmarks/bench_fallback.py --preset gpu     # H100: bf16 and fp32 shapes, < 10 min
+    python benchmarks/bench_fallback.py --preset gpu --memory-limit 0.25   # and the mlx path under a limit
     python benchmarks/bench_fallback.py --preset cpu     # the 2-core CPU: fp32 B=1 H=8 D=64
 
 Writes the rows as JSON to --out (default benchmarks/results/fallback_<device>.json).
@@ -71,6 +72,10 @@ def main(argv=None):
     parser.add_argument("--target-seconds", type=float, default=0.5)
     parser.add_argument("--max-repeats", type=int, default=9)
     parser.add_argument("--time-budget-s", type=float, default=540.0, help="start no new shape after this")
+    parser.add_argument("--memory-limit", type=float, default=None, metavar="F",
+                        help="also time the mlx backend under mx.set_memory_limit(inputs + F x unfused's peak): "
+                             "on a GPU, MLX keeps ops' inputs until their command buffer completes and runs "
+                             "ahead while memory is free, so the peak without a limit is not what the path needs")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -79,7 +84,9 @@ def main(argv=None):
     print(f"# {env['device_name']} ({env['device']}), mlx {env['mlx_version']}, commit {env['git_commit']}")
     started, rows = time.time(), []
     header = (["shape"] + [f"{n} ms" for n in args.impls] + [f"{n} peak" for n in args.impls]
-              + ["mlx/unfused t", "mlx/unfused mem", "mlx/fast t", "mlx/fast mem", "auto serves with"])
+              + ["mlx/unfused t", "mlx/unfused mem", "mlx/fast t", "mlx/fast mem", "auto serves with"]
+              + ([f"mlx@{args.memory_limit:g} ms", f"mlx@{args.memory_limit:g} peak", "peak/unfused"]
+                 if args.memory_limit else []))
     table = []
     for B, H, N, D, dtype, causal in PRESETS[args.preset]:
         case = bm.BenchCase(B, H, H, N, N, D, dtype, causal)
@@ -94,6 +101,16 @@ def main(argv=None):
         result = bm.measure_many(items, settings)
         ms = {n: result[n].get("median_ms") for n in args.impls}
         peak = {n: result[n].get("peak_memory_bytes") for n in args.impls}
+        served, limited = route(inputs, case), None
+        if args.memory_limit and "mlx" in items and peak.get("unfused"):
+            limit = int(mx.get_active_memory() + args.memory_limit * peak["unfused"])
+            previous = mx.set_memory_limit(limit)
+            try:
+                limited = bm.measure_many({"mlx": items["mlx"]}, settings)["mlx"]
+            finally:
+                mx.set_memory_limit(previous)
+            limited["memory_limit_bytes"] = limit
+            result["mlx@limit"] = limited
 
         def ratio(a, b, d):
             return f"{d[a] / d[b]:.2f}x" if d.get(a) and d.get(b) else "-"
@@ -101,8 +118,11 @@ def main(argv=None):
         table.append([case.label()] + [bm.format_ms(ms[n]) for n in args.impls]
                      + [bm.format_bytes(peak[n]) for n in args.impls]
                      + [ratio("mlx", "unfused", ms), ratio("mlx", "unfused", peak),
-                        ratio("mlx", "mx.fast", ms), ratio("mlx", "mx.fast", peak), route(inputs, case)])
-        rows.append({"case": bm.as_dict(case), "results": result, "route": table[-1][-1]})
+                        ratio("mlx", "mx.fast", ms), ratio("mlx", "mx.fast", peak), served]
+                     + ([bm.format_ms(limited.get("median_ms")), bm.format_bytes(limited.get("peak_memory_bytes")),
+                         f"{limited['peak_memory_bytes'] / peak['unfused']:.2f}x"
+                         if limited.get("peak_memory_bytes") else "-"] if limited is not None else []))
+        rows.append({"case": bm.as_dict(case), "results": result, "route": served})
         print(bm.format_table(header, table[-1:]).splitlines()[-1], flush=True)
         del inputs
     print()
