@@ -38,6 +38,7 @@ PRESETS = {
             (1, 16, 4096, 256, "bfloat16", False), (1, 16, 4096, 256, "bfloat16", True),
             (1, 16, 4096, 128, "float32", True), (1, 16, 4096, 64, "float32", False),
             (1, 16, 8192, 128, "float32", True)],
+    "gpu-long": [(1, 16, 16384, 128, "bfloat16", True), (1, 16, 16384, 64, "bfloat16", False)],
     "cpu": [(1, 8, n, 64, "float32", c) for n in (512, 1024, 2048, 4096) for c in (False, True)],
     "smoke": [(1, 2, 256, 32, "float32", True), (1, 2, 256, 32, "bfloat16", False)],  # a dry run
 }
