@@ -13,7 +13,8 @@ Every pass over a score block is one MLX primitive. mx.compile is not used: unde
 mx.value_and_grad every array derived from the primals is a tracer, and a compiled function called
 with tracers runs uncompiled, so the fused fp32 chains this backend once compiled ran as ~10
 kernels per block on the H100 (N=4096 D=128 bf16 causal, fwd+bwd under value_and_grad: 325
-kernels, 15.0 ms of kernel time, 16.6 ms per call; now 300 kernels, 7.1 ms, 8.8 ms). Per score
+kernels, 15.0 ms of kernel time, 16.6 ms per call; now 248 kernels, 6.4 ms, 8.0 ms, against
+unfused attention's 28, 6.4 ms, 5.7 ms: benchmarks/kernel_profile.py, RESULTS.md). Per score
 element the forward reads / writes about 18 bytes (mask 5, fp32 copy 6 and logsumexp 4 for lse,
 softmax 4), the backward about 19 (mask 5, softmax 4, dP - D 4, times P 6).
 
