@@ -5,13 +5,16 @@ A backend is an object with:
     unavailable_reason(device) -> str | None   # None when it can run on that device
     unsupported_reason(spec) -> str | None     # None when it serves this call natively
     forward(q, k, v, mask, spec, sinks=None) -> (out, lse)
-    backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None) -> (dq, dk, dv, d_sinks)
+    backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None, lse_is_local=True)
+        -> (dq, dk, dv, d_sinks)
 and, for backends of compiled kernels, what the first-contact guard (backends/guard.py) needs:
     variant_key(spec, mask_dtype) -> hashable     # the set of kernel variants a call runs
     variant_name(kernel, spec, mask_dtype) -> str # readable name of one of them
 mask is None or a rank-4 array broadcastable to [B, Hq, Nq, Nk]; lse is fp32 [B, Hq, Nq]
 (natural log, sinks included; -inf for rows that see no key and have no sink); d_lse is None when
-lse's cotangent is known zero. sinks is None (spec.has_sinks False) or [Hq] in q's dtype, one extra
+lse's cotangent is known zero. The backward's P is exp(S - lse); lse_is_local=False says that lse
+covers more keys than the call's (the ring's key pieces), so P is not the softmax of the call's
+scores. sinks is None (spec.has_sinks False) or [Hq] in q's dtype, one extra
 softmax logit per query head with no value; d_sinks is its gradient [Hq] in sinks' dtype, None
 when sinks is None.
 The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a

@@ -202,8 +202,10 @@ class CUDABackend:
                                 sinks=sinks)
         return out, lse
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
+                 lse_is_local: bool = True):
         """(dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse.
+        lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse.
 
         d_sinks (None without sinks) is fused into the dQ kernel: per-warp parts, summed here in a
         fixed order (deterministic, no atomics)."""

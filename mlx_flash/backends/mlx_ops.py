@@ -2,21 +2,24 @@
 
 Shape of the computation: MLX's own unfused attention cut into chunks of query rows, each chunk
 attending to all of the keys its rows may see at once (no online softmax, no rescaling):
-    forward   S = q (scale k)^T (one matmul), the masks (where / add), lse = logsumexp of S in fp32,
-              P = softmax(S) (MLX's precise softmax: fp32 statistics, P in the input dtype),
+    forward   S = q (scale k)^T (one matmul), the masks (where / add), P = softmax(S) (MLX's
+              precise softmax: fp32 statistics, P in the input dtype), lse = max S - log(max P),
               O = P V (one matmul). Each chunk's O and lse are final.
-    backward  per chunk: recompute S and P = softmax(S) (lse is not needed), dP = dO V^T,
-              dS = P (dP - D) (times 1 - tanh^2 under softcap); dQ of the chunk's rows =
-              dS (scale k) is final; dK | dV of its keys += [dS^T q | P^T dO] in fp32 -- five
-              products, as ALGORITHM.md's one-pass variant (dK takes the scale once, at the end).
+    backward  per chunk: recompute S and P = softmax(S) (lse is not needed), dP - D in one
+              product ([dO, -D] [V, 1]^T), dS = P (dP - D) (times 1 - tanh^2 under softcap);
+              dQ of the chunk's rows = dS (scale k) is final; dK | dV of its keys +=
+              [dS^T q | P^T dO] in fp32 -- five products, as ALGORITHM.md's one-pass variant (dK
+              takes the scale once, at the end). When the caller's lse covers more keys than the
+              call's (the ring's pieces: lse_is_local=False), P = exp(S - lse) instead.
 Every pass over a score block is one MLX primitive. mx.compile is not used: under mx.grad /
 mx.value_and_grad every array derived from the primals is a tracer, and a compiled function called
 with tracers runs uncompiled, so the fused fp32 chains this backend once compiled ran as ~10
 kernels per block on the H100 (N=4096 D=128 bf16 causal, fwd+bwd under value_and_grad: 325
-kernels, 15.0 ms of kernel time, 16.6 ms per call; now 248 kernels, 6.4 ms, 8.0 ms, against
-unfused attention's 28, 6.4 ms, 5.7 ms: benchmarks/kernel_profile.py, RESULTS.md). Per score
-element the forward reads / writes about 18 bytes (mask 5, fp32 copy 6 and logsumexp 4 for lse,
-softmax 4), the backward about 19 (mask 5, softmax 4, dP - D 4, times P 6).
+kernels, 15.0 ms of kernel time, 16.6 ms per call; with the passes below 248 kernels, 6.4 ms,
+8.0 ms, against unfused attention's 28, 6.4 ms, 5.7 ms: benchmarks/kernel_profile.py,
+RESULTS.md). Bytes read and written per score element in the input dtype (bf16): forward 8
+(softmax 4, the two maxima 2 + 2), backward 10 (softmax 4, times dP - D 6), plus 5 per pass
+for a band or array mask (where). Unfused attention's VJP makes about 22.
 
 Under a causal mask or a window a chunk [q0, q1) sees only keys spec.key_range(q0, q1): about half
 of the causal work is skipped, and an index mask is built only for the chunk's band edge. Rows
@@ -40,11 +43,12 @@ only when MLX waits for memory (mx.set_memory_limit; benchmarks/RESULTS.md has t
 
 Precision: fp16 / bf16 inputs stay in their dtype for the five matmuls (MLX accumulates in fp32
 and rounds the product to the input dtype) and for the elementwise passes, as MLX's own unfused
-attention and its softmax VJP; the softmax statistics and lse are fp32, and dK / dV accumulate
-across chunks in fp32. dP is a rounded product, and when a row sees one key dP - D cancels exactly
-in exact arithmetic: with D in fp32 the rounding of dP alone survives (a 10% error in dQ, found by
-the property tests), so D is rounded to the input dtype too, the same rounding that dP gets, and
-the cancellation is exact again. fp32 inputs compute everything in fp32.
+attention and its softmax VJP; the softmax statistics are fp32, and dK / dV accumulate across
+chunks in fp32. lse's error is max P's rounding (2^-9 absolute in bf16), below the error S's own
+rounding puts in it. D = rowsum(dO O) is subtracted inside the dP product's fp32 accumulation, as
+two input-dtype columns (hi + lo, ~2^-17 relative in bf16): where a row sees one key, dP - D
+cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10% error in dQ
+(found by the property tests). fp32 inputs compute everything in fp32.
 
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
 the whole score matrix on the CPU and 1/4 on a GPU (all of it while that is at most 8 MiB: one
@@ -327,15 +331,22 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
                    else mx.broadcast_to(sink, (B, Hkv, G, rows)))
         else:
             s, _ = problem.scores(q_rows, q0, q1, k0, k1)
-            # lse in fp32 from the rounded scores (the statistics MLX's precise softmax keeps).
-            lse_keys = mx.logsumexp(s.astype(mx.float32), axis=-1)
             p = mx.softmax(s, axis=-1, precise=True)
+            # lse from the softmax itself: its largest entry is exp(max S - lse), so
+            # lse = max S - log(max P), two reductions over the input dtype (an fp32 copy of S for
+            # logsumexp read and wrote 10 bytes per score). The error is max P's rounding, 2^-9
+            # (bf16) absolute, below that of S's own rounding (|S| 2^-9); fp32 inputs: 2^-24.
+            top = mx.max(s, axis=-1).astype(mx.float32)
+            lse_keys = top - mx.log(mx.max(p, axis=-1).astype(mx.float32))
+            empty = problem.may_have_empty_rows(q0, q1)
+            if empty:  # rows that see no key: max S = -inf, P = 0 / 0
+                lse_keys = mx.where(top == -math.inf, -math.inf, lse_keys)
             out = mx.matmul(p.reshape(B, Hkv, G * rows, k1 - k0), v[..., k0:k1, :]).reshape(B, Hkv, G, rows, Dv)
             lse = lse_keys
             if sink is not None:
                 lse = mx.logaddexp(lse_keys, sink)
                 out = (out * mx.exp(lse_keys - lse)[..., None]).astype(dtype)  # the keys' share
-            if problem.may_have_empty_rows(q0, q1):
+            if empty:
                 # Rows that see no key: their softmax is 0 / 0; the output is 0 (rows x Dv, cheap).
                 out = mx.where((lse_keys > -math.inf)[..., None], out, mx.array(0, dtype))
         lses.append(lse)
@@ -350,9 +361,13 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
-             score_fractions=SCORE_FRACTIONS):
+             score_fractions=SCORE_FRACTIONS, lse_is_local: bool = True):
     """Returns (dq, dk, dv, d_sinks) in the input dtypes (d_sinks None without sinks).
-    d_lse (or None) is the cotangent of lse; score_fractions as for forward."""
+    d_lse (or None) is the cotangent of lse; score_fractions as for forward.
+
+    lse_is_local: lse is this call's own (its keys and sinks), so P is recomputed as a softmax of
+    the chunk's scores. False (the ring's key pieces, whose lse covers all keys of the rows):
+    P = exp(S - lse) in fp32, three passes instead of one."""
     # D_i = rowsum(dO * O), minus the lse cotangent (dlse/ds = P folds into the same term).
     dot = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
     d_lse32 = None if d_lse is None else d_lse.astype(mx.float32)
@@ -361,17 +376,16 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     d_sinks = None if sinks is None else sinks_gradient(
         sinks, lse, dot if d_lse32 is None else dot - d_lse32)
     row_term = dot
-    if spec.dtype != mx.float32:
-        # dP is a product rounded to the input dtype: round D alike so that dP - D cancels
-        # exactly where it should (a row that sees one key); see the module docstring.
-        row_term = row_term.astype(spec.dtype).astype(mx.float32)
     if d_lse32 is not None:
         row_term = row_term - d_lse32
     if min(spec.batch, spec.kv_heads, spec.q_len, spec.kv_len) == 0:
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     # The keys' share of each row's softmax: 1 without sinks; 1 - p_sink with them. A row whose
     # share is 0 saw no key (its recomputed softmax is 0 / 0 and is replaced by 0).
-    if sinks is None:
+    if not lse_is_local:
+        share = None
+        seen = mx.where(lse == -math.inf, math.inf, lse)  # P = exp(S - lse): 0 where lse = -inf
+    elif sinks is None:
         share = None
         seen = lse > -math.inf
     else:
@@ -382,22 +396,34 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
                                      row_term[b0:b1], None if share is None else share[b0:b1], seen[b0:b1],
-                                     d_out[b0:b1], spec, chunks))
+                                     d_out[b0:b1], spec, chunks, lse_is_local))
     if len(grads) == 1:
         return (*grads[0], d_sinks)
     return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
 
 
-def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
+def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, lse_is_local=True):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
     Nk, D, Dv, dtype = spec.kv_len, spec.head_dim, spec.value_dim, q.dtype
     rows_shape = (B, Hkv, G, spec.q_len, 1)
-    # dS = P (dP - D) in the input dtype, as MLX's own softmax VJP (D rounded as dP is, above).
-    row_term = row_term.astype(dtype).reshape(rows_shape)
     share = None if share is None else share.astype(dtype).reshape(rows_shape)
     seen = seen.reshape(rows_shape)
+    # dP - D in ONE product: dO gets the columns -D_hi, -D_lo (D's fp32 value split into two
+    # input-dtype parts) and v the columns 1, 1, padded with zeros to a multiple of 8, so the
+    # matmul subtracts D in its fp32 accumulation and rounds once. No separate pass over the
+    # scores (4 bytes each), and where a row sees one key (dP = D in exact arithmetic) what is
+    # left is D's split error, |D| 2^-17 in bf16, not the rounding of dP (|D| 2^-9: a 10% error
+    # in dQ, found by the property tests, when D was not rounded as dP was).
+    hi = row_term.astype(dtype)
+    lo = (row_term - hi.astype(mx.float32)).astype(dtype)
+    width = -(-(Dv + 2) // 8) * 8
+    pad = width - Dv - 2
     d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
+    d_out = mx.concatenate([d_out, -hi.reshape(rows_shape), -lo.reshape(rows_shape)]
+                           + ([mx.zeros((B, Hkv, G, spec.q_len, pad), dtype)] if pad else []), axis=-1)
+    v_plus = mx.concatenate([v, mx.ones((B, Hkv, Nk, 2), dtype)]
+                            + ([mx.zeros((B, Hkv, Nk, pad), dtype)] if pad else []), axis=-1)
 
     # The fp32 dK | dV of the keys [a, b) that a later step may still add to, and the pieces that are
     # final. The steps run in reverse row order: under a causal mask or a window a chunk's key range
@@ -422,22 +448,26 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks):
     carried = _chained(step_inputs(0), [], B, Hkv)
     for index, (q0, q1, k0, k1) in enumerate(order):
         rows = q1 - q0
-        n_q, n_o = G * rows * D, G * rows * Dv
+        n_q, n_o = G * rows * D, G * rows * width
         q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
-        do_rows = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, Dv)
+        do_plus = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, width)
+        do_rows = do_plus[..., :Dv]
         results = []
         if k0 >= k1:
             dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
         else:
             keys = k1 - k0
             s, t = problem.scores(q_rows, q0, q1, k0, k1)
-            p = mx.softmax(s, axis=-1, precise=True)
-            if share is not None:
-                p = p * share[..., q0:q1, :]
-            if problem.may_have_empty_rows(q0, q1):
-                p = mx.where(seen[..., q0:q1, :], p, mx.array(0, dtype))
-            dp = mx.matmul(do_rows, mx.swapaxes(v[..., k0:k1, :], -1, -2)).reshape(B, Hkv, G, rows, keys)
-            ds = p * (dp - row_term[..., q0:q1, :])
+            if not lse_is_local:  # `seen` holds lse, +inf where it is -inf
+                p = mx.exp(s.astype(mx.float32) - seen[..., q0:q1, :]).astype(dtype)
+            else:
+                p = mx.softmax(s, axis=-1, precise=True)
+                if share is not None:
+                    p = p * share[..., q0:q1, :]
+                if problem.may_have_empty_rows(q0, q1):
+                    p = mx.where(seen[..., q0:q1, :], p, mx.array(0, dtype))
+            dp_minus_d = mx.matmul(do_plus, mx.swapaxes(v_plus[..., k0:k1, :], -1, -2))
+            ds = p * dp_minus_d.reshape(B, Hkv, G, rows, keys)
             if t is not None:  # d softcap(x) / dx = 1 - tanh^2
                 ds = (ds.astype(mx.float32) * (1.0 - t * t)).astype(dtype)
             p = p.reshape(B, Hkv, G * rows, keys)
@@ -502,8 +532,9 @@ class MLXOpsBackend:
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
         return forward(q, k, v, mask, spec, sinks, self.score_fractions)
 
-    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None):
-        return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions)
+    def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
+                 lse_is_local: bool = True):
+        return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions, lse_is_local)
 
 
 BACKEND = MLXOpsBackend()

@@ -253,7 +253,7 @@ class RingAttention:
             dq_c, dk_c, dv_c, _ = self.backends[call.spec].backward(
                 _rows(q, r0, r1), _rows(k_t, call.k0, call.k1), _rows(v_t, call.k0, call.k1), None,
                 _rows(out, r0, r1), lse[:, :, r0:r1], _rows(d_out, r0, r1),
-                None if d_lse is None else d_lse[:, :, r0:r1], call.spec)
+                None if d_lse is None else d_lse[:, :, r0:r1], call.spec, lse_is_local=False)
             dq = dq + _pad_rows(dq_c.astype(mx.float32), r0, spec.q_len)
             dkv_c = mx.concatenate([dk_c.astype(mx.float32), dv_c.astype(mx.float32)], axis=-1)
             contribution = contribution + _pad_rows(dkv_c, call.k0, spec.kv_len)
