@@ -61,8 +61,9 @@ def load_old(tree: str):
     return module
 
 
-def new_backend(fraction):
-    backend = mlx_ops.MLXOpsBackend(score_fractions=(("cpu", fraction), ("gpu", fraction)))
+def new_backend(fraction, device_fraction=mlx_ops.DEVICE_FRACTION):
+    backend = mlx_ops.MLXOpsBackend(score_fractions=(("cpu", fraction), ("gpu", fraction)),
+                                    device_fraction=device_fraction)
 
     def attend(q, k, v, causal, scale):
         return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
@@ -88,6 +89,9 @@ def main(argv=None):
     parser.add_argument("--fractions", type=int, nargs="+", default=None,
                         help="score fractions of the new backend (default: 8, 16 and the shipped "
                              f"{SHIPPED} on the gpu preset, the shipped one elsewhere)")
+    parser.add_argument("--device-fractions", type=int, nargs="+", default=None,
+                        help=f"also run each new/F with a block of at most 1/D of the device's memory "
+                             f"(new/F@D; shipped D = {mlx_ops.DEVICE_FRACTION})")
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--max-repeats", type=int, default=5)
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="start no new shape after this")
@@ -101,6 +105,9 @@ def main(argv=None):
         impls["old"] = old_backend(load_old(args.old_tree))
     for f in fractions:
         impls[f"new/{f}" + ("*" if f == SHIPPED else "")] = new_backend(f)
+        for d in args.device_fractions or []:
+            if d != mlx_ops.DEVICE_FRACTION:
+                impls[f"new/{f}@{d}"] = new_backend(f, d)
     impls["unfused"] = bm.unfused_attention
     impls["mx.fast"] = bm.fast_attention
     new = f"new/{SHIPPED}*" if SHIPPED in fractions else f"new/{fractions[0]}"

@@ -104,17 +104,22 @@ def score_fraction(device_type: str, score_fractions=SCORE_FRACTIONS) -> int:
 
 
 def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu",
-                      score_fractions=SCORE_FRACTIONS) -> int:
+                      score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION) -> int:
     """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with
-    `memory_bytes` of type `device_type` ("cpu" or "gpu"), with `score_fractions` per device type."""
-    device_share = min(max(memory_bytes // DEVICE_FRACTION, MIN_BLOCK_BYTES), MAX_BLOCK_BYTES)
+    `memory_bytes` of type `device_type` ("cpu" or "gpu"), with `score_fractions` per device type
+    and at most 1/device_fraction of the device's memory (clamped to [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES
+    x DEVICE_FRACTION / device_fraction])."""
+    # The clamp's upper end scales with the fraction (MAX_BLOCK_BYTES at the shipped one).
+    cap = MAX_BLOCK_BYTES * DEVICE_FRACTION // device_fraction
+    device_share = min(max(memory_bytes // device_fraction, MIN_BLOCK_BYTES), cap)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
     fraction = score_fraction(device_type, score_fractions)
     problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // fraction, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
-def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_fractions=SCORE_FRACTIONS):
+def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_fractions=SCORE_FRACTIONS,
+                device_fraction: int = DEVICE_FRACTION):
     """(batch_chunk, [(q0, q1, k0, k1), ...]): batch entries per independent chunk and the query-row
     chunks, each with the keys [k0, k1) its rows may see (k0 >= k1: none).
 
@@ -125,12 +130,13 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_f
         spec: the call.
         memory_bytes: the device's memory; default: the default device's (budget.py).
         score_fractions: ((device type, fraction), ...), default SCORE_FRACTIONS.
+        device_fraction: a block takes at most 1/device_fraction of the device's memory.
     """
     device = mx.default_device()
     if memory_bytes is None:
         memory_bytes = device_memory_bytes(device)
     device_type = "gpu" if device.type == mx.gpu else "cpu"
-    elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions) // 4
+    elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions, device_fraction) // 4
     heads, Nq = max(1, spec.q_heads), spec.q_len
     min_rows = max(1, min(MIN_ROWS, Nq))
     batch_chunk = max(1, min(spec.batch, elements // max(1, heads * min_rows * spec.kv_len)))
@@ -210,6 +216,8 @@ class _Problem:
         self.q = q.reshape(B, Hkv, G, spec.q_len, spec.head_dim)
         self.k_scaled = k * spec.scale  # a Python float keeps k's dtype
         self.k, self.v = k, v
+        self._index = None  # (query index + diagonal, key index), for band masks
+        self._pad = {}  # the chain's zero padding, one array per width
         self.mask = None
         if mask is not None:
             mb, mh, mq, mk = mask.shape
@@ -256,8 +264,10 @@ class _Problem:
         _, hi_last = spec.key_range(q1 - 1, q1)
         if max(lo_first, lo_last) <= k0 and k1 <= min(hi_first, hi_last):
             return None  # every query row of the chunk sees every key in it
-        i = mx.arange(q0, q1)[:, None] + spec.diagonal
-        j = mx.arange(k0, k1)[None, :]
+        if self._index is None:  # built once per call: a band chunk's mask is then one compare
+            self._index = (mx.arange(spec.q_len) + spec.diagonal, mx.arange(spec.kv_len))
+        i = self._index[0][q0:q1, None]
+        j = self._index[1][None, k0:k1]
         keep = None
         if spec.causal:
             keep = j <= i
@@ -277,31 +287,40 @@ def _slice_batch(x, b0, b1):
     return None if x is None else (x[b0:b1] if x.shape[0] > 1 else x)
 
 
-def _chained(payload, ties, B, Hkv):
+def _chained(payload, ties, problem):
     """The step chain's ONE array [B, Hkv, n + t]: the payload arrays of the next step, flattened per
     (batch, kv head), first; then one element of each of this step's results (`ties`), padded to a
     multiple of 8 elements. The next step reads its rows as views [..., :n]: at offset 0, with a row
     stride that keeps 16-byte alignment where n does. (With the ties in front, the views started at
-    an odd element and MLX's CUDA matmuls of every step fell back to cuBLAS's align-1 kernels.)"""
+    an odd element and MLX's CUDA matmuls of every step fell back to cuBLAS's align-1 kernels.)
+    Ties of another dtype are cast together, and the padding is one array per call: each MLX op is
+    a kernel launch on a GPU, and a chunk's launches are what its time is made of at small N."""
+    B, Hkv, _ = problem.shape
+    dtype = payload[0].dtype
     flat = [x.reshape(B, Hkv, -1) for x in payload]
-    tied = [t.reshape(B, Hkv, 1).astype(flat[0].dtype) for t in ties]
-    pad = -len(tied) % 8
+    same = [t.reshape(B, Hkv, 1) for t in ties if t.dtype == dtype]
+    other = [t.reshape(B, Hkv, 1) for t in ties if t.dtype != dtype]
+    if other:
+        same.append((other[0] if len(other) == 1 else mx.concatenate(other, axis=-1)).astype(dtype))
+    pad = -sum(t.shape[-1] for t in same) % 8
     if pad:
-        tied.append(mx.zeros((B, Hkv, pad), flat[0].dtype))
-    return mx.concatenate(flat + tied, axis=-1)
+        if pad not in problem._pad:
+            problem._pad[pad] = mx.zeros((B, Hkv, pad), dtype)
+        same.append(problem._pad[pad])
+    return mx.concatenate(flat + same, axis=-1)
 
 
 def forward(q, k, v, mask, spec: AttentionSpec, sinks=None,
-            score_fractions=SCORE_FRACTIONS) -> Tuple[mx.array, mx.array]:
+            score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION) -> Tuple[mx.array, mx.array]:
     """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log).
 
     sinks ([Hq] or None): per-head sink logits, one extra softmax score with no value.
-    score_fractions: the chunk plan's score fraction per device type (plan_chunks).
+    score_fractions, device_fraction: the chunk plan's limits (plan_chunks).
     """
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
         return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
-    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fraction=device_fraction)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
         out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, chunks, sinks)
@@ -353,7 +372,7 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
         outs.append(out)
         if index + 1 < len(chunks):
             following = problem.rows(problem.q, *chunks[index + 1][:2])
-            state = _chained([following], [out[..., :1, :1, :1], lse[..., :1, :1]], B, Hkv)
+            state = _chained([following], [out[..., :1, :1, :1], lse[..., :1, :1]], problem)
             q_rows = state[..., :following.size // (B * Hkv)].reshape(following.shape)
     out = outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=3)
     lse = lses[0] if len(lses) == 1 else mx.concatenate(lses, axis=3)
@@ -361,7 +380,7 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
-             score_fractions=SCORE_FRACTIONS, lse_is_local: bool = True):
+             score_fractions=SCORE_FRACTIONS, lse_is_local: bool = True, device_fraction: int = DEVICE_FRACTION):
     """Returns (dq, dk, dv, d_sinks) in the input dtypes (d_sinks None without sinks).
     d_lse (or None) is the cotangent of lse; score_fractions as for forward.
 
@@ -391,7 +410,7 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     else:
         share = -mx.expm1(sinks.astype(mx.float32).reshape(1, -1, 1) - lse)
         seen = share > 0
-    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fraction=device_fraction)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
@@ -445,13 +464,12 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
         q0, q1 = order[index][:2]
         return [problem.rows(x, q0, q1) for x in (problem.q, d_out)]
 
-    carried = _chained(step_inputs(0), [], B, Hkv)
+    carried = _chained(step_inputs(0), [], problem)
     for index, (q0, q1, k0, k1) in enumerate(order):
         rows = q1 - q0
         n_q, n_o = G * rows * D, G * rows * width
         q_rows = carried[..., :n_q].reshape(B, Hkv, G * rows, D)
         do_plus = carried[..., n_q:n_q + n_o].reshape(B, Hkv, G * rows, width)
-        do_rows = do_plus[..., :Dv]
         results = []
         if k0 >= k1:
             dq_rows = mx.zeros((B, Hkv, G * rows, D), dtype)
@@ -475,8 +493,10 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
             dq_rows = mx.matmul(ds, problem.k_scaled[..., k0:k1, :])  # complete for these rows
             # The G query heads of a kv head are rows of one product: their sum is the matmul's
             # fp32 accumulation. dK's scale is applied once, at the end.
+            # dV from the whole [dO, -D_hi, -D_lo, 0...]: MLX copies a column slice before a
+            # matmul, and the extra columns of the product are dropped at the end.
             dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
-                                  mx.matmul(mx.swapaxes(p, -1, -2), do_rows)], axis=-1).astype(mx.float32)
+                                  mx.matmul(mx.swapaxes(p, -1, -2), do_plus)], axis=-1).astype(mx.float32)
             if acc is not None:
                 done = max(k1, a)  # keys [done, b) are final (k1 <= b and k0 <= a: the order)
                 if done < b:
@@ -494,34 +514,36 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
         dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
         if index + 1 < len(order):
             following = step_inputs(index + 1)
-            carried = _chained(following, [dq_rows[..., :1, :1]] + results, B, Hkv)
+            carried = _chained(following, [dq_rows[..., :1, :1]] + results, problem)
     if acc is not None:
         finals.append((a, acc))
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs[::-1], axis=3)
     pieces, edge = [], 0  # the final pieces in key order, zeros for keys no row sees
     for first, piece in sorted(finals, key=lambda f: f[0]):
         if first > edge:
-            pieces.append(mx.zeros((B, Hkv, first - edge, D + Dv), mx.float32))
+            pieces.append(mx.zeros((B, Hkv, first - edge, D + width), mx.float32))
         pieces.append(piece)
         edge = first + piece.shape[2]
     if edge < Nk:
-        pieces.append(mx.zeros((B, Hkv, Nk - edge, D + Dv), mx.float32))
+        pieces.append(mx.zeros((B, Hkv, Nk - edge, D + width), mx.float32))
     dkv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-    return dq.reshape(q.shape), (dkv[..., :D] * spec.scale).astype(k.dtype), dkv[..., D:].astype(v.dtype)
+    return dq.reshape(q.shape), (dkv[..., :D] * spec.scale).astype(k.dtype), dkv[..., D:D + Dv].astype(v.dtype)
 
 
 class MLXOpsBackend:
     """Backend protocol implementation for the blocked MLX-ops path (always available).
 
     Args:
+        device_fraction: a score block takes at most 1/device_fraction of the device's memory.
         score_fractions: the chunk plan's ((device type, fraction), ...); an immutable value of the
             backend object (benchmarks/mlx_backend_variants.py compares others through it).
     """
 
     name = "mlx"
 
-    def __init__(self, score_fractions=SCORE_FRACTIONS):
+    def __init__(self, score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION):
         self.score_fractions = tuple((str(t), int(f)) for t, f in score_fractions)
+        self.device_fraction = int(device_fraction)
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
@@ -530,11 +552,12 @@ class MLXOpsBackend:
         return None
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
-        return forward(q, k, v, mask, spec, sinks, self.score_fractions)
+        return forward(q, k, v, mask, spec, sinks, self.score_fractions, self.device_fraction)
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
                  lse_is_local: bool = True):
-        return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions, lse_is_local)
+        return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions, lse_is_local,
+                        self.device_fraction)
 
 
 BACKEND = MLXOpsBackend()
