@@ -36,6 +36,8 @@ from mlx_flash.backends import mlx_ops  # noqa: E402
 
 # The shipped score fraction of the device this runs on (marked * in the table).
 SHIPPED = mlx_ops.score_fraction("gpu" if mx.default_device().type == mx.gpu else "cpu")
+SHIPPED_DEVICE = mlx_ops.score_fraction("gpu" if mx.default_device().type == mx.gpu else "cpu",
+                                        mlx_ops.DEVICE_FRACTIONS)
 
 # (B, H, N, D, dtype, causal)
 PRESETS = {
@@ -61,9 +63,10 @@ def load_old(tree: str):
     return module
 
 
-def new_backend(fraction, device_fraction=mlx_ops.DEVICE_FRACTION):
+def new_backend(fraction, device_fraction=None):
     backend = mlx_ops.MLXOpsBackend(score_fractions=(("cpu", fraction), ("gpu", fraction)),
-                                    device_fraction=device_fraction)
+                                    device_fractions=mlx_ops.DEVICE_FRACTIONS if device_fraction is None
+                                    else (("cpu", device_fraction), ("gpu", device_fraction)))
 
     def attend(q, k, v, causal, scale):
         return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
@@ -91,7 +94,7 @@ def main(argv=None):
                              f"{SHIPPED} on the gpu preset, the shipped one elsewhere)")
     parser.add_argument("--device-fractions", type=int, nargs="+", default=None,
                         help=f"also run each new/F with a block of at most 1/D of the device's memory "
-                             f"(new/F@D; shipped D = {mlx_ops.DEVICE_FRACTION})")
+                             f"(new/F@D; shipped: {dict(mlx_ops.DEVICE_FRACTIONS)})")
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--max-repeats", type=int, default=5)
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="start no new shape after this")
@@ -106,7 +109,7 @@ def main(argv=None):
     for f in fractions:
         impls[f"new/{f}" + ("*" if f == SHIPPED else "")] = new_backend(f)
         for d in args.device_fractions or []:
-            if d != mlx_ops.DEVICE_FRACTION:
+            if d != SHIPPED_DEVICE:
                 impls[f"new/{f}@{d}"] = new_backend(f, d)
     impls["unfused"] = bm.unfused_attention
     impls["mx.fast"] = bm.fast_attention

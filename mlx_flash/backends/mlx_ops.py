@@ -53,12 +53,12 @@ cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10%
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
 the whole score matrix on the CPU and 1/4 on a GPU (all of it while that is at most 8 MiB: one
 chunk, no chain, for small problems and for the ring's key pieces; at least 4 MiB above that), and
-at most 1/512 of the device's memory clamped to [32, 256] MiB; chunks start on multiples of 64
-rows and take at least 64. Narrow chunks (the first ones under a causal mask) are taller, so each
-holds about one block of scores. The 1/32 is the CPU's memory target (forward+backward peak under
-a quarter of MLX's unfused attention, tests/test_memory.py); each chunk costs about twelve MLX
-operations forward and twenty backward, so on a GPU fewer, larger chunks trade memory for launch
-overhead: benchmarks/mlx_backend_variants.py measures both.
+at most 1/512 of the device's memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to
+[32 MiB, 1 GiB]); chunks start on multiples of 64 rows and take at least 64. Narrow chunks (the
+first ones under a causal mask) are taller, so each holds about one block of scores. The CPU's
+1/32 is its memory target (forward+backward peak under a quarter of MLX's unfused attention,
+tests/test_memory.py). On a GPU each MLX op is a kernel launch and a chunk takes about 15 forward
+and 25 backward, so fewer, larger chunks win there (measured: the comment at SCORE_FRACTIONS).
 
 Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); the keys' share of the
 row, 1 - p_sink, scales O (forward) and P (backward); the sink's gradient -sum_i p_sink,i D_i
@@ -78,20 +78,23 @@ from .sinks import empty_lse, sinks_gradient
 # Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
 # 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (all of it while that is at most
 # SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
-# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory clamped to
-# [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES].
-# The fraction per device type. CPU: 32 keeps forward+backward within a fraction of one score
-# matrix (tests/test_memory.py). GPU: 4. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
-# results/h100_cpu2core_mlx_backend_variants.json) 1/8 was slower than 1/2 and 1/4 at 6 of 7 shapes:
-# bf16 N=4096 D=128 causal 9.37 vs 8.52 ms (1/4), D=64 8.43 vs 7.94 ms, N=2048 D=256 causal 7.15 vs
-# 4.22 ms. 1/2 and 1/4 give the same plan at N >= 4096 there (the device share, 1/512 of 80 GB,
-# caps both), so their differences (within 5%) are the noise of the run. MLX's CUDA
+# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory, clamped to
+# [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / DEVICE_FRACTION]; both fractions per device type.
+# CPU: 1/32 of the scores keeps forward+backward within a fraction of one score matrix
+# (tests/test_memory.py), 1/512 of the memory as before. GPU: 1/4 and 1/128 (640 MB on an H100).
+# Each MLX op is a kernel launch there, and a chunk costs about 40 of them, so fewer, larger
+# chunks win. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
+# results/h100_cpu2core_mlx_backend_variants.json), against 1/512 of the memory, 1/128 took
+# N=4096 D=128 bf16 causal 6.75 -> 6.00 ms, N=8192 23.6 -> 18.5, D=64 6.90 -> 5.50, D=256 9.92 ->
+# 7.38, fp32 N=8192 causal 41.3 -> 31.1 ms; 1/32 was no faster (6.12, 20.4, 5.45, 7.22, 34.6 ms).
+# Earlier, at 1/512, 1/8 of the scores was slower than 1/4 at 6 of 7 shapes (bf16 N=4096 D=128
+# causal 9.37 vs 8.52 ms, D=64 8.43 vs 7.94 ms, N=2048 D=256 causal 7.15 vs 4.22 ms). MLX's CUDA
 # backend holds an op's inputs until its command buffer (100 ops on an H100) completes and lets
 # up to 10 buffers run ahead, so the block size bounds the GPU's peak only when MLX has to wait
 # for memory (mx.set_memory_limit): benchmarks/RESULTS.md.
 SCORE_FRACTIONS = (("cpu", 32), ("gpu", 4))
 SMALL_BLOCK_BYTES = 8 << 20
-DEVICE_FRACTION = 512
+DEVICE_FRACTIONS = (("cpu", 512), ("gpu", 128))
 MIN_BLOCK_BYTES = 32 << 20
 MAX_BLOCK_BYTES = 256 << 20
 ROW_ALIGN = 64                 # chunk boundaries on multiples of 64 query rows (matmul tiles)
@@ -99,18 +102,19 @@ MIN_ROWS = 64                  # ... and at least 64 rows per chunk (fewer steps
 
 
 def score_fraction(device_type: str, score_fractions=SCORE_FRACTIONS) -> int:
-    """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu")."""
+    """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu").
+    Also reads a DEVICE_FRACTIONS-shaped table."""
     return dict(score_fractions)["gpu" if device_type == "gpu" else "cpu"]
 
 
 def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu",
-                      score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION) -> int:
+                      score_fractions=SCORE_FRACTIONS, device_fractions=DEVICE_FRACTIONS) -> int:
     """Bytes one fp32 score block [B, Hq, rows, keys] of this call may take on a device with
     `memory_bytes` of type `device_type` ("cpu" or "gpu"), with `score_fractions` per device type
-    and at most 1/device_fraction of the device's memory (clamped to [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES
-    x DEVICE_FRACTION / device_fraction])."""
-    # The clamp's upper end scales with the fraction (MAX_BLOCK_BYTES at the shipped one).
-    cap = MAX_BLOCK_BYTES * DEVICE_FRACTION // device_fraction
+    and at most 1/F of the device's memory, F from `device_fractions` per device type (clamped to
+    [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / F])."""
+    device_fraction = score_fraction(device_type, device_fractions)
+    cap = MAX_BLOCK_BYTES * 512 // device_fraction  # the clamp's top scales with the fraction
     device_share = min(max(memory_bytes // device_fraction, MIN_BLOCK_BYTES), cap)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
     fraction = score_fraction(device_type, score_fractions)
@@ -119,7 +123,7 @@ def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str =
 
 
 def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_fractions=SCORE_FRACTIONS,
-                device_fraction: int = DEVICE_FRACTION):
+                device_fractions=DEVICE_FRACTIONS):
     """(batch_chunk, [(q0, q1, k0, k1), ...]): batch entries per independent chunk and the query-row
     chunks, each with the keys [k0, k1) its rows may see (k0 >= k1: none).
 
@@ -130,13 +134,13 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_f
         spec: the call.
         memory_bytes: the device's memory; default: the default device's (budget.py).
         score_fractions: ((device type, fraction), ...), default SCORE_FRACTIONS.
-        device_fraction: a block takes at most 1/device_fraction of the device's memory.
+        device_fractions: ((device type, F), ...): a block takes at most 1/F of the device's memory.
     """
     device = mx.default_device()
     if memory_bytes is None:
         memory_bytes = device_memory_bytes(device)
     device_type = "gpu" if device.type == mx.gpu else "cpu"
-    elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions, device_fraction) // 4
+    elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions, device_fractions) // 4
     heads, Nq = max(1, spec.q_heads), spec.q_len
     min_rows = max(1, min(MIN_ROWS, Nq))
     batch_chunk = max(1, min(spec.batch, elements // max(1, heads * min_rows * spec.kv_len)))
@@ -311,16 +315,16 @@ def _chained(payload, ties, problem):
 
 
 def forward(q, k, v, mask, spec: AttentionSpec, sinks=None,
-            score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION) -> Tuple[mx.array, mx.array]:
+            score_fractions=SCORE_FRACTIONS, device_fractions=DEVICE_FRACTIONS) -> Tuple[mx.array, mx.array]:
     """Returns (out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32, natural log).
 
     sinks ([Hq] or None): per-head sink logits, one extra softmax score with no value.
-    score_fractions, device_fraction: the chunk plan's limits (plan_chunks).
+    score_fractions, device_fractions: the chunk plan's limits per device type (plan_chunks).
     """
     B, Hq, Nq, Dv = spec.batch, spec.q_heads, spec.q_len, spec.value_dim
     if min(B, Hq, Nq) == 0 or spec.kv_len == 0:
         return mx.zeros((B, Hq, Nq, Dv), spec.dtype), empty_lse(sinks, (B, Hq, Nq))
-    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fraction=device_fraction)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fractions=device_fractions)
     outs, lses = [], []
     for b0, b1 in _chunks(spec, batch_chunk):
         out, lse = _forward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), spec, chunks, sinks)
@@ -380,7 +384,7 @@ def _forward_chunk(q, k, v, mask, spec, chunks, sinks=None):
 
 
 def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
-             score_fractions=SCORE_FRACTIONS, lse_is_local: bool = True, device_fraction: int = DEVICE_FRACTION):
+             score_fractions=SCORE_FRACTIONS, lse_is_local: bool = True, device_fractions=DEVICE_FRACTIONS):
     """Returns (dq, dk, dv, d_sinks) in the input dtypes (d_sinks None without sinks).
     d_lse (or None) is the cotangent of lse; score_fractions as for forward.
 
@@ -410,7 +414,7 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     else:
         share = -mx.expm1(sinks.astype(mx.float32).reshape(1, -1, 1) - lse)
         seen = share > 0
-    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fraction=device_fraction)
+    batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fractions=device_fractions)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
         grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
@@ -534,16 +538,17 @@ class MLXOpsBackend:
     """Backend protocol implementation for the blocked MLX-ops path (always available).
 
     Args:
-        device_fraction: a score block takes at most 1/device_fraction of the device's memory.
+        device_fractions: ((device type, F), ...): a score block takes at most 1/F of the device's
+            memory; an immutable value like score_fractions.
         score_fractions: the chunk plan's ((device type, fraction), ...); an immutable value of the
             backend object (benchmarks/mlx_backend_variants.py compares others through it).
     """
 
     name = "mlx"
 
-    def __init__(self, score_fractions=SCORE_FRACTIONS, device_fraction: int = DEVICE_FRACTION):
+    def __init__(self, score_fractions=SCORE_FRACTIONS, device_fractions=DEVICE_FRACTIONS):
         self.score_fractions = tuple((str(t), int(f)) for t, f in score_fractions)
-        self.device_fraction = int(device_fraction)
+        self.device_fractions = tuple((str(t), int(f)) for t, f in device_fractions)
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
@@ -552,12 +557,12 @@ class MLXOpsBackend:
         return None
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
-        return forward(q, k, v, mask, spec, sinks, self.score_fractions, self.device_fraction)
+        return forward(q, k, v, mask, spec, sinks, self.score_fractions, self.device_fractions)
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
                  lse_is_local: bool = True):
         return backward(q, k, v, mask, out, lse, d_out, d_lse, spec, sinks, self.score_fractions, lse_is_local,
-                        self.device_fraction)
+                        self.device_fractions)
 
 
 BACKEND = MLXOpsBackend()
