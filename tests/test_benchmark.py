@@ -363,3 +363,19 @@ def test_subcommands_plug_in_with_one_function(monkeypatch, capsys):
     monkeypatch.setattr(main_job, "SUBCOMMANDS", [add_echo_parser])
     assert main_job.main(["echo", "hello"]) == 0
     assert capsys.readouterr().out == "hello\n"
+
+
+def test_variants_tool_old_column_runs_the_old_trees_own_backend(tmp_path):
+    """The old tree's registry names its modules absolutely ("mlx_flash.backends.mlx_ops"): the
+    variants tool must time the old tree's backend object, not this checkout's under the old API."""
+    import shutil
+    shutil.copytree(ROOT / "mlx_flash", tmp_path / "mlx_flash", ignore=shutil.ignore_patterns("__pycache__"))
+    spec = importlib.util.spec_from_file_location("variants_tool", ROOT / "benchmarks" / "mlx_backend_variants.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    old = tool.load_old(str(tmp_path))
+    attend = tool.old_backend(old)
+    backend = next(c.cell_contents for c in attend.__closure__ if hasattr(c.cell_contents, "forward"))
+    assert type(backend).__module__ == "mlx_flash_old.backends.mlx_ops"
+    q = mx.random.normal((1, 2, 64, 16))
+    assert mx.allclose(attend(q, q, q, True, 0.25), tool.new_backend(4)(q, q, q, True, 0.25), atol=1e-5)
