@@ -425,6 +425,48 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
 
 
+class _KeySums:
+    """fp32 sums over the steps of per-key products (dK or dV rows), for steps that run in reverse
+    row order: a step's key range [k0, k1) only moves left (see _backward_chunk), so the keys at
+    or past its k1 are final (copied out, so the older array's buffer is freed) and the rest take
+    ONE add of the step's product."""
+
+    def __init__(self):
+        self.acc, self.a, self.b = None, 0, 0  # the sums of keys [a, b) a later step may add to
+        self.finals = []  # (first key, final sums of keys [first, first + rows))
+
+    def add(self, product, k0, k1):
+        """Adds product [..., k1 - k0, d] (any float dtype) for keys [k0, k1); returns the arrays
+        this step made (for the step chain's ties)."""
+        made, x = [], product.astype(mx.float32)
+        acc, a, b = self.acc, self.a, self.b
+        if acc is not None:
+            done = max(k1, a)  # keys [done, b) are final (k1 <= b and k0 <= a: the order)
+            if done < b:
+                piece = acc if done == a else mx.contiguous(acc[..., done - a:, :])
+                self.finals.append((done, piece))
+                made.append(piece)
+            if k1 > a:  # the keys [a, k1) take this step's product too
+                kept = acc[..., :k1 - a, :]
+                x = x + kept if k0 == a else mx.concatenate([x[..., :a - k0, :], x[..., a - k0:, :] + kept], axis=2)
+        self.acc, self.a, self.b = x, k0, k1
+        return made + [x]
+
+    def result(self, shape):
+        """The sums of all keys [B, Hkv, Nk, d]: the final pieces in key order, zeros for keys no
+        step saw."""
+        finals = self.finals + ([(self.a, self.acc)] if self.acc is not None else [])
+        pieces, edge = [], 0
+        for first, piece in sorted(finals, key=lambda f: f[0]):
+            if first > edge:
+                pieces.append(mx.zeros((*shape[:2], first - edge, shape[3]), mx.float32))
+            pieces.append(piece)
+            edge = first + piece.shape[2]
+        if edge < shape[2]:
+            pieces.append(mx.zeros((*shape[:2], shape[2] - edge, shape[3]), mx.float32))
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
+
+
 def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, lse_is_local=True):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
@@ -443,30 +485,31 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
     width = -(-(Dv + 2) // 8) * 8
     pad = width - Dv - 2
     d_out = d_out.astype(dtype).reshape(B, Hkv, G, spec.q_len, Dv)
-    d_out = mx.concatenate([d_out, -hi.reshape(rows_shape), -lo.reshape(rows_shape)]
-                           + ([mx.zeros((B, Hkv, G, spec.q_len, pad), dtype)] if pad else []), axis=-1)
+    minus_d = mx.concatenate([-hi.reshape(rows_shape), -lo.reshape(rows_shape)]
+                             + ([mx.zeros((B, Hkv, G, spec.q_len, pad), dtype)] if pad else []), axis=-1)
     v_plus = mx.concatenate([v, mx.ones((B, Hkv, Nk, 2), dtype)]
                             + ([mx.zeros((B, Hkv, Nk, pad), dtype)] if pad else []), axis=-1)
 
-    # The fp32 dK | dV of the keys [a, b) that a later step may still add to, and the pieces that are
-    # final. The steps run in reverse row order: under a causal mask or a window a chunk's key range
-    # [k0, k1) only moves left as its rows do (no band: it is all keys), so the keys at or past the
-    # step's k1 are final (copied out, so the older array's buffer is freed) and the rest takes ONE
-    # add of the step's products. (Key blocks added into in place instead cost a number of adds
-    # quadratic in the chunks under a causal mask: 135 per call at N=8192 on the H100; a
-    # slice_update copied the whole array every step, since MLX's GPU backends do not donate a
-    # buffer that an op of the open command buffer still references.)
+    # dK and dV are fp32 sums over the steps (_KeySums), and the steps run in reverse row order:
+    # under a causal mask or a window a chunk's key range [k0, k1) only moves left as its rows do
+    # (no band: it is all keys), so each step adds ONCE per sum. (Key blocks added into in place
+    # cost a number of adds quadratic in the chunks under a causal mask: 135 per call at N=8192 on
+    # the H100; a slice_update copied the whole array every step, since MLX's GPU backends do not
+    # donate a buffer that an op of the open command buffer still references. dK and dV apart:
+    # no concatenated copy of both per step.)
     # And the step chain (see the module docstring): step i's result is ONE array holding one
-    # element of each of its results (dQ rows, the dK | dV array, the final piece) and the q and dO
-    # rows of step i + 1, which step i + 1 reads from it.
+    # element of each of its results (dQ rows, the sums and final pieces it made) and the q and
+    # dO rows of step i + 1, which step i + 1 reads from it.
     order = chunks[::-1]
-    acc, a, b = None, 0, 0
-    finals = []  # (first key, final fp32 dK | dV of keys [first, first + width))
+    key_sums = (_KeySums(), _KeySums())  # dK (before its scale), dV (and the -D columns' products)
     dqs = []
 
     def step_inputs(index):
         q0, q1 = order[index][:2]
-        return [problem.rows(x, q0, q1) for x in (problem.q, d_out)]
+        # A step's dO rows get their -D columns here (an augmented copy of all of dO would be one
+        # more O(N Dv) array for the whole backward: 5% of the CPU's peak at N=2048).
+        do_plus = mx.concatenate([d_out[..., q0:q1, :], minus_d[..., q0:q1, :]], axis=-1)
+        return [problem.rows(problem.q, q0, q1), do_plus]
 
     carried = _chained(step_inputs(0), [], problem)
     for index, (q0, q1, k0, k1) in enumerate(order):
@@ -499,39 +542,17 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
             # fp32 accumulation. dK's scale is applied once, at the end.
             # dV from the whole [dO, -D_hi, -D_lo, 0...]: MLX copies a column slice before a
             # matmul, and the extra columns of the product are dropped at the end.
-            dkv = mx.concatenate([mx.matmul(mx.swapaxes(ds, -1, -2), q_rows),
-                                  mx.matmul(mx.swapaxes(p, -1, -2), do_plus)], axis=-1).astype(mx.float32)
-            if acc is not None:
-                done = max(k1, a)  # keys [done, b) are final (k1 <= b and k0 <= a: the order)
-                if done < b:
-                    piece = acc if done == a else mx.contiguous(acc[..., done - a:, :])
-                    finals.append((done, piece))
-                    results.append(piece[..., :1, :1])
-                if k1 > a:  # the keys [a, k1) take this step's products too
-                    kept = acc[..., :k1 - a, :]
-                    if k0 == a:
-                        dkv = dkv + kept
-                    else:
-                        dkv = mx.concatenate([dkv[..., :a - k0, :], dkv[..., a - k0:, :] + kept], axis=2)
-            acc, a, b = dkv, k0, k1
-            results.append(acc[..., :1, :1])
+            products = (mx.matmul(mx.swapaxes(ds, -1, -2), q_rows), mx.matmul(mx.swapaxes(p, -1, -2), do_plus))
+            for sums, product in zip(key_sums, products):
+                results += [x[..., :1, :1] for x in sums.add(product, k0, k1)]
         dqs.append(dq_rows.reshape(B, Hkv, G, rows, D))
         if index + 1 < len(order):
             following = step_inputs(index + 1)
             carried = _chained(following, [dq_rows[..., :1, :1]] + results, problem)
-    if acc is not None:
-        finals.append((a, acc))
     dq = dqs[0] if len(dqs) == 1 else mx.concatenate(dqs[::-1], axis=3)
-    pieces, edge = [], 0  # the final pieces in key order, zeros for keys no row sees
-    for first, piece in sorted(finals, key=lambda f: f[0]):
-        if first > edge:
-            pieces.append(mx.zeros((B, Hkv, first - edge, D + width), mx.float32))
-        pieces.append(piece)
-        edge = first + piece.shape[2]
-    if edge < Nk:
-        pieces.append(mx.zeros((B, Hkv, Nk - edge, D + width), mx.float32))
-    dkv = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
-    return dq.reshape(q.shape), (dkv[..., :D] * spec.scale).astype(k.dtype), dkv[..., D:D + Dv].astype(v.dtype)
+    dk = key_sums[0].result((B, Hkv, Nk, D))
+    dv = key_sums[1].result((B, Hkv, Nk, width))
+    return dq.reshape(q.shape), (dk * spec.scale).astype(k.dtype), dv[..., :Dv].astype(v.dtype)
 
 
 class MLXOpsBackend:
