@@ -36,8 +36,7 @@ from mlx_flash.backends import mlx_ops  # noqa: E402
 
 # The shipped score fraction of the device this runs on (marked * in the table).
 SHIPPED = mlx_ops.score_fraction("gpu" if mx.default_device().type == mx.gpu else "cpu")
-SHIPPED_DEVICE = mlx_ops.score_fraction("gpu" if mx.default_device().type == mx.gpu else "cpu",
-                                        mlx_ops.DEVICE_FRACTIONS)
+SHIPPED_DEVICE = dict(mlx_ops.DEVICE_FRACTIONS)["gpu" if mx.default_device().type == mx.gpu else "cpu"]
 
 # (B, H, N, D, dtype, causal)
 PRESETS = {

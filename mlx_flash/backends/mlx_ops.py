@@ -101,10 +101,14 @@ ROW_ALIGN = 64                 # chunk boundaries on multiples of 64 query rows 
 MIN_ROWS = 64                  # ... and at least 64 rows per chunk (fewer steps beat a smaller block)
 
 
+def _per_device(table, device_type: str) -> int:
+    """The entry of a ((device type, value), ...) table for "gpu", or "cpu" for any other type."""
+    return dict(table)["gpu" if device_type == "gpu" else "cpu"]
+
+
 def score_fraction(device_type: str, score_fractions=SCORE_FRACTIONS) -> int:
-    """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu").
-    Also reads a DEVICE_FRACTIONS-shaped table."""
-    return dict(score_fractions)["gpu" if device_type == "gpu" else "cpu"]
+    """1/fraction of the score matrix is one score block on a device of this type ("cpu" or "gpu")."""
+    return _per_device(score_fractions, device_type)
 
 
 def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str = "cpu",
@@ -113,7 +117,7 @@ def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str =
     `memory_bytes` of type `device_type` ("cpu" or "gpu"), with `score_fractions` per device type
     and at most 1/F of the device's memory, F from `device_fractions` per device type (clamped to
     [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / F])."""
-    device_fraction = score_fraction(device_type, device_fractions)
+    device_fraction = _per_device(device_fractions, device_type)
     cap = MAX_BLOCK_BYTES * 512 // device_fraction  # the clamp's top scales with the fraction
     device_share = min(max(memory_bytes // device_fraction, MIN_BLOCK_BYTES), cap)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
@@ -405,11 +409,12 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
         return mx.zeros_like(q), mx.zeros_like(k), mx.zeros_like(v), d_sinks
     # The keys' share of each row's softmax: 1 without sinks; 1 - p_sink with them. A row whose
     # share is 0 saw no key (its recomputed softmax is 0 / 0 and is replaced by 0).
+    # Not local (the ring): P = exp(S - lse) instead, with lse = +inf where it is -inf (P = 0).
+    share, safe_lse = None, None
     if not lse_is_local:
-        share = None
-        seen = mx.where(lse == -math.inf, math.inf, lse)  # P = exp(S - lse): 0 where lse = -inf
+        safe_lse = mx.where(lse == -math.inf, math.inf, lse)
+        seen = None
     elif sinks is None:
-        share = None
         seen = lse > -math.inf
     else:
         share = -mx.expm1(sinks.astype(mx.float32).reshape(1, -1, 1) - lse)
@@ -417,9 +422,9 @@ def backward(q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=N
     batch_chunk, chunks = plan_chunks(spec, score_fractions=score_fractions, device_fractions=device_fractions)
     grads = []
     for b0, b1 in _chunks(spec, batch_chunk):
-        grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1),
-                                     row_term[b0:b1], None if share is None else share[b0:b1], seen[b0:b1],
-                                     d_out[b0:b1], spec, chunks, lse_is_local))
+        rows = [None if x is None else x[b0:b1] for x in (row_term, share, seen, safe_lse)]
+        grads.append(_backward_chunk(q[b0:b1], k[b0:b1], v[b0:b1], _slice_batch(mask, b0, b1), *rows,
+                                     d_out[b0:b1], spec, chunks))
     if len(grads) == 1:
         return (*grads[0], d_sinks)
     return (*(mx.concatenate(parts, axis=0) for parts in zip(*grads)), d_sinks)
@@ -467,13 +472,14 @@ class _KeySums:
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=2)
 
 
-def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, lse_is_local=True):
+def _backward_chunk(q, k, v, mask, row_term, share, seen, safe_lse, d_out, spec, chunks):
     problem = _Problem(q, k, v, mask, spec)
     B, Hkv, G = problem.shape
     Nk, D, Dv, dtype = spec.kv_len, spec.head_dim, spec.value_dim, q.dtype
     rows_shape = (B, Hkv, G, spec.q_len, 1)
     share = None if share is None else share.astype(dtype).reshape(rows_shape)
-    seen = seen.reshape(rows_shape)
+    seen = None if seen is None else seen.reshape(rows_shape)
+    safe_lse = None if safe_lse is None else safe_lse.reshape(rows_shape)
     # dP - D in ONE product: dO gets the columns -D_hi, -D_lo (D's fp32 value split into two
     # input-dtype parts) and v the columns 1, 1, padded with zeros to a multiple of 8, so the
     # matmul subtracts D in its fp32 accumulation and rounds once. No separate pass over the
@@ -523,8 +529,8 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, d_out, spec, chunks, l
         else:
             keys = k1 - k0
             s, t = problem.scores(q_rows, q0, q1, k0, k1)
-            if not lse_is_local:  # `seen` holds lse, +inf where it is -inf
-                p = mx.exp(s.astype(mx.float32) - seen[..., q0:q1, :]).astype(dtype)
+            if safe_lse is not None:  # lse not the call's own (the ring)
+                p = mx.exp(s.astype(mx.float32) - safe_lse[..., q0:q1, :]).astype(dtype)
             else:
                 p = mx.softmax(s, axis=-1, precise=True)
                 if share is not None:
