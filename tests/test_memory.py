@@ -97,7 +97,7 @@ def test_chunk_plan_follows_the_problem_and_the_device():
 
 
 def test_gpu_score_blocks_follow_their_own_fraction():
-    """The GPU's score blocks are 1/4 of the score matrix and the CPU's 1/32 (mlx_ops.SCORE_FRACTIONS:
+    """The GPU's score blocks are 1/2 of the score matrix and the CPU's 1/32 (mlx_ops.SCORE_FRACTIONS:
     measured on an H100, where smaller blocks were slower and bound the peak only under a memory limit)."""
     from mlx_flash.backends import mlx_ops
     from mlx_flash.spec import check_inputs
@@ -105,4 +105,4 @@ def test_gpu_score_blocks_follow_their_own_fraction():
     whole = 4 * 16 * 2048 * 2048
     memory = 80 << 30
     assert mlx_ops.score_block_bytes(spec, memory, "cpu") == whole // 32
-    assert mlx_ops.score_block_bytes(spec, memory, "gpu") == whole // 4
+    assert mlx_ops.score_block_bytes(spec, memory, "gpu") == whole // 2

@@ -51,7 +51,7 @@ cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10%
 (found by the property tests). fp32 inputs compute everything in fp32.
 
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
-the whole score matrix on the CPU and 1/4 on a GPU (all of it while that is at most 8 MiB: one
+the whole score matrix on the CPU and 1/2 on a GPU (all of it while that is at most 8 MiB: one
 chunk, no chain, for small problems and for the ring's key pieces; at least 4 MiB above that), and
 at most 1/512 of the device's memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to
 [32 MiB, 1 GiB]); chunks start on multiples of 64 rows and take at least 64. Narrow chunks (the
@@ -81,18 +81,22 @@ from .sinks import empty_lse, sinks_gradient
 # SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory, clamped to
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / DEVICE_FRACTION]; both fractions per device type.
 # CPU: 1/32 of the scores keeps forward+backward within a fraction of one score matrix
-# (tests/test_memory.py), 1/512 of the memory as before. GPU: 1/4 and 1/128 (640 MB on an H100).
+# (tests/test_memory.py), 1/512 of the memory as before. GPU: 1/2 and 1/128 (640 MB on an H100).
 # Each MLX op is a kernel launch there, and a chunk costs about 40 of them, so fewer, larger
 # chunks win. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
 # results/h100_cpu2core_mlx_backend_variants.json), against 1/512 of the memory, 1/128 took
 # N=4096 D=128 bf16 causal 6.75 -> 6.00 ms, N=8192 23.6 -> 18.5, D=64 6.90 -> 5.50, D=256 9.92 ->
 # 7.38, fp32 N=8192 causal 41.3 -> 31.1 ms; 1/32 was no faster (6.12, 20.4, 5.45, 7.22, 34.6 ms).
+# Then, at 1/128, 1/2 of the scores against 1/4 (the same plan from N=8192 at H=16, where the
+# device share caps both): D=64 6.35 -> 5.47 ms, N=4096 D=256 7.22 -> 5.92, N=2048 D=256 causal
+# 3.96 -> 3.65, N=4096 D=128 causal 6.11 -> 6.20 (results/h100_cpu2core_mlx_backend_variants.json,
+# "h100_score_fractions").
 # Earlier, at 1/512, 1/8 of the scores was slower than 1/4 at 6 of 7 shapes (bf16 N=4096 D=128
 # causal 9.37 vs 8.52 ms, D=64 8.43 vs 7.94 ms, N=2048 D=256 causal 7.15 vs 4.22 ms). MLX's CUDA
 # backend holds an op's inputs until its command buffer (100 ops on an H100) completes and lets
 # up to 10 buffers run ahead, so the block size bounds the GPU's peak only when MLX has to wait
 # for memory (mx.set_memory_limit): benchmarks/RESULTS.md.
-SCORE_FRACTIONS = (("cpu", 32), ("gpu", 4))
+SCORE_FRACTIONS = (("cpu", 32), ("gpu", 2))
 SMALL_BLOCK_BYTES = 8 << 20
 DEVICE_FRACTIONS = (("cpu", 512), ("gpu", 128))
 MIN_BLOCK_BYTES = 32 << 20
