@@ -16,7 +16,7 @@ mx.value_and_grad every array derived from the primals is a tracer, and a compil
 with tracers runs uncompiled, so the fused fp32 chains this backend once compiled ran as ~10
 kernels per block on the H100 (N=4096 D=128 bf16 causal, fwd+bwd under value_and_grad: 325
 kernels, 15.0 ms of kernel time, 16.6 ms per call; with the passes below and GPU-sized chunks
-172 kernels, 5.5 ms, 6.5 ms, against unfused attention's 28, 6.7 ms, 5.7 ms:
+119 kernels, 5.6 ms, 6.5 ms, against unfused attention's 28, 5.5 ms, 5.9 ms:
 benchmarks/kernel_profile.py, RESULTS.md). Bytes read and written per score element in the input dtype (bf16): forward 8
 (softmax 4, the two maxima 2 + 2), backward 10 (softmax 4, times dP - D 6), plus 5 per pass
 for a band or array mask (where). Unfused attention's VJP makes about 22.
