@@ -97,6 +97,7 @@ def main(argv=None):
     parser.add_argument("--target-seconds", type=float, default=0.3)
     parser.add_argument("--max-repeats", type=int, default=5)
     parser.add_argument("--time-budget-s", type=float, default=200.0, help="start no new shape after this")
+    parser.add_argument("--max-n", type=int, default=None, help="only the preset's shapes with N at most this")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -121,6 +122,8 @@ def main(argv=None):
     header = (["shape"] + [f"{n} ms" for n in impls] + [f"{n} peak" for n in impls] + [f"{new} first ms"]
               + ["new/unfused t", "new/unfused mem", "new/fast t", "new/fast mem", "new/old t"])
     for B, H, N, D, dtype, causal in PRESETS[args.preset]:
+        if args.max_n is not None and N > args.max_n:
+            continue
         case = bm.BenchCase(B, H, H, N, N, D, dtype, causal)
         if time.time() - started > args.time_budget_s:
             print(f"skipped (time budget): {case.label()}", flush=True)
