@@ -118,7 +118,7 @@ def test_unavailable_under_auto_follows_the_same_rule(kernel_refuses, monkeypatc
 
 
 def test_over_the_memory_budget_goes_to_mlx(kernel_refuses, monkeypatch):
-    monkeypatch.setattr(fast, "device_memory_bytes", lambda device: 16 * fast.unfused_bytes(spec_of(64, 64)))
+    monkeypatch.setattr(fast, "memory_budget_bytes", lambda device: 16 * fast.unfused_bytes(spec_of(64, 64)))
     run_and_check(Case(q_len=64, kv_len=64, mask="causal"))   # exactly 1/16 of the memory: fits
     run_and_check(Case(q_len=64, kv_len=65, mask="causal"))   # one more key: over
     assert destinations() == {"fast": 1, "mlx": 1}

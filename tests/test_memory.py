@@ -106,3 +106,18 @@ def test_gpu_score_blocks_follow_their_own_fraction():
     memory = 80 << 30
     assert mlx_ops.score_block_bytes(spec, memory, "cpu") == whole // 32
     assert mlx_ops.score_block_bytes(spec, memory, "gpu") == whole // 2
+
+
+def test_chunk_plan_follows_mlx_memory_limit():
+    """A lower mx.set_memory_limit is the budget the "mlx" backend plans with (smaller score blocks)."""
+    from mlx_flash.backends import budget, mlx_ops
+    from mlx_flash.spec import check_inputs
+    spec, _ = check_inputs(*[mx.zeros((1, 8, 8192, 64))] * 3)
+    unlimited = len(mlx_ops.plan_chunks(spec)[1])
+    previous = mx.set_memory_limit(2 << 30)
+    try:
+        assert budget.memory_budget_bytes(mx.default_device()) == 2 << 30
+        limited = len(mlx_ops.plan_chunks(spec)[1])
+    finally:
+        mx.set_memory_limit(previous)
+    assert limited > unlimited, (limited, unlimited)

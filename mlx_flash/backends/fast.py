@@ -27,7 +27,8 @@ Metal GPU only outside autodiff (under grad MLX runs it unfused); on the CPU nev
 forward+backward needs about 3.2 score matrices in the input dtype (measured on the CPU at
 B=1, H=8, N=1024/2048, D=64: 3.38 / 3.19 fp32 matrices in fp32, 1.69 / 1.59 in fp16), so where
 fusion is not certain the call comes here only if 4 score matrices (B*Hq*Nq*Nk elements of the
-input dtype each) fit in 1/16 of the device's memory; larger problems go to the "mlx" backend,
+input dtype each) fit in 1/16 of the device's memory (or of MLX's memory limit, where lower);
+larger problems go to the "mlx" backend,
 whose memory grows linearly in N. On an 80 GB H100 that is bf16 B*Hq*Nq*Nk <= 640 M (H=16:
 N <= 6300); on a 16 GB Mac 128 M (bf16 H=8: N <= 4096).
 """
@@ -39,7 +40,7 @@ from typing import Optional
 import mlx.core as mx
 
 from ..spec import AttentionSpec
-from .budget import device_memory_bytes
+from .budget import memory_budget_bytes
 
 # Unfused peak per call estimated as this many score matrices in the input dtype (measured 3.2).
 UNFUSED_SCORE_MATRICES = 4
@@ -89,10 +90,10 @@ class FastBackend:
             return reason
         device = device or mx.default_device()
         if not _cuda_fused(spec, device):
-            need, budget = unfused_bytes(spec), int(device_memory_bytes(device) * UNFUSED_MEMORY_FRACTION)
+            need, budget = unfused_bytes(spec), int(memory_budget_bytes(device) * UNFUSED_MEMORY_FRACTION)
             if need > budget:
                 return (f"unfused under grad: about {need / 2**20:.0f} MiB > {budget / 2**20:.0f} MiB "
-                        f"(1/16 of the device's memory)")
+                        f"(1/16 of the device's memory or MLX's memory limit)")
         return None
 
     def inexact_reason(self, spec: AttentionSpec, lse_is_used: bool = False) -> Optional[str]:

@@ -72,7 +72,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from ..spec import AttentionSpec
-from .budget import device_memory_bytes
+from .budget import memory_budget_bytes
 from .sinks import empty_lse, sinks_gradient
 
 # Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
@@ -140,13 +140,14 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_f
 
     Args:
         spec: the call.
-        memory_bytes: the device's memory; default: the default device's (budget.py).
+        memory_bytes: the memory to plan with; default: the default device's, or MLX's memory
+            limit where that is lower (budget.memory_budget_bytes).
         score_fractions: ((device type, fraction), ...), default SCORE_FRACTIONS.
         device_fractions: ((device type, F), ...): a block takes at most 1/F of the device's memory.
     """
     device = mx.default_device()
     if memory_bytes is None:
-        memory_bytes = device_memory_bytes(device)
+        memory_bytes = memory_budget_bytes(device)
     device_type = "gpu" if device.type == mx.gpu else "cpu"
     elements = score_block_bytes(spec, memory_bytes, device_type, score_fractions, device_fractions) // 4
     heads, Nq = max(1, spec.q_heads), spec.q_len
@@ -178,7 +179,7 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
     """
     device = mx.default_device()
     if memory_bytes is None:
-        memory_bytes = device_memory_bytes(device)
+        memory_bytes = memory_budget_bytes(device)
     batch_chunk, _ = plan_chunks(spec, memory_bytes)
     elements = score_block_bytes(spec, memory_bytes, "gpu" if device.type == mx.gpu else "cpu") // 4
     keys = elements // max(1, batch_chunk * spec.q_heads * spec.q_len)
