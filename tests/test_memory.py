@@ -112,12 +112,16 @@ def test_chunk_plan_follows_mlx_memory_limit():
     """A lower mx.set_memory_limit is the budget the "mlx" backend plans with (smaller score blocks)."""
     from mlx_flash.backends import budget, mlx_ops
     from mlx_flash.spec import check_inputs
-    spec, _ = check_inputs(*[mx.zeros((1, 8, 8192, 64))] * 3)
-    unlimited = len(mlx_ops.plan_chunks(spec)[1])
-    previous = mx.set_memory_limit(2 << 30)
+    spec, _ = check_inputs(*[mx.zeros((1, 8, 16384, 64))] * 3)
+    device = mx.default_device()
+    unlimited = budget.memory_budget_bytes(device)
+    before = mlx_ops.score_block_bytes(spec, unlimited)
+    previous = mx.set_memory_limit(unlimited // 4)
     try:
-        assert budget.memory_budget_bytes(mx.default_device()) == 2 << 30
-        limited = len(mlx_ops.plan_chunks(spec)[1])
+        assert budget.memory_budget_bytes(device) == unlimited // 4
+        after = mlx_ops.score_block_bytes(spec, budget.memory_budget_bytes(device))
     finally:
         mx.set_memory_limit(previous)
-    assert limited > unlimited, (limited, unlimited)
+    assert budget.memory_budget_bytes(device) == unlimited
+    assert after < before or before == mlx_ops.MIN_BLOCK_BYTES, (after, before)
+    assert after >= mlx_ops.MIN_BLOCK_BYTES
