@@ -53,8 +53,9 @@ cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10%
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
 the whole score matrix on the CPU and 1/2 on a GPU (all of it while that is at most 8 MiB: one
 chunk, no chain, for small problems and for the ring's key pieces; at least 4 MiB above that), and
-at most 1/512 of the device's memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to
-[32 MiB, 1 GiB]); chunks start on multiples of 64 rows and take at least 64. Narrow chunks (the
+at most 1/512 of the memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to
+[32 MiB, 1 GiB]), where the memory is the device's or MLX's memory limit if that is lower
+(budget.memory_budget_bytes: under mx.set_memory_limit the blocks shrink with the limit); chunks start on multiples of 64 rows and take at least 64. Narrow chunks (the
 first ones under a causal mask) are taller, so each holds about one block of scores. The CPU's
 1/32 is its memory target (forward+backward peak under a quarter of MLX's unfused attention,
 tests/test_memory.py). On a GPU each MLX op is a kernel launch and a chunk takes about 15 forward
