@@ -45,7 +45,6 @@ from typing import Dict, Iterable, List, Optional, Tuple
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import mlx.core as mx  # noqa: E402
 
 from mlx_flash.backends import dispatch  # noqa: E402
 from mlx_flash.backends.dispatch import DispatchRow, format_dispatch_row, parse_dispatch  # noqa: E402

@@ -129,7 +129,7 @@ def main(argv=None):
             print(f"skipped (time budget): {case.label()}", flush=True)
             continue
         inputs = bm.random_inputs(case)
-        # The first call of the shipped new variant, alone: graph building + compile traces + run.
+        # The first call of the shipped new variant, alone: graph building + first use of the shapes + run.
         prepare, run = bm.mlx_pass(impls[new], case, inputs, "forward_backward")
         t0 = time.perf_counter()
         mx.eval(run(None))

@@ -144,7 +144,7 @@ def plan_chunks(spec: AttentionSpec, memory_bytes: Optional[int] = None, score_f
         memory_bytes: the memory to plan with; default: the default device's, or MLX's memory
             limit where that is lower (budget.memory_budget_bytes).
         score_fractions: ((device type, fraction), ...), default SCORE_FRACTIONS.
-        device_fractions: ((device type, F), ...): a block takes at most 1/F of the device's memory.
+        device_fractions: ((device type, F), ...): a block takes at most 1/F of memory_bytes.
     """
     device = mx.default_device()
     if memory_bytes is None:
@@ -187,13 +187,7 @@ def plan_blocks(spec: AttentionSpec, memory_bytes: Optional[int] = None) -> Tupl
     return batch_chunk, max(1, min(max(keys, MIN_ROWS), spec.kv_len))
 
 
-# -- the elementwise parts, each an MLX primitive on the input dtype --------------------------------
-# No mx.compile: under mx.grad / mx.value_and_grad every array derived from the primals is a tracer,
-# and a compiled function called with tracers runs uncompiled. On the H100 the fp32 chains that were
-# meant to fuse ran as ~10 kernels per score block (N=4096 D=128 bf16 causal, fwd+bwd: 325 kernels,
-# 15.0 ms of kernel time, the 7 products 1.5 ms of it). So the passes over a score block are MLX's
-# fused primitives instead (softmax with fp32 statistics, logsumexp) and a few elementwise ops in
-# the input dtype; the scale is folded into k once per call.
+# -- the elementwise parts, each an MLX primitive on the input dtype (why: the module docstring) ----
 
 def _final_scores(s, keep, mask, softcap: Optional[float]):
     """The final scores from the product s = q (scale k)^T, in s's dtype: softcap (in fp32), the
@@ -571,10 +565,10 @@ class MLXOpsBackend:
     """Backend protocol implementation for the blocked MLX-ops path (always available).
 
     Args:
-        device_fractions: ((device type, F), ...): a score block takes at most 1/F of the device's
-            memory; an immutable value like score_fractions.
         score_fractions: the chunk plan's ((device type, fraction), ...); an immutable value of the
             backend object (benchmarks/mlx_backend_variants.py compares others through it).
+        device_fractions: ((device type, F), ...): a score block takes at most 1/F of the memory
+            budget (budget.memory_budget_bytes); an immutable value like score_fractions.
     """
 
     name = "mlx"
