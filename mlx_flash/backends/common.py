@@ -104,6 +104,33 @@ def mask_strides(shape: Optional[Sequence[int]]) -> List[int]:
     return strides
 
 
+# How the kernels meet MLX's layouts. Inputs q, k, v, d_out (and the saved output) are read where
+# they lie: the kernels are built with ensure_row_contiguous=False and read each one's
+# `<name>_strides` (element (b, h, n, d) at b s0 + h s1 + n s2 + d s3), so mlx-lm's transposed views
+# (q, k after RoPE on the GPU, v, the output's cotangent) are never copied. Outputs (out, dq, dk,
+# dv) are written as [B, N, H, D] buffers and returned as [B, H, N, D] views, as MLX's own Metal
+# attention writes its output: a model's transpose + reshape after attention then costs nothing,
+# and the saved output shares its buffer with the next projection's input.
+STRIDED_INPUTS = ("q", "k", "v", "d_out", "out")
+
+
+def token_major_shape(shape: Sequence[int]) -> Tuple[int, int, int, int]:
+    """[B, H, N, D] -> the [B, N, H, D] shape of the buffer a kernel writes."""
+    b, h, n, d = shape
+    return (b, n, h, d)
+
+
+def heads_view(x: mx.array) -> mx.array:
+    """A kernel's [B, N, H, D] output buffer as the [B, H, N, D] array the caller gets (a view)."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def contiguous_operands(arrays: Sequence[Optional[mx.array]]) -> List[Optional[mx.array]]:
+    """The operands a kernel reads as row-contiguous (masks, sinks, statistics): made so where they
+    are not (no copy where they are), since the kernels are built with ensure_row_contiguous=False."""
+    return [None if x is None else mx.contiguous(x) for x in arrays]
+
+
 def window_bounds(spec: AttentionSpec) -> Tuple[int, int]:
     """(left, right) of the sliding window, -1 = unbounded (both -1 without a window)."""
     return spec.window if spec.window is not None else (-1, -1)
