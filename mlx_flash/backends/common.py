@@ -111,7 +111,7 @@ def mask_strides(shape: Optional[Sequence[int]]) -> List[int]:
 # dv) are written as [B, N, H, D] buffers and returned as [B, H, N, D] views, as MLX's own Metal
 # attention writes its output: a model's transpose + reshape after attention then costs nothing,
 # and the saved output shares its buffer with the next projection's input.
-STRIDED_INPUTS = ("q", "k", "v", "d_out", "out")
+STRIDED_INPUTS = ("q", "k", "v", "d_out", "out", "o")  # "o": the Metal dQ kernel's saved output
 
 
 def token_major_shape(shape: Sequence[int]) -> Tuple[int, int, int, int]:
