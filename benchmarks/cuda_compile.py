@@ -35,9 +35,12 @@ def translation_unit(variant: cuda_source.KernelVariant) -> str:
     def pointer_type(name: str) -> str:  # a bool mask's elements are bool, not the input type
         return POINTER_TYPES.get(name, variant.mask_type if name == "mask" else variant.input_type)
 
-    signature = ", ".join([f"const {pointer_type(n)}* {n}" for n in inputs]
-                          + [f"{pointer_type(n)}* {n}" for n in outputs])
-    return ("#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n" + header
+    # As MLX: an input's strides follow it when the body names them (Strides: 10 int64, by value).
+    signature = ", ".join([f"const {pointer_type(n)}* {n}" + (f", const __grid_constant__ Strides {n}_strides"
+                                                              if f"{n}_strides" in body else "")
+                           for n in inputs] + [f"{pointer_type(n)}* {n}" for n in outputs])
+    return ("#include <cstdint>\n#include <cuda/std/array>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            "using Strides = cuda::std::array<int64_t, 10>;\n" + header
             + f"\n__global__ void mlxflash_kernel({signature}) {{\n{body}\n}}\n")
 
 

@@ -41,8 +41,8 @@ static_assert(BN % 16 == 0, "BN must be a multiple of 16");
 
 __device__ void attention_backward_key_value(
     const bwdkv::T* __restrict__ q, const bwdkv::T* __restrict__ k, const bwdkv::T* __restrict__ v,
-    const bwdkv::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
-    const bwdkv::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
+    const bwdkv::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
+    const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkv::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
     bwdkv::T* __restrict__ dk, bwdkv::T* __restrict__ dv) {
   using namespace bwdkv;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -73,9 +73,12 @@ __device__ void attention_backward_key_value(
   const int wrow = rg * 16 * WM;  // this warp's first key row in the block
   const int qcol = cg * BNW;      // this warp's first score column (query) in the step
 
-  const T* kg = k + (bkv * Nk + k0) * (i64)HEAD_DIM;
-  const T* vg = v + (bkv * Nk + k0) * (i64)HEAD_DIM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+  const Rows<const T> kg = head_rows(k, lk, b, hk).from(k0);
+  const Rows<const T> vg = head_rows(v, lv, b, hk).from(k0);
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -93,9 +96,12 @@ __device__ void attention_backward_key_value(
   // Stage loader for item it: Q / dO tiles (async) and lse2 / delta (plain stores).
   auto load_item = [&](int it, int stage) {
     const int gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
-    const i64 bh = (i64)b * Hq + hk * group + gi;
-    load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, q + (bh * Nq + qs) * (i64)HEAD_DIM, Nq - qs, 0, HEAD_DIM, vec, tid);
-    load_tile<BN, DS, ROW, THREADS>(dOs + stage * Q_ELEMS, d_out + (bh * Nq + qs) * (i64)HEAD_DIM, Nq - qs, 0, HEAD_DIM, vec, tid);
+    const int h = hk * group + gi;
+    const i64 bh = (i64)b * Hq + h;
+    load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, head_rows(q, lq, b, h).from(qs), Nq - qs, 0, HEAD_DIM,
+                                    vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(dOs + stage * Q_ELEMS, head_rows(d_out, ldo, b, h).from(qs), Nq - qs, 0,
+                                    HEAD_DIM, vec, tid);
     for (int c = tid; c < BN; c += THREADS) {
       const bool ok = qs + c < Nq;
       Ls[stage * BN + c] = ok ? lse2[bh * Nq + qs + c] : INFINITY;
@@ -208,14 +214,17 @@ __device__ void attention_backward_key_value(
     __syncthreads();
   }
 
+  // dK, dV into [B, Nk, Hkv, D] buffers.
+  const Rows<T> dkg = head_rows(dk, token_major(Nk, Hkv, HEAD_DIM), b, hk);
+  const Rows<T> dvg = head_rows(dv, token_major(Nk, Hkv, HEAD_DIM), b, hk);
 #pragma unroll
   for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int j = k0 + wrow + mt * 16 + g + 8 * hf;
       if (j >= Nk) continue;
-      T* krow = dk + (bkv * Nk + j) * (i64)HEAD_DIM;
-      T* vrow = dv + (bkv * Nk + j) * (i64)HEAD_DIM;
+      T* krow = dkg.p + j * dkg.row;
+      T* vrow = dvg.p + j * dvg.row;
 #pragma unroll
       for (int n = 0; n < HB / 8; ++n) {
         const int c = col0 + n * 8 + 2 * tq;

@@ -89,8 +89,8 @@ static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 1
 
 __device__ void attention_backward_key_value_wgmma(
     const bwdkvwg::T* __restrict__ q, const bwdkvwg::T* __restrict__ k, const bwdkvwg::T* __restrict__ v,
-    const bwdkvwg::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
-    const bwdkvwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
+    const bwdkvwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
+    const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
     bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv) {
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -120,7 +120,12 @@ __device__ void attention_backward_key_value_wgmma(
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int col0 = CG == 2 ? (warpgroup % CG) * DS : cslice * 128;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+  const Rows<const T> kg = head_rows(k, lk, b, hk);
+  const Rows<const T> vg = head_rows(v, lv, b, hk);
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -161,19 +166,19 @@ __device__ void attention_backward_key_value_wgmma(
     load_stats(0);
     for (int it = 0; it < items; ++it) {
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
-      const i64 bh = (i64)b * Hq + hk * group + gi;
+      const int h = hk * group + gi;
       const float l = next_l, d = next_d;
       load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, q + (bh * Nq + qs) * HEAD_DIM, Nq - qs, vec,
-                                               ptid);
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs), Nq - qs,
+                                                    vec, ptid);
       announce_tile(full_q(stage), vec);
       if (stats_thread) {
         Ls[stage * BN + ptid] = l;
         mbarrier_arrive(full_q(stage));
       }
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, d_out + (bh * Nq + qs) * HEAD_DIM, Nq - qs,
-                                               vec, ptid);
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, head_rows(d_out, ldo, b, h).from(qs),
+                                                    Nq - qs, vec, ptid);
       announce_tile(full_do(stage), vec);
       if (stats_thread) {
         Dls[stage * BN + ptid] = d;
@@ -205,11 +210,11 @@ __device__ void attention_backward_key_value_wgmma(
     // with column groups each warpgroup loads the one it multiplies.
     unsigned char* k_tile = Ks + key_group * KV_GROUP_BYTES;
     unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
-    const i64 kv_row = bkv * Nk + min(key_first, Nk - 1);
+    const int kv_row = min(key_first, Nk - 1);
     if (scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, k + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, v + kv_row * HEAD_DIM, Nk - key_first, vec, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
@@ -342,10 +347,12 @@ __device__ void attention_backward_key_value_wgmma(
     }
   }
 
-  // dK = scale * dS^T Q (the scores' scale), dV as accumulated.
-  const i64 out_row = bkv * Nk + key_first;
-  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, dk + out_row * HEAD_DIM, scale, tq);
-  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, dv + out_row * HEAD_DIM, 1.f, tq);
+  // dK = scale * dS^T Q (the scores' scale), dV as accumulated; [B, Nk, Hkv, D] buffers.
+  const Layout lout = token_major(Nk, Hkv, HEAD_DIM);
+  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, head_rows(dk, lout, b, hk).from(key_first),
+                                scale, tq);
+  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, head_rows(dv, lout, b, hk).from(key_first),
+                                1.f, tq);
 }
 
 }  // namespace mlxflash

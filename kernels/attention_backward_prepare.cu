@@ -1,4 +1,4 @@
-// Backward preprocessing, one warp per query row:
+// Backward preprocessing, one warp per query row r = (b Hq + h) Nq + i (O and dO through their strides):
 //   delta[r] = rowsum(dO[r] * O[r]) - dL[r]   (fp32; dL = cotangent of lse, if any)
 //   lse2[r]  = L[r] * log2(e), or +inf where L = -inf (then P = exp2(S - lse2) = 0 for that row).
 namespace mlxflash {
@@ -10,7 +10,7 @@ constexpr int ROWS_PER_BLOCK = 4;
 }  // namespace prep
 
 __device__ void attention_backward_prepare(const prep::T* __restrict__ out, const prep::T* __restrict__ d_out,
-                                           const float* __restrict__ lse, const float* __restrict__ d_lse,
+                                           const Layout lo, const Layout ldo, const float* __restrict__ lse, const float* __restrict__ d_lse,
                                            const i64* __restrict__ ip, float* __restrict__ delta,
                                            float* __restrict__ lse2) {
   using namespace prep;
@@ -18,10 +18,12 @@ __device__ void attention_backward_prepare(const prep::T* __restrict__ out, cons
   const i64 r = linear_block() * ROWS_PER_BLOCK + threadIdx.x / 32;
   if (r >= rows) return;
   const int lane = threadIdx.x % 32;
-  const T* o = out + r * HEAD_DIM;
-  const T* d = d_out + r * HEAD_DIM;
+  const int Hq = (int)ip[P_QHEADS], Nq = (int)ip[P_QLEN];
+  const int i = (int)(r % Nq), b = (int)(r / Nq / Hq), h = (int)(r / Nq % Hq);
+  const Rows<const T> o = head_rows(out, lo, b, h).from(i);
+  const Rows<const T> d = head_rows(d_out, ldo, b, h).from(i);
   float acc = 0.f;
-  for (int c = lane; c < HEAD_DIM; c += 32) acc += to_float(o[c]) * to_float(d[c]);
+  for (int c = lane; c < HEAD_DIM; c += 32) acc += to_float(o(0, c)) * to_float(d(0, c));
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) {

@@ -40,6 +40,7 @@ static_assert(BN % 16 == 0, "BN must be a multiple of 16");
 
 __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bwdq::T* __restrict__ k,
                                          const bwdq::T* __restrict__ v, const bwdq::T* __restrict__ d_out,
+                                         const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
                                          const float* __restrict__ lse2, const float* __restrict__ delta,
                                          const bwdq::MaskT* __restrict__ mask, const float* __restrict__ sinks,
                                          const i64* __restrict__ ip, const float* __restrict__ fp,
@@ -70,11 +71,12 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   const int wrow = rg * 16 * WM;  // this warp's first query row in the block
   const int kcol = cg * BNW;      // this warp's first score column (key) in the step
 
-  const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
-  const T* dog = d_out + (bh * Nq + q0) * (i64)HEAD_DIM;
-  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+  const Rows<const T> qg = head_rows(q, lq, b, h).from(q0);
+  const Rows<const T> dog = head_rows(d_out, ldo, b, h).from(q0);
+  const Rows<const T> kg = head_rows(k, lk, b, hk);
+  const Rows<const T> vg = head_rows(v, lv, b, hk);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
+                   vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -114,8 +116,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     load_tile<BM, DS, ROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
     load_tile<BM, DS, ROW, THREADS>(dOs, dog, Nq - q0, 0, HEAD_DIM, vec, tid);
     const int k0 = kb_begin * BN;
-    load_tile<BN, DS, ROW, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
-    load_tile<BN, DS, ROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(Vs, vg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
 
@@ -123,8 +125,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     const int stage = (kb - kb_begin) & 1;
     if (kb + 1 < kb_end) {
       const int k1 = (kb + 1) * BN;
-      load_tile<BN, DS, ROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
-      load_tile<BN, DS, ROW, THREADS>(Vs + (stage ^ 1) * K_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, DS, ROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, DS, ROW, THREADS>(Vs + (stage ^ 1) * K_ELEMS, vg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -205,9 +207,10 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     __syncthreads();
   }
 
+  const Rows<T> dqg = head_rows(dq, token_major(Nq, Hq, HEAD_DIM), b, h);
 #pragma unroll
   for (int mt = 0; mt < WM; ++mt)
-    store_gradient_tile<HEAD_DIM>(acc[mt], q0 + wrow + mt * 16 + g, Nq, col0, dq + bh * Nq * (i64)HEAD_DIM, scale, tq);
+    store_gradient_tile<HEAD_DIM>(acc[mt], q0 + wrow + mt * 16 + g, Nq, col0, dqg, scale, tq);
 }
 
 }  // namespace mlxflash

@@ -50,7 +50,8 @@ static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 1
 
 __device__ void attention_backward_query_wgmma(
     const bwdqwg::T* __restrict__ q, const bwdqwg::T* __restrict__ k, const bwdqwg::T* __restrict__ v,
-    const bwdqwg::T* __restrict__ d_out, const float* __restrict__ lse2, const float* __restrict__ delta,
+    const bwdqwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
+    const float* __restrict__ lse2, const float* __restrict__ delta,
     const bwdqwg::MaskT* __restrict__ mask, const float* __restrict__ sinks, const i64* __restrict__ ip,
     const float* __restrict__ fp, bwdqwg::T* __restrict__ dq, float* __restrict__ d_sinks_part) {
   using namespace bwdqwg;
@@ -72,9 +73,12 @@ __device__ void attention_backward_query_wgmma(
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int q0 = qb * BM;
-  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v) && aligned16(d_out);
+  const Rows<const T> qg = head_rows(q, lq, b, h);
+  const Rows<const T> dog = head_rows(d_out, ldo, b, h);
+  const Rows<const T> kg = head_rows(k, lk, b, hk);
+  const Rows<const T> vg = head_rows(v, lv, b, hk);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
+                   vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -128,9 +132,9 @@ __device__ void attention_backward_query_wgmma(
     // This warpgroup's Q and dO rows (rows past Nq zero-filled; the address stays in bounds).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
     unsigned char* do_tile = dOs + warpgroup * Q_GROUP_BYTES;
-    const i64 q_row = bh * Nq + min(query_first, Nq - 1);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, d_out + q_row * HEAD_DIM, Nq - query_first, vec, tid % 128);
+    const int q_row = min(query_first, Nq - 1);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec, tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
@@ -202,8 +206,8 @@ __device__ void attention_backward_query_wgmma(
   }
 
   // dQ = scale * dS K (the scores' scale).
-  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, 0, dq + (bh * Nq + query_first) * HEAD_DIM,
-                                scale, tq);
+  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, 0,
+                                head_rows(dq, token_major(Nq, Hq, HEAD_DIM), b, h).from(query_first), scale, tq);
 }
 
 }  // namespace mlxflash

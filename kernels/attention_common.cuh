@@ -213,8 +213,54 @@ __device__ __forceinline__ void dual_gemm_abt(float (&c1)[WM][BNW / 8][4], float
   }
 }
 
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+// Where a [B, H, N, D] operand's elements lie: (b, h, n, d) at b batch + h head + n row + d col
+// elements from its pointer. Inputs (q, k, v, d_out, the saved out) come as MLX hands them over
+// (layout_of(<name>_strides): the kernels are built with ensure_row_contiguous=False, so
+// mlx-lm's transposed views are read in place, never copied); outputs are [B, N, H, D] buffers
+// (token_major), returned to the caller as [B, H, N, D] views (mlx_flash/backends/common.py).
+struct Layout {
+  i64 batch, head, row, col;
+};
+
+template <typename S>
+__device__ __forceinline__ Layout layout_of(const S& strides) {
+  return Layout{strides[0], strides[1], strides[2], strides[3]};
+}
+
+__device__ __forceinline__ Layout token_major(int rows, int heads, int head_dim) {
+  return Layout{(i64)rows * heads * head_dim, (i64)head_dim, (i64)heads * head_dim, 1};
+}
+
+// One (batch, head)'s rows of an operand: element (n, d) at p[n row + d col].
+template <typename T>
+struct Rows {
+  T* p;
+  i64 row, col;
+  __device__ __forceinline__ Rows from(i64 n) const { return Rows{p + n * row, row, col}; }  // rows n..
+  __device__ __forceinline__ T& operator()(i64 n, i64 d) const { return p[n * row + d * col]; }
+};
+
+template <typename T>
+__device__ __forceinline__ Rows<T> head_rows(T* base, const Layout& l, int b, int h) {
+  return Rows<T>{base + (i64)b * l.batch + (i64)h * l.head, l.row, l.col};
+}
+
+// Whether rows can be copied in 16-byte chunks: whole 8-element chunks of unit-stride columns,
+// rows and base 16-byte aligned (any row-contiguous or mlx-lm layout with D % 8 == 0).
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ bool vector_rows(const Rows<T>& r) {
+  return HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p);
+}
+
+// A tile of ROWS x COLS elements (columns col0.. of rows 0.. of g) into shared memory rows of
+// SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled. vec (see
+// vector_rows): 16-byte cp.async chunks, else element by element through g's strides.
 template <int ROWS, int COLS, int SROW, int THREADS, typename T>
-__device__ __forceinline__ void load_tile(T* s, const T* g, int rows_valid, int col0, int head_dim,
+__device__ __forceinline__ void load_tile(T* s, const Rows<const T>& g, int rows_valid, int col0, int head_dim,
                                           bool vec, int tid) {
   constexpr int CHUNKS = COLS / 8;
   if (vec) {
@@ -222,20 +268,17 @@ __device__ __forceinline__ void load_tile(T* s, const T* g, int rows_valid, int 
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
       const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const bool ok = r < rows_valid && col0 + c < head_dim;
-      cp_async16(s + r * SROW + c, ok ? g + (i64)r * head_dim + col0 + c : g, ok);
+      cp_async16(s + r * SROW + c, ok ? g.p + r * g.row + col0 + c : g.p, ok);
     }
   } else {
     for (int idx = tid; idx < ROWS * COLS; idx += THREADS) {
       const int r = idx / COLS, c = idx % COLS;
       const bool ok = r < rows_valid && col0 + c < head_dim;
-      s[r * SROW + c] = ok ? g[(i64)r * head_dim + col0 + c] : T(0.0f);
+      s[r * SROW + c] = ok ? g(r, col0 + c) : T(0.0f);
     }
   }
 }
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
-}
 
 // Whether query row i may see key j under causal / sliding window (band from indices only).
 template <bool CAUSAL, bool WINDOW>
@@ -449,32 +492,33 @@ __device__ __forceinline__ void store_scaled_row(const float (&acc)[NO][4], int 
 
 // A gradient tile's epilogue (dQ, dK or dV) for one 16-row m-tile in the accumulator layout
 // (rows row0 and row0 + 8, columns col0 + 8 n + 2 tq (+1)): factor * acc stored for rows <
-// rows_valid and columns < HEAD_DIM of `base` ([*, HEAD_DIM] row-major, row 0 = tile row 0).
+// rows_valid and columns < HEAD_DIM of `base` (an output's rows: unit column stride, row 0 =
+// tile row 0).
 template <int HEAD_DIM, int NO, typename T>
 __device__ __forceinline__ void store_gradient_tile(const float (&acc)[NO][4], int row0, int rows_valid, int col0,
-                                                    T* base, float factor, int tq) {
+                                                    const Rows<T>& base, float factor, int tq) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = row0 + 8 * hf;
     if (r >= rows_valid) continue;
-    store_scaled_row<HEAD_DIM>(acc, hf, base + (i64)r * HEAD_DIM, col0, factor, tq);
+    store_scaled_row<HEAD_DIM>(acc, hf, base.p + r * base.row, col0, factor, tq);
   }
 }
 
 // The forward's epilogue for one 16-row m-tile (layout as above): O / rowsum stored for rows
-// < Nq and columns col0 + 8 n + 2 tq (+1) < HEAD_DIM of out (this head's [Nq, HEAD_DIM] rows);
+// < Nq and columns col0 + 8 n + 2 tq (+1) < HEAD_DIM of out (this head's rows, unit column stride);
 // L = max * ln 2 + ln(sum) (natural log, -inf for rows that saw no key) into lse when non-null.
 template <int HEAD_DIM, int NO, typename T>
 __device__ __forceinline__ void store_output_tile(const float (&o)[NO][4], const float (&row_max)[2],
-                                                  const float (&row_sum)[2], int row0, int Nq, int col0, T* out,
-                                                  float* lse, int tq) {
+                                                  const float (&row_sum)[2], int row0, int Nq, int col0,
+                                                  const Rows<T>& out, float* lse, int tq) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int i = row0 + 8 * hf;
     const float l = quad_sum(row_sum[hf]);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     if (i < Nq) {
-      store_scaled_row<HEAD_DIM>(o, hf, out + (i64)i * HEAD_DIM, col0, inv, tq);
+      store_scaled_row<HEAD_DIM>(o, hf, out.p + i * out.row, col0, inv, tq);
       if (lse != nullptr && tq == 0) lse[i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
     }
   }

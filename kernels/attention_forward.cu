@@ -34,7 +34,8 @@ constexpr int SMEM_BYTES = (Q_ELEMS + 2 * K_ELEMS + 2 * V_ELEMS) * 2;
 }  // namespace fwd
 
 __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __restrict__ k,
-                                  const fwd::T* __restrict__ v, const fwd::MaskT* __restrict__ mask,
+                                  const fwd::T* __restrict__ v, const Layout lq, const Layout lk, const Layout lv,
+                                  const fwd::MaskT* __restrict__ mask,
                                   const float* __restrict__ sinks, const i64* __restrict__ ip,
                                   const float* __restrict__ fp, fwd::T* __restrict__ out, float* __restrict__ lse) {
   using namespace fwd;
@@ -62,10 +63,10 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   const int col0 = vcol0 + cg * HB;  // first output column of this warp
   const int wrow = rg * 16 * WM;     // this warp's first query row in the block
 
-  const T* qg = q + (bh * Nq + q0) * (i64)HEAD_DIM;
-  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v);
+  const Rows<const T> qg = head_rows(q, lq, b, h).from(q0);
+  const Rows<const T> kg = head_rows(k, lk, b, hk);
+  const Rows<const T> vg = head_rows(v, lv, b, hk);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -100,8 +101,8 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   if (kb_begin < kb_end) {
     load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
     const int k0 = kb_begin * BN;
-    load_tile<BN, DP, KROW, THREADS>(Ks, kg + (i64)k0 * HEAD_DIM, Nk - k0, 0, HEAD_DIM, vec, tid);
-    load_tile<BN, VC, VROW, THREADS>(Vs, vg + (i64)k0 * HEAD_DIM, Nk - k0, vcol0, HEAD_DIM, vec, tid);
+    load_tile<BN, DP, KROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, VC, VROW, THREADS>(Vs, vg.from(k0), Nk - k0, vcol0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
 
@@ -109,8 +110,8 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     const int stage = (kb - kb_begin) & 1;
     if (kb + 1 < kb_end) {
       const int k1 = (kb + 1) * BN;
-      load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg + (i64)k1 * HEAD_DIM, Nk - k1, 0, HEAD_DIM, vec, tid);
-      load_tile<BN, VC, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg + (i64)k1 * HEAD_DIM, Nk - k1, vcol0, HEAD_DIM, vec, tid);
+      load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, VC, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg.from(k1), Nk - k1, vcol0, HEAD_DIM, vec, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -176,11 +177,12 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     __syncthreads();
   }
 
-  // Normalize and store O (rows < Nq, columns < D) and L.
+  // Normalize and store O (rows < Nq, columns < D; a [B, Nq, Hq, D] buffer) and L.
+  const Rows<T> og = head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h);
 #pragma unroll
   for (int mt = 0; mt < WM; ++mt)
-    store_output_tile<HEAD_DIM>(o[mt], row_max[mt], row_sum[mt], q0 + wrow + mt * 16 + g, Nq, col0,
-                                out + bh * Nq * (i64)HEAD_DIM, cslice == 0 && cg == 0 ? lse + bh * Nq : nullptr, tq);
+    store_output_tile<HEAD_DIM>(o[mt], row_max[mt], row_sum[mt], q0 + wrow + mt * 16 + g, Nq, col0, og,
+                                cslice == 0 && cg == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash

@@ -68,7 +68,8 @@ static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 2
 }  // namespace fwdwg
 
 __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fwdwg::T* __restrict__ k,
-                                        const fwdwg::T* __restrict__ v, const fwdwg::MaskT* __restrict__ mask,
+                                        const fwdwg::T* __restrict__ v, const Layout lq, const Layout lk,
+                                        const Layout lv, const fwdwg::MaskT* __restrict__ mask,
                                         const float* __restrict__ sinks, const i64* __restrict__ ip,
                                         const float* __restrict__ fp, fwdwg::T* __restrict__ out,
                                         float* __restrict__ lse) {
@@ -91,9 +92,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   const int tid = threadIdx.x, warpgroup = tid / 128;
   const int q0 = qb * BM;
-  const T* kg = k + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const T* vg = v + ((i64)b * Hkv + hk) * Nk * (i64)HEAD_DIM;
-  const bool vec = (HEAD_DIM % 8 == 0) && aligned16(q) && aligned16(k) && aligned16(v);
+  const Rows<const T> qg = head_rows(q, lq, b, h);
+  const Rows<const T> kg = head_rows(k, lk, b, hk);
+  const Rows<const T> vg = head_rows(v, lv, b, hk);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -137,7 +139,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
     const int q_row = q0 + warpgroup * 64;
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, q + (bh * Nq + q_row) * (i64)HEAD_DIM, Nq - q_row, vec,
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, vec,
                                              tid % 128);
     resident_rows_ready(warpgroup);
 
@@ -224,7 +226,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, 0, out + bh * Nq * (i64)HEAD_DIM, lse + bh * Nq, tq);
+  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, 0, head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
+                              lse + bh * Nq, tq);
 }
 
 }  // namespace mlxflash

@@ -107,8 +107,9 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
   for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], smem_descriptor(b_addr + kk * 16 * 128, leading, stride), 1);
 }
 
-// Copies rows [0, rows_valid) x columns [0, head_dim) of a row-major [*, head_dim] matrix into a
-// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS).
+// Copies rows [0, rows_valid) x columns [0, head_dim) of g (rows through their strides) into a
+// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
+// 16-byte cp.async chunks (vector_rows), else element by element.
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
 // its shared and global offsets then advance by constants, so each copy costs a few instructions
 // (the general index arithmetic cost ~25 per 16-byte copy and made the producer warpgroup too
@@ -117,32 +118,34 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 // That path used to take the general arithmetic and measured slower per call than D = 256
 // (H100, B=1 H=16 N=4096: D=192 266 against 361 TFLOP/s; ncu: the producer's copy loop).
 template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
-__device__ __forceinline__ void load_swizzled(unsigned char* tile, const T* g, int rows_valid, bool vec, int tid) {
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<const T>& g, int rows_valid, bool vec,
+                                              int tid) {
   constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
   static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
   if (vec && CHUNKS <= THREADS) {
     constexpr int ROW_STEP = THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     const int r0 = (ACTIVE == THREADS || tid < ACTIVE) ? tid / CHUNKS : ROWS, c = (tid % CHUNKS) * 8;
     const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
-    const T* src = g + (i64)r0 * HEAD_DIM + c;
+    const T* src = g.p + r0 * g.row + c;
+    const i64 step = ROW_STEP * g.row;
     // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).
 #pragma unroll 4
-    for (int r = r0; r < ROWS; r += ROW_STEP, src += ROW_STEP * HEAD_DIM) {
+    for (int r = r0; r < ROWS; r += ROW_STEP, src += step) {
       const bool ok = r < rows;
-      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? src : g, ok);
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? src : g.p, ok);
     }
   } else if (vec) {
 #pragma unroll 2
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
       const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const bool ok = r < rows_valid && c < HEAD_DIM;
-      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g + (i64)r * HEAD_DIM + c : g, ok);
+      cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g.p + r * g.row + c : g.p, ok);
     }
   } else {
     for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
       const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
       const bool ok = r < rows_valid && c < HEAD_DIM;
-      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g[(i64)r * HEAD_DIM + c] : T(0.0f);
+      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g(r, c) : T(0.0f);
     }
   }
 }
@@ -255,17 +258,18 @@ struct KeyValueRing {
 // once the consumers released it (it runs up to STAGES tiles ahead).
 template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
-                                                        unsigned char* Vs, const T* kg, const T* vg, int kb_begin,
+                                                        unsigned char* Vs, const Rows<const T>& kg,
+                                                        const Rows<const T>& vg, int kb_begin,
                                                         int steps, int Nk, bool vec, int ptid) {
   constexpr int TILE_BYTES = PANELS * BN * 128;
   for (int j = 0; j < steps; ++j) {
     const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
     const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
     mbarrier_wait(ring.empty_keys(stage), parity);
-    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg.from(k0), Nk - k0, vec, ptid);
     announce_tile(ring.full_keys(stage), vec);
     mbarrier_wait(ring.empty_values(stage), parity);
-    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg + (i64)k0 * HEAD_DIM, Nk - k0, vec, ptid);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg.from(k0), Nk - k0, vec, ptid);
     announce_tile(ring.full_values(stage), vec);
   }
   cp_async_wait_all();  // no copy outlives the thread

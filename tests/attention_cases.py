@@ -19,6 +19,10 @@ from mlx_flash.spec import check_inputs
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 MASK_KINDS = ("none", "causal", "window", "causal_window", "bool", "additive")
+# Memory layouts of the [B, H, N, D] inputs (the values are the same): row-contiguous; mlx-lm's
+# (transposed views of [B, N, H, D] buffers); the last dim strided (views of [B, H, D, N] buffers);
+# offset (views at an odd element offset into wider rows: misaligned, element-wise loads).
+LAYOUTS = ("row", "token_major", "columns", "offset")
 
 # Relative Frobenius error allowed, per dtype (shared with the self-check and the main job).
 FORWARD_TOLERANCE, GRADIENT_TOLERANCE = reference.FORWARD_TOLERANCE, reference.GRADIENT_TOLERANCE
@@ -40,6 +44,7 @@ class Case:
     lse_gradient: bool = False      # also backpropagate a random cotangent through lse
     sinks: bool = False             # per-head attention sinks (a learnable logit, gradient checked)
     seed: int = 0
+    layout: str = "row"             # how q, k, v and d_out lie in memory: one of LAYOUTS
 
     @property
     def q_heads(self) -> int:
@@ -47,12 +52,13 @@ class Case:
 
 
 def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=320,
-          dtypes=tuple(DTYPES), mask_kinds=MASK_KINDS, head_dims=None, sinks=(False, True)):
+          dtypes=tuple(DTYPES), mask_kinds=MASK_KINDS, head_dims=None, sinks=(False, True), layouts=("row",)):
     """Hypothesis strategy over `Case`s (lengths and head dims drawn independently).
 
     head_dims: optional explicit list of head dims to sample from instead of 1..max_head_dim
     (kernel backends use it to bound the number of compiled variants).
     sinks: the choices of `Case.sinks` to draw from.
+    layouts: the choices of `Case.layout` to draw from (LAYOUTS).
     """
     head_dim = st.sampled_from(head_dims) if head_dims else st.integers(1, max_head_dim)
 
@@ -77,6 +83,7 @@ def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=32
             lse_gradient=draw(st.booleans()),
             sinks=draw(st.sampled_from(sinks)),
             seed=draw(st.integers(0, 2**31 - 1)),
+            layout=draw(st.sampled_from(layouts)),
         )
 
     return build()
@@ -103,6 +110,17 @@ def make_arrays(case: Case) -> Arrays:
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
+    def laid_out(x: mx.array) -> mx.array:
+        """x's values, in the case's memory layout."""
+        if case.layout == "token_major":
+            return mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+        if case.layout == "columns":
+            return mx.contiguous(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+        if case.layout == "offset":
+            wide = mx.concatenate([x[..., :1], x, x[..., :2]], axis=-1)
+            return mx.contiguous(wide)[..., 1:x.shape[-1] + 1]
+        return x
+
     mask = None
     kwargs = {}
     if case.mask in ("causal", "causal_window"):
@@ -122,9 +140,25 @@ def make_arrays(case: Case) -> Arrays:
         kwargs["softcap"] = case.softcap
     # Sinks of a few units, as learned ones are: comparable to the scores, so p_sink spans (0, 1).
     sinks = normal(Hq) * 2 if case.sinks else None
-    return Arrays(q=normal(B, Hq, Nq, D), k=normal(B, Hkv, Nk, D), v=normal(B, Hkv, Nk, D),
-                  d_out=normal(B, Hq, Nq, D), d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
+    return Arrays(q=laid_out(normal(B, Hq, Nq, D)), k=laid_out(normal(B, Hkv, Nk, D)),
+                  v=laid_out(normal(B, Hkv, Nk, D)), d_out=laid_out(normal(B, Hq, Nq, D)), d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
                   mask=mask, sinks=sinks, kwargs=kwargs)
+
+
+def cotangent_loss(out: mx.array, d_out: mx.array, layout: str) -> mx.array:
+    """sum(out * d_out) in fp32, arranged so that out's cotangent (d_out) reaches the attention's
+    backward in `layout`: the product is taken on the layout's buffer, whose VJP gives back a view."""
+    f32 = mx.float32
+    if layout == "token_major":
+        return (out.transpose(0, 2, 1, 3).astype(f32) * d_out.transpose(0, 2, 1, 3).astype(f32)).sum()
+    if layout == "columns":
+        return (out.transpose(0, 1, 3, 2).astype(f32) * d_out.transpose(0, 1, 3, 2).astype(f32)).sum()
+    if layout == "offset":
+        def wide(x):
+            return mx.concatenate([mx.zeros(x.shape[:-1] + (1,), x.dtype), x,
+                                   mx.zeros(x.shape[:-1] + (2,), x.dtype)], axis=-1)
+        return (wide(out).astype(f32) * wide(d_out).astype(f32)).sum()
+    return (out.astype(f32) * d_out.astype(f32)).sum()
 
 
 def relative_error(x: np.ndarray, ref: np.ndarray) -> float:
@@ -168,7 +202,7 @@ def check_case(case: Case, backend: str = "mlx", gradients: bool = True,
         def loss(q_, k_, v_, sinks_=None):
             o, l = flash_attention(q_, k_, v_, mask=a.mask, sinks=sinks_, return_lse=True, backend=backend,
                                    **a.kwargs)
-            total = (o.astype(mx.float32) * a.d_out.astype(mx.float32)).sum()
+            total = cotangent_loss(o, a.d_out, case.layout)
             if d_lse is not None:
                 total = total + (mx.where(mx.isinf(l), 0.0, l) * d_lse).sum()
             return total

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from attention_cases import Case, cases, check_case, make_arrays, relative_error, to_numpy
+from attention_cases import LAYOUTS, Case, cases, check_case, make_arrays, relative_error, to_numpy
 
 from mlx_flash import FallbackWarning, fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
 from mlx_flash.backends import cuda, cuda_emulator, cuda_source, get_backend, guard  # noqa: E402
@@ -64,6 +64,27 @@ def test_emulated_kernels(case, capability, layout, eager_copies):
     backend = cuda_emulator.backend(seed=case.q_len + int(eager_copies), eager_copies=eager_copies,
                                     capability=capability)
     check_case(case, backend=backend)
+
+
+# Inputs where they lie (ensure_row_contiguous=False, `<name>_strides`): the emulator lays the
+# kernels' strided inputs out itself (the values reach it as arrays), so the 16-byte path reads
+# token-major rows and the element-wise path reads spread ones, in every kernel incl. the
+# backward preprocessing; "mixed" gives each input of a kernel another layout.
+@emulator
+@pytest.mark.parametrize("layout", ["token_major", "spread", "mixed"])
+@pytest.mark.parametrize("case,capability", [
+    (Case(head_dim=64, q_len=70, kv_len=90, dtype="bfloat16", mask="causal", group=2, kv_heads=2, batch=2,
+          lse_gradient=True), 90),
+    (Case(head_dim=200, q_len=45, kv_len=38, dtype="float16", mask="bool", group=2, softcap=5.0), 80),
+    (Case(head_dim=37, q_len=20, kv_len=33, dtype="bfloat16", mask="window", window=(5, 2), sinks=True), 86),
+], ids=lambda x: f"sm{x}" if isinstance(x, int) else f"d{x.head_dim}")
+def test_emulated_input_layouts(case, capability, layout):
+    check_case(case, backend=cuda_emulator.backend(seed=case.q_len, capability=capability, layout=layout))
+
+
+def test_emulator_layouts_are_checked():
+    with pytest.raises(ValueError, match="layout must be one of"):
+        cuda_emulator.KernelFactory(layout="diagonal")
 
 
 # Attention sinks: the forward's initial row state and the dQ kernel's per-warp parts of d_sink,
@@ -149,7 +170,7 @@ HALF_DTYPES = ("float16", "bfloat16")
 
 @gpu
 @settings(max_examples=int(os.environ.get("MLX_FLASH_CUDA_EXAMPLES", "40")))
-@given(cases(max_len=200, dtypes=HALF_DTYPES, head_dims=PROPERTY_HEAD_DIMS))
+@given(cases(max_len=200, dtypes=HALF_DTYPES, head_dims=PROPERTY_HEAD_DIMS, layouts=LAYOUTS))
 def test_property_suite(case):
     check_case(case, backend="cuda")
 

@@ -32,8 +32,9 @@ from .. import planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source
-from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
-                     empty_sinks_gradient, float_params, is_empty, mask_strides)
+from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_operands, empty_backward,
+                     empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
+                     token_major_shape)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
                           block_major, family_of, variant_set)
 
@@ -109,6 +110,8 @@ class CUDABackend:
     """
 
     name = "cuda"
+    # q, k, v and d_out are read where they lie (common.STRIDED_INPUTS): flash_attention copies nothing.
+    row_contiguous_inputs = False
 
     def __init__(self, tuning: Tuning = Tuning(), kernel_factory: Optional[Callable] = None,
                  capability: Optional[int] = None):
@@ -192,15 +195,16 @@ class CUDABackend:
         return None
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
-        """(out [B, Hq, Nq, D] in q's dtype, lse [B, Hq, Nq] fp32, natural log, sinks included)."""
+        """(out [B, Hq, Nq, D] in q's dtype (a view of a [B, Nq, Hq, D] buffer), lse [B, Hq, Nq]
+        fp32, natural log, sinks included)."""
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
         variant = self.variants(spec, None if mask is None else mask.dtype).forward
         out, lse = self._launch(variant, spec, [q, k, v], mask, rows=Nq, heads=Hq,
-                                output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32],
+                                output_shapes=[(B, Nq, Hq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32],
                                 sinks=sinks)
-        return out, lse
+        return heads_view(out), lse
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
                  lse_is_local: bool = True):
@@ -250,6 +254,7 @@ class CUDABackend:
         grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
         d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
+        lse, d_lse = contiguous_operands([lse, d_lse])  # out and d_out: read through their strides
         delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
                              output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
                              grid=grid, threadgroup=group)
@@ -260,7 +265,7 @@ class CUDABackend:
     def _backward_query(self, variant, q, k, v, mask, d_out, lse2, delta, spec, sinks=None):
         """(dq, d_sinks_part [B, Hq, parts] with sinks, else None): one part per warp's rows
         (mma.sync: a row group, wgmma: a consumer warp's 16 rows), summed by the caller."""
-        shapes, dtypes = [q.shape], [spec.dtype]
+        shapes, dtypes = [token_major_shape(q.shape)], [spec.dtype]
         if sinks is not None:
             blocks = -(-spec.q_len // variant.parallel_block)
             parts = variant.parallel_block // 16 if variant.instruction == "wgmma" else variant.row_groups
@@ -268,13 +273,13 @@ class CUDABackend:
             dtypes.append(mx.float32)
         results = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.q_len,
                                heads=spec.q_heads, output_shapes=shapes, output_dtypes=dtypes, sinks=sinks)
-        return results[0], (results[1] if sinks is not None else None)
+        return heads_view(results[0]), (results[1] if sinks is not None else None)
 
     def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
         dk, dv = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
-                              heads=spec.kv_heads, output_shapes=[k.shape, v.shape],
+                              heads=spec.kv_heads, output_shapes=[token_major_shape(k.shape), token_major_shape(v.shape)],
                               output_dtypes=[spec.dtype, spec.dtype])
-        return dk, dv
+        return heads_view(dk), heads_view(dv)
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -293,7 +298,7 @@ class CUDABackend:
             name, (header, body, inputs, outputs), shared_memory = describe()
             factory = self._factory or mx.fast.cuda_kernel
             kwargs = dict(name=name, input_names=inputs, output_names=outputs, source=body, header=header,
-                          ensure_row_contiguous=True)
+                          ensure_row_contiguous=False)
             if shared_memory:
                 kwargs["shared_memory"] = shared_memory
             compiled = self._kernels[key] = factory(**kwargs)
@@ -308,12 +313,13 @@ class CUDABackend:
                 output_dtypes, sinks=None):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
         of parallel_block rows and column slice; the mask, the sinks (fp32) and the parameter
-        arrays go last."""
+        arrays go last. q, k, v and d_out are passed as they lie; the mask and the sinks are read
+        row-contiguous (made so: a copy only of a broadcast or strided one)."""
         blocks = -(-rows // variant.parallel_block)
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
-        inputs = arrays + ([mask] if mask is not None else []) + sinks_inputs + [
+        inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
             _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
         return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                     grid=grid, threadgroup=group)

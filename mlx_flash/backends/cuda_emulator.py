@@ -11,6 +11,12 @@ emulated: the emulated backend runs the family's mma.sync kernels.
 It checks indexing, tiling, masking, synchronization order and the math of the kernels; it does
 not check speed, register pressure or anything NVRTC-specific (compile with nvcc for that).
 
+Strided inputs: MLX passes `<name>_strides` to a kernel whose body names it. The emulator sees
+only an input's values, so it lays each such [B, H, N, D] input out itself (KernelFactory.layout):
+row-contiguous, token-major (a transposed view of a [B, N, H, D] buffer, as mlx-lm hands them
+over), spread (every other element of padded rows at an odd offset: the kernels' element-wise
+path), or mixed (those three in turn over a kernel's strided inputs).
+
 Usage:
     out = flash_attention(q, k, v, backend=cuda_emulator.backend(seed=1, capability=86))
 """
@@ -75,18 +81,49 @@ def _library(source: str) -> ctypes.CDLL:
     return lib
 
 
+LAYOUTS = ("row", "token_major", "spread", "mixed")
+
+
+def _lay_out(x: np.ndarray, layout: str):
+    """(buffer kept alive, the [B, H, N, D] view of it holding x's values) for one layout."""
+    if layout == "row":
+        return x, x
+    if layout == "token_major":
+        buffer = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        return buffer, buffer.transpose(0, 2, 1, 3)
+    d = x.shape[-1]  # spread: columns 1, 3, ..., 2 d - 1 of rows of 2 d + 2 elements
+    buffer = np.zeros(x.shape[:-1] + (2 * d + 2,), x.dtype)
+    view = buffer[..., 1:2 * d:2]
+    view[...] = x
+    return buffer, view
+
+
 class EmulatedKernel:
     """Drop-in for the callable mx.fast.cuda_kernel returns (same keyword arguments)."""
 
     def __init__(self, name: str, input_names: List[str], output_names: List[str], source: str, header: str,
-                 shared_memory: int = 0, seed: int = 0, eager_copies: bool = False):
+                 shared_memory: int = 0, seed: int = 0, eager_copies: bool = False, layout: str = "row"):
         self.name, self.input_names, self.output_names = name, input_names, output_names
         self.body, self.header, self.shared_memory = source, header, shared_memory
-        self.seed, self.eager_copies = seed, eager_copies
+        self.seed, self.eager_copies, self.layout = seed, eager_copies, layout
+        # As MLX: an input's strides are passed when the body names them.
+        self.strided = [f"{n}_strides" in source for n in input_names]
+
+    def _layouts(self) -> List[str]:
+        """The layout of each strided input, in order."""
+        count = sum(self.strided)
+        if self.layout != "mixed":
+            return [self.layout] * count
+        return [("token_major", "spread", "row")[i % 3] for i in range(count)]
 
     def _source(self, inputs, output_dtypes) -> str:
         args = [f"  const {_C_TYPES[x.dtype]}* {n} = (const {_C_TYPES[x.dtype]}*)a[{i}];"
                 for i, (n, x) in enumerate(zip(self.input_names, inputs))]
+        slot = len(inputs) + len(output_dtypes)
+        for n, strided in zip(self.input_names, self.strided):
+            if strided:
+                args.append(f"  const int64_t* {n}_strides = (const int64_t*)a[{slot}];")
+                slot += 1
         args += [f"  {_C_TYPES[d]}* {n} = ({_C_TYPES[d]}*)a[{len(inputs) + i}];"
                  for i, (n, d) in enumerate(zip(self.output_names, output_dtypes))]
         return (template_text("cuda_emulation.cuh") + "\n" + self.header + "\n"
@@ -100,19 +137,27 @@ class EmulatedKernel:
             lib = _library(self._source(inputs, output_dtypes))
         except RuntimeError as error:  # name the kernel, as the GPU's compiler log does
             raise RuntimeError(f"{self.name}: {error}") from None
-        host_inputs = []
-        for x in inputs:
+        host_inputs, keep, strides = [], [], []
+        layouts = iter(self._layouts())
+        for x, strided in zip(inputs, self.strided):
             if x.dtype not in _NP_STORAGE:
                 raise TypeError(f"[cuda_emulator] input dtype {x.dtype} is not emulated")
             view = mx.view(x, mx.uint16) if x.dtype in (mx.bfloat16, mx.float16) else x
-            host_inputs.append(np.ascontiguousarray(np.array(view)))
+            host = np.ascontiguousarray(np.array(view))
+            if strided:
+                if host.ndim != 4:
+                    raise ValueError(f"[cuda_emulator] {self.name}: strided input of shape {host.shape} is not 4-D")
+                buffer, host = _lay_out(host, next(layouts))
+                keep.append(buffer)
+                strides.append(np.array([s // host.itemsize for s in host.strides], np.int64))
+            host_inputs.append(host)
         # Outputs poisoned with all-ones bits (NaN for floats): an element never written shows.
         outputs = []
         for shape, d in zip(output_shapes, output_dtypes):
             o = np.empty(shape, _NP_STORAGE[d])
             o.reshape(-1).view(np.uint8)[:] = 0xFF if d != mx.bool_ else 0
             outputs.append(o)
-        arrays = host_inputs + outputs
+        arrays = host_inputs + outputs + strides
         pointers = (ctypes.c_void_p * len(arrays))(*[a.ctypes.data for a in arrays])
         tx = threadgroup[0]
         gx, gy = grid[0] // tx, grid[1]
@@ -135,22 +180,29 @@ class KernelFactory:
     Attributes:
         seed: seed of the random warp order (different seeds interleave warps differently).
         eager_copies: perform cp.async copies at issue instead of at the covering wait.
+        layout: how strided inputs are laid out (LAYOUTS; see the module docstring).
     """
 
     seed: int = 0
     eager_copies: bool = False
+    layout: str = "row"
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"[cuda_emulator] layout must be one of {LAYOUTS}, got {self.layout!r}.")
 
     def __call__(self, *, name, input_names, output_names, source, header, shared_memory=0, **unused):
         return EmulatedKernel(name, list(input_names), list(output_names), source, header, shared_memory,
-                              self.seed, self.eager_copies)
+                              self.seed, self.eager_copies, self.layout)
 
 
-def backend(seed: int = 0, eager_copies: bool = False, capability: int = 90, tuning: Tuning = Tuning()) -> CUDABackend:
+def backend(seed: int = 0, eager_copies: bool = False, capability: int = 90, tuning: Tuning = Tuning(),
+            layout: str = "row") -> CUDABackend:
     """A "cuda" backend that runs its kernels on the CPU; pass it as flash_attention's `backend`.
 
     Args:
-        seed, eager_copies: see KernelFactory.
+        seed, eager_copies, layout: see KernelFactory.
         capability: the compute capability whose family plans the kernels (90: sm90's mma.sync rows).
         tuning: overrides of the block table (as CUDABackend's).
     """
-    return CUDABackend(tuning=tuning, kernel_factory=KernelFactory(seed, eager_copies), capability=capability)
+    return CUDABackend(tuning=tuning, kernel_factory=KernelFactory(seed, eager_copies, layout), capability=capability)

@@ -24,7 +24,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
-from .common import MASK_KINDS, VariantFeatures, VariantSet, cached_hash as _cached_hash
+from .common import MASK_KINDS, STRIDED_INPUTS, VariantFeatures, VariantSet, cached_hash as _cached_hash
 
 MAX_HEAD_DIM = 512
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
@@ -489,14 +489,17 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
                sinks: bool = False) -> Tuple[List[str], List[str], str]:
     """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
 
-    The forward and dQ kernels take a sinks pointer after the mask (null without sinks); the dQ
-    kernel also writes d_sinks_part after dq (null without sinks)."""
+    The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
+    body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
+    after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
+    without sinks)."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
         inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
         outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
-    args = list(inputs) + [mask_arg]
+    strided = [name for name in inputs if name in STRIDED_INPUTS]
+    args = strided + [_layout(name) for name in strided] + inputs[len(strided):] + [mask_arg]
     if kernel != "backward_key_value":
         args.append("sinks" if sinks else "(const float*)nullptr")
     inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + ["params", "fparams"]
@@ -508,11 +511,17 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
     return inputs, outputs, body
 
 
+def _layout(name: str) -> str:
+    """The kernel argument that carries input `name`'s layout (MLX passes `<name>_strides`)."""
+    return f"mlxflash::layout_of({name}_strides)"
+
+
 def prepare_source(input_type: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str, List[str], List[str]]:
     """(header, body, inputs, outputs) of the backward preprocessing kernel."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse)
-    body = "mlxflash::attention_backward_prepare(out, d_out, lse, d_lse, params, delta, lse2);"
+    body = (f"mlxflash::attention_backward_prepare(out, d_out, {_layout('out')}, {_layout('d_out')}, lse, d_lse, "
+            "params, delta, lse2);")
     return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"]
 
 
