@@ -8,6 +8,10 @@ GPU's own, which on an H100 runs the wgmma kernels). Per capability: forward and
 dims across the family's block-table rows, with causal, bool and additive masks, softcap, a
 window and GQA; every call is also checked against the "mlx" backend in fp32.
 
+--layout lays q, k and v out as mlx-lm does ("token_major": transposed views of [B, N, H, D]
+buffers, the kernels' 16-byte path at another row stride) or at an odd offset into wider rows
+("offset": the element-wise path); default "row".
+
 --head-dims keeps only the cases of those head dims (96, 160 and 200 are the wgmma dK/dV
 kernel's three schemes on an H100: a bool mask with softcap, causal at BN = 32, additive with
 column groups). --n replaces every case's query length (keys: n + 3): the default lengths give
@@ -30,13 +34,26 @@ CASES = ((64, "causal", 100), (96, "bool", 70), (160, "causal", 50), (200, "addi
          (512, "causal", 33))
 
 
-def run(capability: str, cases=CASES, n_override=None) -> float:
+LAYOUTS = ("row", "token_major", "offset")
+
+
+def laid_out(x: mx.array, layout: str) -> mx.array:
+    """x's values in `layout` (see the module docstring)."""
+    if layout == "token_major":
+        return mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    if layout == "offset":
+        return mx.contiguous(mx.pad(x, [(0, 0)] * 3 + [(1, 2)]))[..., 1:x.shape[-1] + 1]
+    return x
+
+
+def run(capability: str, cases=CASES, n_override=None, layout: str = "row") -> float:
     """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
 
     Args:
         capability: a compute capability ("80") or "native".
         cases: (head dim, mask, N) triples, a subset of CASES.
         n_override: N for every case instead of its own (None: each case's).
+        layout: how q, k and v lie in memory (LAYOUTS).
     """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
@@ -50,6 +67,7 @@ def run(capability: str, cases=CASES, n_override=None) -> float:
         q = mx.random.normal((1, 2, n, head_dim)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, n + 3, head_dim)).astype(mx.bfloat16)
         v = mx.random.normal((1, 1, n + 3, head_dim)).astype(mx.bfloat16)
+        q, k, v = (laid_out(x, layout) for x in (q, k, v))
         kwargs = dict(mask=mask, softcap=20.0 if head_dim == 96 else None)
         if mask == "bool":
             kwargs["mask"] = mx.random.uniform(shape=(1, 1, n, n + 3)) < 0.7
@@ -71,7 +89,7 @@ def run(capability: str, cases=CASES, n_override=None) -> float:
             x, r = np.array(x.astype(mx.float32), np.float64), np.array(r, np.float64)
             worst = max(worst, float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-30)))
     family = backend.family()
-    print(f"capability {capability}: family {family.name if family else None}, {len(cases)} cases "
+    print(f"capability {capability}: family {family.name if family else None}, {layout} layout, {len(cases)} cases "
           f"(head dims {', '.join(str(c[0]) for c in cases)}), worst relative error vs mlx fp32 {worst:.2e}",
           flush=True)
     return worst
@@ -84,6 +102,7 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", choices=[c[0] for c in CASES],
                         help="only the cases of these head dims (default: every case)")
     parser.add_argument("--n", type=int, help="query length of every case (keys: n + 3) instead of its own")
+    parser.add_argument("--layout", choices=LAYOUTS, default="row", help="how q, k and v lie in memory")
     args = parser.parse_args(argv)
     for capability in args.capabilities:
         if capability != "native" and not capability.isdigit():
@@ -91,7 +110,7 @@ def main(argv=None) -> int:
     if args.n is not None and args.n < 1:
         parser.error(f"--n must be a positive query length, got {args.n}")
     cases = [c for c in CASES if args.head_dims is None or c[0] in args.head_dims]
-    errors = [run(c, cases, args.n) for c in args.capabilities]
+    errors = [run(c, cases, args.n, args.layout) for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
     return 1 if max(errors) > 6e-2 else 0
 
