@@ -59,6 +59,8 @@ def make_input(rng, layout: str, b: int, h: int, n: int, d: int, dtype) -> mx.ar
     "row": row-contiguous. "mlx_lm": a transposed view of a [b, n, h, d] buffer (mlx-lm's q, k, v).
     "head_dim_strided": a transposed view of a [b, h, d, n] buffer (last stride n, not 1).
     "offset": a slice [..., 1:d + 1] of a [b, h, n, d + 3] buffer (data at an offset, row stride d + 3).
+    "reversed": a [b, h, n, d] buffer read backwards along n (negative row stride).
+    "broadcast": one batch's [1, h, n, d] broadcast over b (batch stride 0).
     """
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
@@ -71,6 +73,10 @@ def make_input(rng, layout: str, b: int, h: int, n: int, d: int, dtype) -> mx.ar
         return normal(b, h, d, n).transpose(0, 1, 3, 2)
     if layout == "offset":
         return normal(b, h, n, d + 3)[..., 1:d + 1]
+    if layout == "reversed":
+        return normal(b, h, n, d)[:, :, ::-1]
+    if layout == "broadcast":
+        return mx.broadcast_to(normal(1, h, n, d), (b, h, n, d))
     raise ValueError(layout)
 
 
@@ -94,6 +100,7 @@ CASES = [
     LayoutCase("float16", ("offset", "offset", "offset"), "none", group=3, kv_heads=1),
     LayoutCase("float32", ("mlx_lm", "head_dim_strided", "offset"), "causal", group=2, q_len=20),
     LayoutCase("bfloat16", ("head_dim_strided", "offset", "mlx_lm"), "additive", group=2),
+    LayoutCase("float16", ("reversed", "broadcast", "reversed"), "causal", group=2),
     # An uncached head dim whose fp32 accumulators spill into the [B, N, H, D] outputs themselves.
     LayoutCase("float32", ("mlx_lm",) * 3, "causal", group=2, head_dim=320, q_len=19, kv_len=24, batch=1),
 ]

@@ -153,7 +153,8 @@ class MetalBackend:
         return getattr(self.variants(spec), kernel).name
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
-        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log, sinks included)."""
+        """(out [B,Hq,Nq,D] in q's dtype, a view of a [B,Nq,Hq,D] buffer; lse [B,Hq,Nq] fp32
+        natural log, sinks included). q, k, v are read through their strides (any layout)."""
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
@@ -169,7 +170,8 @@ class MetalBackend:
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
                  lse_is_local: bool = True):
-        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse.
+        """(dq, dk, dv, d_sinks) in the input dtype, dq, dk, dv views of [B, N, H, D] buffers; d_lse
+        is None or the cotangent of lse. q, k, v, out and d_out are read through their strides.
         lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse.
 
         d_sinks (None without sinks) is fused into the dQ kernel: each simdgroup writes the
