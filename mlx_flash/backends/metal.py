@@ -29,9 +29,8 @@ from .. import planner
 from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
-from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_operands, empty_backward,
-                     empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty,
-                     token_major_shape)
+from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
+                     empty_sinks_gradient, float_params, heads_view, is_empty, token_major_shape)
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits, source,
                            variant_set)
 
@@ -180,9 +179,12 @@ class MetalBackend:
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = self.variants(spec)
-        dq, delta, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, out, lse, d_out,
+        # The row-contiguous operands, made so once for both kernels (delta, the dQ kernel's output,
+        # is row-contiguous already).
+        masks, lse = _mask_operands(mask), _statistic(lse)
+        dq, delta, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, masks, out, lse, d_out,
                                                        d_lse, spec, sinks)
-        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, lse, d_out, delta, spec)
+        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, masks, lse, d_out, delta, spec)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
         return dq, dk, dv, d_sinks
 
@@ -192,8 +194,8 @@ class MetalBackend:
         """dq from the dQ kernel alone."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
-        return self._backward_query(self.variants(spec).backward_query, q, k, v, mask, out, lse, d_out, d_lse,
-                                    spec, sinks)[0]
+        return self._backward_query(self.variants(spec).backward_query, q, k, v, _mask_operands(mask), out,
+                                    _statistic(lse), d_out, d_lse, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
                            delta=None):
@@ -209,16 +211,19 @@ class MetalBackend:
             delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
             if d_lse is not None:
                 delta = delta - d_lse.astype(mx.float32)
-        return self._backward_key_value(self.variants(spec).backward_key_value, q, k, v, mask, lse, d_out, delta,
-                                        spec)
+        return self._backward_key_value(self.variants(spec).backward_key_value, q, k, v, _mask_operands(mask),
+                                        _statistic(lse), d_out, _statistic(delta), spec)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _backward_key_value(self, variant, q, k, v, mask, lse, d_out, delta, spec):
-        """(dk, dv) from the dK/dV kernel `variant`, given delta (see backward_key_value)."""
+    def _backward_key_value(self, variant, q, k, v, masks, lse, d_out, delta, spec):
+        """(dk, dv) from the dK/dV kernel `variant`, given delta (see backward_key_value).
+
+        Args:
+            masks: _mask_operands(mask). lse, delta: fp32, row-contiguous (_statistic).
+        """
         B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
-        mask_array, mask_strides = _mask_operands(mask)
-        lse, delta = contiguous_operands([lse.astype(mx.float32), delta.astype(mx.float32)])
+        mask_array, mask_strides = masks
         dk_spill = (B * Hkv * Nk * D,) if variant.spills("dK") else (1,)
         dv_spill = (B * Hkv * Nk * D,) if variant.spills("dV") else (1,)
         shape = token_major_shape((B, Hkv, Nk, D))
@@ -230,14 +235,16 @@ class MetalBackend:
             output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.float32])
         return heads_view(dk), heads_view(dv)
 
-    def _backward_query(self, variant, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
-        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused."""
+    def _backward_query(self, variant, q, k, v, masks, out, lse, d_out, d_lse, spec, sinks=None):
+        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused.
+
+        Args:
+            masks: _mask_operands(mask). lse: fp32, row-contiguous (_statistic).
+        """
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        mask_array, mask_strides = _mask_operands(mask)
-        if d_lse is None:
-            d_lse = mx.zeros((B, Hq, Nq), mx.float32)
-        # A cotangent MLX makes for an unused lse is a broadcast zero (stride 0): made contiguous.
-        lse, d_lse = contiguous_operands([lse.astype(mx.float32), d_lse.astype(mx.float32)])
+        mask_array, mask_strides = masks
+        # The cotangent MLX makes for an unused lse is a broadcast zero (stride 0): made contiguous.
+        d_lse = mx.zeros((B, Hq, Nq), mx.float32) if d_lse is None else _statistic(d_lse)
         spill = (B * Hq * Nq * D,) if variant.spills("dQ") else (1,)
         # One sink-gradient part per simdgroup (8 query rows) of each query block.
         P = variant.plan.parallel_block
@@ -306,6 +313,11 @@ def _params_of(key: tuple) -> mx.array:
     left, right = window if window is not None else (-1, -1)
     return mx.array([q_len, kv_len, q_heads, q_heads // kv_heads, left, right, kv_heads, diagonal_shift],
                     dtype=mx.int32)
+
+
+def _statistic(x: mx.array) -> mx.array:
+    """A per-row statistic (lse, d_lse, delta) as the kernels read it: fp32, row-contiguous."""
+    return mx.contiguous(x.astype(mx.float32))  # common.contiguous_operands of one, without the list
 
 
 def _sinks_operand(sinks) -> mx.array:
