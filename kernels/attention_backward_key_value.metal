@@ -5,10 +5,12 @@
   //   dS^T = P^T * (dP^T - delta) [* softcap'(s)], dK += dS^T Q;   finally dK *= scale.
   // No atomics: every dK/dV element is owned by one threadgroup.
   //
-  // Inputs: q, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], lse, delta fp32 [B,Hq,Nq] (delta from the
-  //   dQ kernel), mask, mask_layout, params, fparams (as the forward kernel).
-  // Outputs: dk, dv [B,Hkv,Nk,D], dk_acc, dv_acc (fp32 spill buffers when not cached and the
-  //   input is not fp32; otherwise 1 element, unused).
+  // Inputs: q, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], each read through its strides, lse, delta
+  //   fp32 [B,Hq,Nq] (delta from the dQ kernel), mask, mask_layout, params, fparams (as the
+  //   forward kernel).
+  // Outputs: dk, dv [B,Nk,Hkv,D] (token-major, returned as [B,Hkv,Nk,D] views), dk_acc, dv_acc
+  //   (fp32 spill buffers, rows in dk's order, when not cached and the input is not fp32;
+  //   otherwise 1 element, unused).
   //
   // Compile-time constants (rendered by mlx_flash.backends.metal_source):
   constexpr int D = {{head_dim}};
@@ -55,9 +57,15 @@
   const int key = k0 + sg * 8 + lc.y;
   const bool key_ok = key < Nk;
   const int key_c = min(key, Nk - 1);
-  const long kv_row = (long(b) * Hkv + hk) * Nk + key_c;
-  auto k_row = k + kv_row * D;
-  auto v_row = v + kv_row * D;
+  const long kv_row = (long(b) * Nk + key_c) * Hkv + hk;  // dk, dv and their spill buffers
+  auto k_row = k + (b * k_strides[0] + hk * k_strides[1] + key_c * k_strides[2]);
+  auto v_row = v + (b * v_strides[0] + hk * v_strides[1] + key_c * v_strides[2]);
+  const long k_step = k_strides[3];
+  const long v_step = v_strides[3];
+  const long q_ld = q_strides[2];  // Q, dO tiles: rows (queries) ld apart, columns step apart
+  const long q_step = q_strides[3];
+  const long do_ld = d_out_strides[2];
+  const long do_step = d_out_strides[3];
   device float* dk_acc_row = {{dk_accumulator}} + kv_row * D;
   device float* dv_acc_row = {{dv_accumulator}} + kv_row * D;
   const long mask_step = mask_layout[2];  // the mask is walked along queries here
@@ -66,8 +74,8 @@
   vec<cache_t, 2> v_cache[V_CACHED ? DR8 / 8 : 1];
   frag_t dk_cache[DK_CACHED ? DR8 / 8 : 1];
   frag_t dv_cache[DV_CACHED ? DR8 / 8 : 1];
-  if (K_CACHED) load_row_pairs<K_CACHED ? DR8 : 8>(k_cache, k_row, lc.x, D, key_ok);
-  if (V_CACHED) load_row_pairs<V_CACHED ? DR8 : 8>(v_cache, v_row, lc.x, D, key_ok);
+  if (K_CACHED) load_row_pairs<K_CACHED ? DR8 : 8>(k_cache, k_row, lc.x, D, key_ok, k_step);
+  if (V_CACHED) load_row_pairs<V_CACHED ? DR8 : 8>(v_cache, v_row, lc.x, D, key_ok, v_step);
   if (DK_CACHED) zero_frags<DK_CACHED ? DR8 / 8 : 1>(dk_cache);
   if (DV_CACHED) zero_frags<DV_CACHED ? DR8 / 8 : 1>(dv_cache);
 
@@ -78,8 +86,8 @@
   for (int g = 0; g < group; ++g) {
     const int h = hk * group + g;
     const long head = long(b) * Hq + h;
-    auto q_head = q + head * Nq * D;
-    auto do_head = d_out + head * Nq * D;
+    auto q_head = q + (b * q_strides[0] + h * q_strides[1]);
+    auto do_head = d_out + (b * d_out_strides[0] + h * d_out_strides[1]);
     auto lse_head = lse + head * Nq;
     auto delta_head = delta + head * Nq;
     auto mask_line = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[3] * key_c);
@@ -92,9 +100,9 @@
       zero_frags<T / 8>(s);
       {{kq_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, q_ld, q_step, r0, queries.y, d0, D, tid);
         vec<cache_t, 2> k_stream[K_CACHED ? 1 : H / 8];
-        if (!K_CACHED) load_row_pairs<H>(k_stream, k_row, d0 + lc.x, D, key_ok);
+        if (!K_CACHED) load_row_pairs<H>(k_stream, k_row, d0 + lc.x, D, key_ok, k_step);
         gemm_abt<T, H, LD>(s, K_CACHED ? k_cache + d0 / 8 : k_stream, tile, DR8 - d0, t_limit, lc);
       }
 
@@ -125,7 +133,7 @@
       zero_frags<T / 8>(dp);
       {{dov_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS, in_t>(tile, do_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, do_head, do_ld, do_step, r0, queries.y, d0, D, tid);
         frag_t dv_stream[DV_CACHED ? 1 : H / 8];
         thread frag_t* dv_block = DV_CACHED ? dv_cache + d0 / 8 : dv_stream;
         if (!DV_CACHED) {
@@ -139,7 +147,7 @@
         if (!DV_CACHED) store_row_frags<H, float>(dv_acc_row, dv_stream, 1.0f, d0 + lc.x, D, key_ok);
 
         vec<cache_t, 2> v_stream[V_CACHED ? 1 : H / 8];
-        if (!V_CACHED) load_row_pairs<H>(v_stream, v_row, d0 + lc.x, D, key_ok);
+        if (!V_CACHED) load_row_pairs<H>(v_stream, v_row, d0 + lc.x, D, key_ok, v_step);
         gemm_abt<T, H, LD>(dp, V_CACHED ? v_cache + d0 / 8 : v_stream, tile, DR8 - d0, t_limit, lc);
       }
 
@@ -160,7 +168,7 @@
       // dK += dS^T Q, one D-block at a time.
       {{dsq_unroll}}
       for (int d0 = 0; d0 < DR8; d0 += H) {
-        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, D, r0, queries.y, d0, D, tid);
+        stage_tile<T, H, LD, NTHREADS, in_t>(tile, q_head, q_ld, q_step, r0, queries.y, d0, D, tid);
         frag_t dk_stream[DK_CACHED ? 1 : H / 8];
         thread frag_t* dk_block = DK_CACHED ? dk_cache + d0 / 8 : dk_stream;
         if (!DK_CACHED) {

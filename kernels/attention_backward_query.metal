@@ -8,10 +8,11 @@
   // With SINKS, each simdgroup (8 query rows) also writes its rows' part of the sink gradient,
   //   -sum_i exp2(sink - L_i) * delta_i, to d_sinks_part; the caller sums the parts (MLX ops).
   //
-  // Inputs: q, o, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], lse, d_lse fp32 [B,Hq,Nq],
-  //   mask, mask_layout, sinks, params, fparams (as the forward kernel).
-  // Outputs: dq [B,Hq,Nq,D], delta fp32 [B,Hq,Nq], dq_acc (fp32 spill buffer of dQ when dQ is
-  //   not cached and the input is not fp32; otherwise 1 element, unused), d_sinks_part fp32
+  // Inputs: q, o, d_out [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], each read through its strides,
+  //   lse, d_lse fp32 [B,Hq,Nq], mask, mask_layout, sinks, params, fparams (as the forward).
+  // Outputs: dq [B,Nq,Hq,D] (token-major, returned as a [B,Hq,Nq,D] view), delta fp32
+  //   [B,Hq,Nq], dq_acc (fp32 spill buffer of dQ, rows in dq's order, when dQ is not cached and
+  //   the input is not fp32; otherwise 1 element, unused), d_sinks_part fp32
   //   [B, Hq, query blocks * P / 8] with SINKS (otherwise 1 element, unused).
   //
   // Compile-time constants (rendered by mlx_flash.backends.metal_source):
@@ -39,7 +40,6 @@
   const int Nk = params[1];
   const int Hq = params[2];
   const int group = params[3];
-  const int Hkv = params[6];
   ScoreContext ctx;
   ctx.scale = fparams[0];
   ctx.cap = fparams[1];
@@ -58,14 +58,22 @@
   const int row = q0 + sg * 8 + lc.y;
   const bool row_ok = row < Nq;
   const int row_c = min(row, Nq - 1);
-  const long head_row = (long(b) * Hq + h) * Nq + row_c;
-  const long kv_head = long(b) * Hkv + h / group;
-  auto q_row = q + head_row * D;
-  auto o_row = o + head_row * D;
-  auto do_row = d_out + head_row * D;
-  auto k_head = k + kv_head * Nk * D;
-  auto v_head = v + kv_head * Nk * D;
-  device float* acc_row = {{dq_accumulator}} + head_row * D;
+  const long head_row = (long(b) * Hq + h) * Nq + row_c;   // lse, d_lse, delta
+  const long token_row = (long(b) * Nq + row_c) * Hq + h;  // dq and its spill buffer
+  const int kv_h = h / group;
+  auto q_row = q + (b * q_strides[0] + h * q_strides[1] + row_c * q_strides[2]);
+  auto o_row = o + (b * o_strides[0] + h * o_strides[1] + row_c * o_strides[2]);
+  auto do_row = d_out + (b * d_out_strides[0] + h * d_out_strides[1] + row_c * d_out_strides[2]);
+  const long q_step = q_strides[3];
+  const long o_step = o_strides[3];
+  const long do_step = d_out_strides[3];
+  auto k_head = k + (b * k_strides[0] + kv_h * k_strides[1]);
+  auto v_head = v + (b * v_strides[0] + kv_h * v_strides[1]);
+  const long k_ld = k_strides[2];  // K, V tiles: rows (keys) ld apart, columns step apart
+  const long k_step = k_strides[3];
+  const long v_ld = v_strides[2];
+  const long v_step = v_strides[3];
+  device float* acc_row = {{dq_accumulator}} + token_row * D;
   auto mask_row = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[2] * row_c);
   const long mask_step = mask_layout[3];
 
@@ -74,8 +82,8 @@
   float dot_part = 0.0f;
   {{delta_unroll}}
   for (int d = 0; d < DR8; d += 8) {
-    const float2 g = load_pair(do_row, d + lc.x, D, row_ok);
-    const float2 o_pair = load_pair(o_row, d + lc.x, D, row_ok);
+    const float2 g = load_strided_pair(do_row, d + lc.x, D, row_ok, do_step);
+    const float2 o_pair = load_strided_pair(o_row, d + lc.x, D, row_ok, o_step);
     if (DO_CACHED) do_cache[d / 8] = vec<cache_t, 2>(g);
     dot_part += g.x * o_pair.x + g.y * o_pair.y;
   }
@@ -97,7 +105,7 @@
 
   vec<cache_t, 2> q_cache[Q_CACHED ? DR8 / 8 : 1];
   frag_t dq_cache[DQ_CACHED ? DR8 / 8 : 1];
-  if (Q_CACHED) load_row_pairs<Q_CACHED ? DR8 : 8>(q_cache, q_row, lc.x, D, row_ok);
+  if (Q_CACHED) load_row_pairs<Q_CACHED ? DR8 : 8>(q_cache, q_row, lc.x, D, row_ok, q_step);
   if (DQ_CACHED) zero_frags<DQ_CACHED ? DR8 / 8 : 1>(dq_cache);
 
   const int2 keys = key_range<CAUSAL, WINDOW>(q0, min(q0 + P, Nq) - 1, Nk, ctx);
@@ -111,9 +119,9 @@
     zero_frags<T / 8>(s);
     {{qk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, k_ld, k_step, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> q_stream[Q_CACHED ? 1 : H / 8];
-      if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok);
+      if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok, q_step);
       gemm_abt<T, H, LD>(s, Q_CACHED ? q_cache + d0 / 8 : q_stream, tile, DR8 - d0, t_limit, lc);
     }
 
@@ -141,9 +149,9 @@
     zero_frags<T / 8>(dp);
     {{dov_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, v_ld, v_step, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> do_stream[DO_CACHED ? 1 : H / 8];
-      if (!DO_CACHED) load_row_pairs<H>(do_stream, do_row, d0 + lc.x, D, row_ok);
+      if (!DO_CACHED) load_row_pairs<H>(do_stream, do_row, d0 + lc.x, D, row_ok, do_step);
       gemm_abt<T, H, LD>(dp, DO_CACHED ? do_cache + d0 / 8 : do_stream, tile, DR8 - d0, t_limit, lc);
     }
 
@@ -158,7 +166,7 @@
     // dQ += dS K, one D-block at a time (an uncached dQ block round-trips its fp32 buffer).
     {{dsk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, k_ld, k_step, c0, keys.y, d0, D, tid);
       frag_t dq_stream[DQ_CACHED ? 1 : H / 8];
       thread frag_t* dq_block = DQ_CACHED ? dq_cache + d0 / 8 : dq_stream;
       if (!DQ_CACHED) {
@@ -175,7 +183,7 @@
   }
 
   // dQ = scale * sum_j dS_ij K_j, in the input dtype.
-  auto dq_row = dq + head_row * D;
+  auto dq_row = dq + token_row * D;
   if (DQ_CACHED) {
     store_row_frags<DQ_CACHED ? DR8 : 8, in_t>(dq_row, dq_cache, ctx.scale, lc.x, D, row_ok);
   } else {

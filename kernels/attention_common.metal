@@ -17,6 +17,11 @@
 //  * All fragments fed to simdgroup_multiply_accumulate are fp32: fp16/bf16 inputs are exact in
 //    fp32, so products are exact and sums are fp32 (mixed precision). Cached input operands may
 //    be held as half pairs (cache_t) to halve their registers.
+//  * Inputs q, k, v, d_out and the saved output are read where they lie, through the strides
+//    mx.fast.metal_kernel passes (`<name>_strides`: element (b, h, n, d) at b s0 + h s1 + n s2 +
+//    d s3), so MLX's transposed [B, N, H, D] views are not copied. Outputs out, dq, dk, dv are
+//    written as [B, N, H, D] buffers (the backend returns them as [B, H, N, D] views, as MLX's
+//    own Metal attention does); lse, delta, masks and the fp32 spill buffers are row-contiguous.
 //
 // Why this shape (numbers from Metal FlashAttention, MFA, measured on M1 Max / M3 / M4):
 //  * Skewed blocks, small P and long T (P = 16 on the M3 family, 32 on M1; T = 32..128): an
@@ -91,6 +96,19 @@ ATTN_FUNC float2 load_pair(Ptr row_ptr, int col, int cols, bool row_ok) {
   return value;
 }
 
+// The same for a row of an input read where it lies, whose elements are `step` apart (its last
+// stride; 1 in every layout MLX makes but a transposed head dim: that case takes the branch).
+template <typename Ptr>
+ATTN_FUNC float2 load_strided_pair(Ptr row_ptr, int col, int cols, bool row_ok, long step) {
+  if (step == 1) return load_pair(row_ptr, col, cols, row_ok);
+  float2 value = float2(0.0f);
+  if (row_ok) {
+    if (col < cols) value.x = float(row_ptr[col * step]);
+    if (col + 1 < cols) value.y = float(row_ptr[(col + 1) * step]);
+  }
+  return value;
+}
+
 template <typename OutT, typename Ptr>
 ATTN_FUNC void store_pair(Ptr row_ptr, int col, int cols, bool row_ok, float2 value) {
   if (row_ok) {
@@ -99,12 +117,14 @@ ATTN_FUNC void store_pair(Ptr row_ptr, int col, int cols, bool row_ok, float2 va
   }
 }
 
-// W / 8 pairs of one row, columns col0 + [0, W) (col0 includes the lane's column offset).
+// W / 8 pairs of one input row (elements `step` apart), columns col0 + [0, W) (col0 includes
+// the lane's column offset).
 template <int W, typename AT, typename Ptr>
-ATTN_FUNC void load_row_pairs(thread vec<AT, 2>* dst, Ptr row_ptr, int col0, int cols, bool row_ok) {
+ATTN_FUNC void load_row_pairs(thread vec<AT, 2>* dst, Ptr row_ptr, int col0, int cols, bool row_ok,
+                              long step) {
 #pragma clang loop unroll(full)
   for (int d = 0; d < W; d += 8) {
-    dst[d / 8] = vec<AT, 2>(load_pair(row_ptr, col0 + d, cols, row_ok));
+    dst[d / 8] = vec<AT, 2>(load_strided_pair(row_ptr, col0 + d, cols, row_ok, step));
   }
 }
 
@@ -148,15 +168,14 @@ ATTN_FUNC void scale_frags(thread frag_t* frags, float factor, int width) {
 // Threadgroup tiles of the traversal-dimension operands
 // ---------------------------------------------------------------------------------------------
 
-// Copies rows row0 + [0, ROWS) and columns col0 + [0, COLS) of a row-major matrix with row
-// stride `ld` into `tile` (row stride LD), zero-filling rows >= `rows` and columns >= `cols`
-// so padded rows and columns add nothing to the products. Only the 8-row fragments that hold
-// valid rows are written (the products skip the others). Barriers on both sides: the previous
-// tile's readers are done before it is overwritten, and the new tile is complete before use.
-template <int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename TilePtr, typename Ptr>
-ATTN_FUNC void stage_tile(TilePtr tile, Ptr src, long ld, int row0, int rows, int col0, int cols,
-                          ushort tid) {
-  threadgroup_barrier(mem_flags::mem_threadgroup);
+// Copies rows row0 + [0, ROWS) and columns col0 + [0, COLS) of a matrix read where it lies
+// (element (r, c) at src[r * ld + c * step]) into `tile` (row stride LD), zero-filling rows >=
+// `rows` and columns >= `cols` so padded rows and columns add nothing to the products. Only the
+// 8-row fragments that hold valid rows are written (the products skip the others).
+template <bool UNIT_STEP, int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename TilePtr,
+          typename Ptr>
+ATTN_FUNC void copy_tile(TilePtr tile, Ptr src, long ld, long step, int row0, int rows, int col0,
+                         int cols, ushort tid) {
   const int valid_rows = min(ROWS, (rows - row0 + 7) / 8 * 8);
   for (int i = tid; i < valid_rows * COLS; i += NTHREADS) {
     const int r = i / COLS;
@@ -165,9 +184,23 @@ ATTN_FUNC void stage_tile(TilePtr tile, Ptr src, long ld, int row0, int rows, in
     const int src_col = col0 + c;
     TileT value = TileT(0.0f);
     if (src_row < rows && src_col < cols) {
-      value = TileT(src[long(src_row) * ld + src_col]);
+      value = TileT(src[long(src_row) * ld + (UNIT_STEP ? long(src_col) : src_col * step)]);
     }
     tile[r * LD + c] = value;
+  }
+}
+
+// copy_tile with barriers on both sides: the previous tile's readers are done before it is
+// overwritten, and the new tile is complete before use. The step is uniform over the
+// threadgroup: the common unit step (adjacent columns) keeps its own loop without a multiply.
+template <int ROWS, int COLS, int LD, int NTHREADS, typename TileT, typename TilePtr, typename Ptr>
+ATTN_FUNC void stage_tile(TilePtr tile, Ptr src, long ld, long step, int row0, int rows, int col0,
+                          int cols, ushort tid) {
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (step == 1) {
+    copy_tile<true, ROWS, COLS, LD, NTHREADS, TileT>(tile, src, ld, step, row0, rows, col0, cols, tid);
+  } else {
+    copy_tile<false, ROWS, COLS, LD, NTHREADS, TileT>(tile, src, ld, step, row0, rows, col0, cols, tid);
   }
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }

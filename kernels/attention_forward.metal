@@ -2,13 +2,15 @@
   // Streams key blocks of T keys through an online softmax (base 2) and writes O (input dtype)
   // and lse (fp32, natural log; -inf for rows that see no key).
   //
-  // Inputs: q [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], mask (array mask, or a 1-element dummy),
+  // Inputs: q [B,Hq,Nq,D], k, v [B,Hkv,Nk,D], each read through its strides (q_strides, ...),
+  //   mask (row-contiguous array mask, or a 1-element dummy),
   //   mask_layout int64 [b, h, query, key] (0 where the mask broadcasts),
   //   sinks fp32 [Hq] (attention sinks when SINKS, else a 1-element dummy),
   //   params int32 [Nq, Nk, Hq, group, window_left, window_right, Hkv, -],
   //   fparams fp32 [scale, softcap, 1 / softcap, ...].
-  // Outputs: out [B,Hq,Nq,D], lse [B,Hq,Nq], o_acc (fp32 spill buffer of O when O is not
-  //   cached and the input is not fp32; otherwise 1 element, unused).
+  // Outputs: out [B,Nq,Hq,D] (token-major: the backend returns it as a [B,Hq,Nq,D] view),
+  //   lse [B,Hq,Nq], o_acc (fp32 spill buffer of O, rows in out's order, when O is not cached
+  //   and the input is not fp32; otherwise 1 element, unused).
   //
   // Compile-time constants (rendered by mlx_flash.backends.metal_source):
   constexpr int D = {{head_dim}};
@@ -34,7 +36,6 @@
   const int Nk = params[1];
   const int Hq = params[2];
   const int group = params[3];
-  const int Hkv = params[6];
   ScoreContext ctx;
   ctx.scale = fparams[0];
   ctx.cap = fparams[1];
@@ -54,19 +55,25 @@
   const int row = q0 + sg * 8 + lc.y;
   const bool row_ok = row < Nq;
   const int row_c = min(row, Nq - 1);
-  const long head_row = (long(b) * Hq + h) * Nq + row_c;
-  const long kv_head = long(b) * Hkv + h / group;
-  auto q_row = q + head_row * D;
-  auto k_head = k + kv_head * Nk * D;
-  auto v_head = v + kv_head * Nk * D;
-  device float* acc_row = {{o_accumulator}} + head_row * D;
+  const long head_row = (long(b) * Hq + h) * Nq + row_c;   // lse
+  const long token_row = (long(b) * Nq + row_c) * Hq + h;  // out and its spill buffer
+  const int kv_h = h / group;
+  auto q_row = q + (b * q_strides[0] + h * q_strides[1] + row_c * q_strides[2]);
+  const long q_step = q_strides[3];
+  auto k_head = k + (b * k_strides[0] + kv_h * k_strides[1]);
+  auto v_head = v + (b * v_strides[0] + kv_h * v_strides[1]);
+  const long k_ld = k_strides[2];  // K, V tiles: rows (keys) ld apart, columns step apart
+  const long k_step = k_strides[3];
+  const long v_ld = v_strides[2];
+  const long v_step = v_strides[3];
+  device float* acc_row = {{o_accumulator}} + token_row * D;
   auto mask_row = mask + (mask_layout[0] * b + mask_layout[1] * h + mask_layout[2] * row_c);
   const long mask_step = mask_layout[3];
 
   // Cached operands live in registers for the whole kernel.
   vec<cache_t, 2> q_cache[Q_CACHED ? DR8 / 8 : 1];
   frag_t o_cache[O_CACHED ? DR8 / 8 : 1];
-  if (Q_CACHED) load_row_pairs<Q_CACHED ? DR8 : 8>(q_cache, q_row, lc.x, D, row_ok);
+  if (Q_CACHED) load_row_pairs<Q_CACHED ? DR8 : 8>(q_cache, q_row, lc.x, D, row_ok, q_step);
   if (O_CACHED) zero_frags<O_CACHED ? DR8 / 8 : 1>(o_cache);
 
   // Whole key blocks outside the causal / window band are never visited.
@@ -88,9 +95,9 @@
     zero_frags<T / 8>(s);
     {{qk_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, k_head, k_ld, k_step, c0, keys.y, d0, D, tid);
       vec<cache_t, 2> q_stream[Q_CACHED ? 1 : H / 8];
-      if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok);
+      if (!Q_CACHED) load_row_pairs<H>(q_stream, q_row, d0 + lc.x, D, row_ok, q_step);
       gemm_abt<T, H, LD>(s, Q_CACHED ? q_cache + d0 / 8 : q_stream, tile, DR8 - d0, t_limit, lc);
     }
 
@@ -127,7 +134,7 @@
     // and stored back to its fp32 spill buffer (each lane touches only its own elements).
     {{pv_unroll}}
     for (int d0 = 0; d0 < DR8; d0 += H) {
-      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, D, c0, keys.y, d0, D, tid);
+      stage_tile<T, H, LD, NTHREADS, in_t>(tile, v_head, v_ld, v_step, c0, keys.y, d0, D, tid);
       frag_t o_stream[O_CACHED ? 1 : H / 8];
       thread frag_t* o_block = O_CACHED ? o_cache + d0 / 8 : o_stream;
       if (!O_CACHED) {
@@ -146,7 +153,7 @@
 
   // O /= l (rows that saw no key: O = 0, lse = -inf, or lse = sink with a sink).
   const float inv_l = l > 0.0f ? 1.0f / l : 0.0f;
-  auto out_row = out + head_row * D;
+  auto out_row = out + token_row * D;
   if (O_CACHED) {
     store_row_frags<O_CACHED ? DR8 : 8, in_t>(out_row, o_cache, inv_l, lc.x, D, row_ok);
   } else {

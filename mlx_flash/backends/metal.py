@@ -7,6 +7,11 @@ at call time from the block plan of kernels/blocks_metal.txt:
   backward_key_value  -> dk, dv (GQA: loops over the group's query heads inside a threadgroup)
 No atomics anywhere, so gradients are bitwise reproducible.
 
+Layouts (common.STRIDED_INPUTS): the kernels are built with ensure_row_contiguous=False and read
+q, k, v, d_out and the saved output through their strides, so mlx-lm's transposed [B, N, H, D]
+views are never copied; out, dq, dk, dv are written as [B, N, H, D] buffers and returned as
+[B, H, N, D] views (common.heads_view), as MLX's own Metal attention returns its output.
+
 MLX_FLASH_METAL_SIM=1 runs the same kernels through mlx_flash.metalsim (a CPU simulator of
 Metal compute kernels) instead of mx.fast.metal_kernel, so they are tested without a Mac.
 MLX_FLASH_METAL_FAMILY=m1|m3 overrides the GPU family that picks the block-table rows.
@@ -25,7 +30,7 @@ from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
 from .common import (VariantFeatures, VariantSet, constant_zeros, empty_backward, empty_forward,
-                     empty_sinks_gradient, float_params, is_empty)
+                     empty_sinks_gradient, float_params, heads_view, is_empty, token_major_shape)
 from .metal_source import (INPUT_NAMES, OUTPUT_NAMES, KernelVariant, check_launch_limits, source,
                            variant_set)
 
@@ -95,6 +100,9 @@ class MetalBackend:
     """
 
     name = "metal"
+    # The kernels read q, k, v and d_out through their strides (api.takes_row_contiguous): the
+    # caller copies none of them.
+    row_contiguous_inputs = False
 
     def __init__(self, family: Optional[str] = None, table=None):
         if family is not None and family not in FAMILIES:
@@ -144,7 +152,8 @@ class MetalBackend:
         return getattr(self.variants(spec), kernel).name
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
-        """(out [B,Hq,Nq,D] in q's dtype, lse [B,Hq,Nq] fp32 natural log, sinks included)."""
+        """(out [B,Hq,Nq,D] in q's dtype, a view of a [B,Nq,Hq,D] buffer; lse [B,Hq,Nq] fp32
+        natural log, sinks included). q, k, v are read through their strides (any layout)."""
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
@@ -154,13 +163,14 @@ class MetalBackend:
         out, lse, _ = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
             inputs=[q, k, v, mask_array, mask_strides, _sinks_operand(sinks), _params(spec), float_params(spec)],
-            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill],
+            output_shapes=[token_major_shape((B, Hq, Nq, D)), (B, Hq, Nq), spill],
             output_dtypes=[spec.dtype, mx.float32, mx.float32])
-        return out, lse
+        return heads_view(out), lse
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
                  lse_is_local: bool = True):
-        """(dq, dk, dv, d_sinks) in the input dtype; d_lse is None or the cotangent of lse.
+        """(dq, dk, dv, d_sinks) in the input dtype, dq, dk, dv views of [B, N, H, D] buffers; d_lse
+        is None or the cotangent of lse. q, k, v, out and d_out are read through their strides.
         lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse.
 
         d_sinks (None without sinks) is fused into the dQ kernel: each simdgroup writes the
@@ -169,9 +179,12 @@ class MetalBackend:
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = self.variants(spec)
-        dq, delta, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, out, lse, d_out,
+        # The row-contiguous operands, made so once for both kernels (delta, the dQ kernel's output,
+        # is row-contiguous already).
+        masks, lse = _mask_operands(mask), _statistic(lse)
+        dq, delta, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, masks, out, lse, d_out,
                                                        d_lse, spec, sinks)
-        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, lse, d_out, delta, spec)
+        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, masks, lse, d_out, delta, spec)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
         return dq, dk, dv, d_sinks
 
@@ -181,8 +194,8 @@ class MetalBackend:
         """dq from the dQ kernel alone."""
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
-        return self._backward_query(self.variants(spec).backward_query, q, k, v, mask, out, lse, d_out, d_lse,
-                                    spec, sinks)[0]
+        return self._backward_query(self.variants(spec).backward_query, q, k, v, _mask_operands(mask), out,
+                                    _statistic(lse), d_out, d_lse, spec, sinks)[0]
 
     def backward_key_value(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec,
                            delta=None):
@@ -198,43 +211,51 @@ class MetalBackend:
             delta = (d_out.astype(mx.float32) * out.astype(mx.float32)).sum(-1)
             if d_lse is not None:
                 delta = delta - d_lse.astype(mx.float32)
-        return self._backward_key_value(self.variants(spec).backward_key_value, q, k, v, mask, lse, d_out, delta,
-                                        spec)
+        return self._backward_key_value(self.variants(spec).backward_key_value, q, k, v, _mask_operands(mask),
+                                        _statistic(lse), d_out, _statistic(delta), spec)
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _backward_key_value(self, variant, q, k, v, mask, lse, d_out, delta, spec):
-        """(dk, dv) from the dK/dV kernel `variant`, given delta (see backward_key_value)."""
+    def _backward_key_value(self, variant, q, k, v, masks, lse, d_out, delta, spec):
+        """(dk, dv) from the dK/dV kernel `variant`, given delta (see backward_key_value).
+
+        Args:
+            masks: _mask_operands(mask). lse, delta: fp32, row-contiguous (_statistic).
+        """
         B, Hkv, Nk, D = spec.batch, spec.kv_heads, spec.kv_len, spec.head_dim
-        mask_array, mask_strides = _mask_operands(mask)
+        mask_array, mask_strides = masks
         dk_spill = (B * Hkv * Nk * D,) if variant.spills("dK") else (1,)
         dv_spill = (B * Hkv * Nk * D,) if variant.spills("dV") else (1,)
+        shape = token_major_shape((B, Hkv, Nk, D))
         dk, dv, _, _ = self._launch(
             variant, spec, parallel_len=Nk, heads=Hkv,
-            inputs=[q, k, v, d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    delta.astype(mx.float32), mask_array, mask_strides, _params(spec), float_params(spec)],
-            output_shapes=[(B, Hkv, Nk, D), (B, Hkv, Nk, D), dk_spill, dv_spill],
+            inputs=[q, k, v, d_out.astype(spec.dtype), lse, delta, mask_array, mask_strides, _params(spec),
+                    float_params(spec)],
+            output_shapes=[shape, shape, dk_spill, dv_spill],
             output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.float32])
-        return dk, dv
+        return heads_view(dk), heads_view(dv)
 
-    def _backward_query(self, variant, q, k, v, mask, out, lse, d_out, d_lse, spec, sinks=None):
-        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused."""
+    def _backward_query(self, variant, q, k, v, masks, out, lse, d_out, d_lse, spec, sinks=None):
+        """(dq, delta, d_sinks_part): d_sinks_part [B, Hq, parts] with sinks, else unused.
+
+        Args:
+            masks: _mask_operands(mask). lse: fp32, row-contiguous (_statistic).
+        """
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        mask_array, mask_strides = _mask_operands(mask)
-        if d_lse is None:
-            d_lse = mx.zeros((B, Hq, Nq), mx.float32)
+        mask_array, mask_strides = masks
+        # The cotangent MLX makes for an unused lse is a broadcast zero (stride 0): made contiguous.
+        d_lse = mx.zeros((B, Hq, Nq), mx.float32) if d_lse is None else _statistic(d_lse)
         spill = (B * Hq * Nq * D,) if variant.spills("dQ") else (1,)
         # One sink-gradient part per simdgroup (8 query rows) of each query block.
         P = variant.plan.parallel_block
         parts = (B, Hq, -(-Nq // P) * (P // 8)) if variant.sinks else (1,)
         dq, delta, _, d_sinks_part = self._launch(
             variant, spec, parallel_len=Nq, heads=Hq,
-            inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse.astype(mx.float32),
-                    d_lse.astype(mx.float32), mask_array, mask_strides, _sinks_operand(sinks), _params(spec),
-                    float_params(spec)],
-            output_shapes=[(B, Hq, Nq, D), (B, Hq, Nq), spill, parts],
+            inputs=[q, k, v, out.astype(spec.dtype), d_out.astype(spec.dtype), lse, d_lse, mask_array,
+                    mask_strides, _sinks_operand(sinks), _params(spec), float_params(spec)],
+            output_shapes=[token_major_shape((B, Hq, Nq, D)), (B, Hq, Nq), spill, parts],
             output_dtypes=[spec.dtype, mx.float32, mx.float32, mx.float32])
-        return dq, delta, d_sinks_part
+        return heads_view(dq), delta, d_sinks_part
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -249,7 +270,7 @@ class MetalBackend:
             body, header = source(variant)
             kwargs = dict(name=variant.name, input_names=list(INPUT_NAMES[variant.kernel]),
                           output_names=list(OUTPUT_NAMES[variant.kernel]), source=body, header=header,
-                          ensure_row_contiguous=True)
+                          ensure_row_contiguous=False)
             if real_metal and _accepts_compile_options():
                 # IEEE inf semantics (exp2(-inf) == 0) are relied on for masked scores. MLX
                 # before 0.32 has no compile_options and always compiles custom kernels with
@@ -294,19 +315,25 @@ def _params_of(key: tuple) -> mx.array:
                     dtype=mx.int32)
 
 
+def _statistic(x: mx.array) -> mx.array:
+    """A per-row statistic (lse, d_lse, delta) as the kernels read it: fp32, row-contiguous."""
+    return mx.contiguous(x.astype(mx.float32))  # common.contiguous_operands of one, without the list
+
+
 def _sinks_operand(sinks) -> mx.array:
     """fp32 sinks [Hq], or a 1-element dummy that keeps the kernel signature fixed (never read)."""
-    return constant_zeros(mx.float32, 1) if sinks is None else sinks.astype(mx.float32)
+    return constant_zeros(mx.float32, 1) if sinks is None else mx.contiguous(sinks.astype(mx.float32))
 
 
 def _mask_operands(mask) -> Tuple[mx.array, mx.array]:
-    """(mask, its element strides [b, h, query, key] with 0 on broadcast dims, int64).
+    """(mask made row-contiguous, its element strides [b, h, query, key] with 0 on broadcast dims,
+    int64).
 
     Without a mask, a 1-element dummy keeps the kernel signature fixed (it is never read).
     """
     if mask is None:
         return constant_zeros(mx.bool_, 1), constant_zeros(mx.int64, 8)
-    return mask, _mask_layout(tuple(mask.shape))
+    return mx.contiguous(mask), _mask_layout(tuple(mask.shape))
 
 
 @functools.lru_cache(maxsize=256)

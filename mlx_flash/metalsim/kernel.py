@@ -364,6 +364,10 @@ class MetalKernel:
 
         for a, inp in zip(arrs, in_specs):
             src = a.view(mx.uint16) if a.dtype == mx.bfloat16 else a
+            # numpy's view of an MLX array is MLX's own layout: its data at the array's offset and
+            # its element strides, which is what MLX binds and passes as <name>_strides when
+            # ensure_row_contiguous is False (custom_kernel.cpp). Bounds [lo, hi) below are the
+            # bytes the view can reach from that pointer, not the buffer under it.
             buf = _read_input(src, self.name)
             if self.ensure_row_contiguous or a.ndim == 0:
                 buf = np.ascontiguousarray(buf)
