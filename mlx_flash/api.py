@@ -15,21 +15,16 @@ from .backends import select_backend
 from .fallback import record_fallback
 from .spec import FLOAT_DTYPES, check_inputs, mlx_argument_rules
 
-# Backends whose kernels read q, k, v and d_out as row-contiguous [B, H, N, D] arrays: they are
-# launched with ensure_row_contiguous=True, which copies a strided input (mlx-lm's values are a
-# transposed [B, N, H, D] view, the output's cotangent too) at every launch, as a temporary that
-# lives until its command buffer completes.
-_ROW_CONTIGUOUS_BACKENDS = ("cuda", "metal")
-
-
 def takes_row_contiguous(backend) -> bool:
-    """Whether `backend` reads row-contiguous q, k, v and d_out only (it copies strided ones per launch).
+    """Whether `backend` reads row-contiguous q, k, v and d_out only, i.e. its kernels are launched
+    with ensure_row_contiguous=True, which copies a strided input (mlx-lm's q, k, v and the output's
+    cotangent are transposed [B, N, H, D] views) at every launch.
 
-    A backend says so with a `row_contiguous_inputs` attribute; without one, the kernel backends
-    ("cuda", "metal", and objects named so, e.g. the CUDA emulator's) do and the others ("mlx",
-    which takes strides) do not.
+    A backend says so with a `row_contiguous_inputs` attribute (default False). The shipped ones read
+    their inputs where they lie: "mlx" through MLX ops, "metal" and "cuda" through the strides MLX
+    passes to their kernels (mlx_flash/backends/common.py, STRIDED_INPUTS).
     """
-    return bool(getattr(backend, "row_contiguous_inputs", backend.name in _ROW_CONTIGUOUS_BACKENDS))
+    return bool(getattr(backend, "row_contiguous_inputs", False))
 
 
 def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):

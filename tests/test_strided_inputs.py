@@ -1,8 +1,10 @@
 """Strided q / k / v / d_out (mlx-lm's layouts) on backends that read row-contiguous arrays only.
 
-The kernel backends are launched with ensure_row_contiguous=True: a strided input is copied at
-every launch. flash_attention therefore hands them q, k, v made contiguous once, and the VJP
-makes d_out contiguous once, so the forward and the three backward launches share one copy.
+The shipped backends read their inputs where they lie (the kernels through the strides MLX passes
+them: tests/test_cuda.py and tests/test_metal_layouts.py check that). A backend that declares
+`row_contiguous_inputs` (kernels launched with ensure_row_contiguous=True, which copies a strided
+input at every launch) is handed q, k, v made contiguous once, and its VJP gets d_out made
+contiguous once, so the forward and the three backward launches share one copy.
 Checked here with stand-ins on the CPU: a backend wrapping "mlx" that declares row-contiguous
 inputs (gradients against the float64 reference), and kernel stubs that copy per launch as
 ensure_row_contiguous does (peak memory of a backward with mlx-lm's layouts).
@@ -69,12 +71,11 @@ def block_loss(backend):
 
 
 def test_takes_row_contiguous_rule():
-    assert not takes_row_contiguous(get_backend("mlx"))
+    for name in ("mlx", "metal", "cuda"):
+        assert not takes_row_contiguous(get_backend(name)), name
     assert takes_row_contiguous(RowContiguousMLX())
-    named = type("Named", (), {"name": "cuda"})()
-    assert takes_row_contiguous(named)
-    declared = type("Declared", (), {"name": "cuda", "row_contiguous_inputs": False})()
-    assert not takes_row_contiguous(declared)
+    undeclared = type("Undeclared", (), {"name": "custom"})()
+    assert not takes_row_contiguous(undeclared)
 
 
 @pytest.mark.parametrize("causal", [False, True])
