@@ -11,9 +11,12 @@ both variants (so the resident memory is the same); each variant has its own com
 
 For each sequence length: warm-up steps of both, then interleaved rounds (the order alternates)
 of --steps timed steps each; the time is the median over all timed steps. Peak memory is
-mx.get_peak_memory() over one step after mx.reset_peak_memory(), per variant, with the other
-variant idle (resident: weights, gradients-to-be, AdamW state; "resident" in the JSON is the
-active memory before the step).
+mx.get_peak_memory() over one step after mx.clear_cache() and mx.reset_peak_memory(), with the
+other variant idle (resident: weights, gradients-to-be, AdamW state; "resident" in the JSON is
+the active memory before the step), measured over --memory-steps such steps per variant, the
+variants alternating; the table gives the median (one step's peak on a GPU varies by up to 10%:
+MLX's CUDA backend frees a command buffer's temporaries when the buffer completes, and how far
+the host runs ahead of the GPU decides how many are alive at once).
 
     python3 benchmarks/bench_training.py                      # H100: 2K, 8K, 16K tokens, bf16
     python3 benchmarks/bench_training.py --preset cpu         # a tiny model in seconds (CPU)
@@ -52,10 +55,10 @@ PRESETS = {
     # Llama-style block at head dim 128, GQA 4:1 (16 query heads, 4 kv heads), 4 layers.
     "gpu": dict(hidden_size=2048, intermediate_size=5632, heads=16, kv_heads=4, head_dim=128, layers=4,
                 vocab_size=32000, seq_lens=[2048, 8192, 16384], dtype="bfloat16", warmup=3, rounds=3,
-                steps=4),
+                steps=4, memory_steps=5),
     # The same structure, tiny: runs in seconds on a 2-core CPU (the path, not a speed figure).
     "cpu": dict(hidden_size=128, intermediate_size=256, heads=4, kv_heads=1, head_dim=32, layers=2,
-                vocab_size=512, seq_lens=[64, 128], dtype="bfloat16", warmup=1, rounds=2, steps=2),
+                vocab_size=512, seq_lens=[64, 128], dtype="bfloat16", warmup=1, rounds=2, steps=2, memory_steps=2),
 }
 VARIANTS = ("mlx-lm", "mlx-flash")
 MIB = 1 << 20
@@ -138,15 +141,16 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
         with runner.mode(variant):
             for _ in range(settings.warmup):
                 losses[variant] = runner.run(variant, inputs, targets).item()
-    memory = {}
-    for variant in VARIANTS:
-        with runner.mode(variant):
-            mx.synchronize()
-            mx.clear_cache()
-            resident = mx.get_active_memory()
-            mx.reset_peak_memory()
-            runner.run(variant, inputs, targets)
-            memory[variant] = dict(peak=mx.get_peak_memory(), resident=resident)
+    memory = {variant: dict(peaks=[], resident=[]) for variant in VARIANTS}
+    for r in range(settings.memory_steps):
+        for variant in VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS)):
+            with runner.mode(variant):
+                mx.synchronize()
+                mx.clear_cache()
+                memory[variant]["resident"].append(mx.get_active_memory())
+                mx.reset_peak_memory()
+                runner.run(variant, inputs, targets)
+                memory[variant]["peaks"].append(mx.get_peak_memory())
     times = {variant: [] for variant in VARIANTS}
     for r in range(settings.rounds):
         order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
@@ -160,8 +164,11 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
     for variant in VARIANTS:
         ms = statistics.median(times[variant]) * 1e3
         row[variant] = dict(step_ms=ms, step_ms_all=[t * 1e3 for t in times[variant]],
-                            tokens_per_s=seq_len / ms * 1e3, peak_bytes=memory[variant]["peak"],
-                            resident_bytes=memory[variant]["resident"], warmup_loss=losses[variant])
+                            tokens_per_s=seq_len / ms * 1e3,
+                            peak_bytes=int(statistics.median(memory[variant]["peaks"])),
+                            peak_bytes_all=memory[variant]["peaks"],
+                            resident_bytes=int(statistics.median(memory[variant]["resident"])),
+                            warmup_loss=losses[variant])
     flash, base = row["mlx-flash"], row["mlx-lm"]
     row["speed_ratio"] = base["step_ms"] / flash["step_ms"]  # > 1: patched is faster
     row["peak_ratio"] = flash["peak_bytes"] / base["peak_bytes"]  # < 1: patched uses less
@@ -191,7 +198,7 @@ def parse_args(argv=None):
                         help="model size and step counts (default: gpu on a GPU, else cpu)")
     parser.add_argument("--seq-lens", type=positive_int, nargs="+", help="tokens per step (batch 1)")
     for name in ("hidden-size", "intermediate-size", "heads", "kv-heads", "head-dim", "layers", "vocab-size",
-                 "warmup", "rounds", "steps"):
+                 "warmup", "rounds", "steps", "memory-steps"):
         parser.add_argument(f"--{name}", type=positive_int, help="overrides the preset's value")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--backend", default="auto", choices=("auto", "mlx", "metal", "cuda"),
