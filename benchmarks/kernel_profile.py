@@ -7,6 +7,11 @@ every kernel of the process (MLX's included): kernels per call, summed kernel ti
 
     python3 benchmarks/kernel_profile.py --backend mlx --shapes 4096,128,causal 4096,64,none
     python3 benchmarks/kernel_profile.py --no-profile ...   # wall times only (no torch needed)
+    python3 benchmarks/kernel_profile.py --backend cuda --layout mlx-lm --kv-heads 4 --shapes 8192,128,causal
+
+--layout mlx-lm hands q, k and v over as mlx-lm does (transposed views of [B, N, H, D] buffers)
+and sends the output through mlx-lm's transpose + reshape before the sum, so that its cotangent
+reaches the backward as a transposed view too.
 
 Wall time above summed kernel time is host time (graph building, launches) the GPU waited for.
 """
@@ -40,13 +45,26 @@ def shape(text):
         raise argparse.ArgumentTypeError(f"a shape is N,D,none|causal, got {text!r}") from None
 
 
-def step(impl, backend, N, D, causal, heads, dtype):
-    q, k, v = (mx.random.normal((1, heads, N, D)).astype(dtype) for _ in range(3))
+def step(impl, backend, N, D, causal, heads, dtype, kv_heads=None, layout="row"):
+    kv_heads = kv_heads or heads
+    if layout == "row":
+        q = mx.random.normal((1, heads, N, D)).astype(dtype)
+        k, v = (mx.random.normal((1, kv_heads, N, D)).astype(dtype) for _ in range(2))
+    else:  # mlx-lm: transposed views of [B, N, H, D] projections
+        q = mx.random.normal((1, N, heads, D)).astype(dtype).transpose(0, 2, 1, 3)
+        k, v = (mx.random.normal((1, N, kv_heads, D)).astype(dtype).transpose(0, 2, 1, 3) for _ in range(2))
     mx.eval(q, k, v)
     if impl == "mlx-flash":
-        f = lambda q, k, v: flash_attention(q, k, v, mask="causal" if causal else None, backend=backend)
+        attend = lambda q, k, v: flash_attention(q, k, v, mask="causal" if causal else None, backend=backend)
     else:
-        f = lambda q, k, v: bm.unfused_attention(q, k, v, causal, D ** -0.5)
+        def attend(q, k, v):
+            if kv_heads != heads:
+                k, v = (mx.repeat(x, heads // kv_heads, axis=1) for x in (k, v))
+            return bm.unfused_attention(q, k, v, causal, D ** -0.5)
+    if layout == "row":
+        f = attend
+    else:
+        f = lambda q, k, v: attend(q, k, v).transpose(0, 2, 1, 3).reshape(1, N, -1)
     grad = mx.value_and_grad(lambda q, k, v: f(q, k, v).astype(mx.float32).sum(), argnums=(0, 1, 2))
     return lambda: grad(q, k, v)
 
@@ -75,11 +93,17 @@ def main(argv=None):
     parser.add_argument("--backend", default="mlx", help="mlx_flash backend name (default mlx)")
     parser.add_argument("--shapes", type=shape, nargs="+", default=[(4096, 128, True), (4096, 64, False)])
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="kv heads (GQA; default: --heads)")
+    parser.add_argument("--layout", choices=("row", "mlx-lm"), default="row",
+                        help="how q, k, v and the output's cotangent lie in memory (see above)")
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    kv_heads = args.kv_heads or args.heads
+    if kv_heads < 1 or args.heads % kv_heads:
+        parser.error(f"--heads ({args.heads}) must be a positive multiple of --kv-heads ({args.kv_heads})")
     if mx.default_device().type != mx.gpu:
         raise SystemExit("kernel_profile.py profiles GPU kernels: run it where MLX's default device is a GPU")
     env = bm.environment(args.backend, "mlx")
@@ -87,7 +111,8 @@ def main(argv=None):
     results = []
     for N, D, causal in args.shapes:
         for impl in ("mlx-flash", "unfused"):
-            run = step(impl, args.backend, N, D, causal, args.heads, getattr(mx, args.dtype))
+            run = step(impl, args.backend, N, D, causal, args.heads, getattr(mx, args.dtype), args.kv_heads,
+                       args.layout)
             for _ in range(3):
                 mx.eval(run())
             walls, builds = [], []
