@@ -156,10 +156,6 @@ __device__ __forceinline__ float sink_gradient_part(float x) {
   return x;
 }
 
-// Copy a ROWS x COLS tile (global rows [0, rows_valid) of `g`, columns [col0, col0 + COLS))
-// into shared memory with row stride SROW; rows past rows_valid and columns past head_dim are
-// zero-filled. `vec` = 16-byte copies are legal (head_dim % 8 == 0 and g 16-byte aligned);
-// otherwise elements are copied one by one (visible after the next __syncthreads).
 // Two score-shaped products that share their operands' layout, computed in one pass over the
 // contraction: C1 = A1 B1^T and C2 = A2 B2^T for this warp's WM 16-row m-tiles (rows arow..) and
 // BNW columns (bcol..); all four operands are row-major in shared memory with row stride ROW.
@@ -249,26 +245,48 @@ __device__ __forceinline__ Rows<T> head_rows(T* base, const Layout& l, int b, in
   return Rows<T>{base + (i64)b * l.batch + (i64)h * l.head, l.row, l.col};
 }
 
-// Whether rows can be copied in 16-byte chunks: whole 8-element chunks of unit-stride columns,
-// rows and base 16-byte aligned (any row-contiguous or mlx-lm layout with D % 8 == 0).
+// How a tile's rows are copied into shared memory (copy_mode, uniform over a CTA):
+//   COPY_VECTOR    16-byte cp.async chunks: whole 8-element chunks of unit-stride columns, rows
+//                  and base 16-byte aligned (any row-contiguous or mlx-lm layout with D % 8 == 0);
+//   COPY_SPLAT     a broadcast row (column stride 0): one load per 8-element chunk. The cotangent
+//                  of out.sum() reaches the backward as such a broadcast; element by element its
+//                  dO tiles made the backward 6-12x slower (H100, N = 4096..8192, D = 64..256);
+//   COPY_ELEMENTS  element by element through the strides (odd offsets, strided columns).
+enum CopyMode { COPY_VECTOR, COPY_SPLAT, COPY_ELEMENTS };
+
 template <int HEAD_DIM, typename T>
-__device__ __forceinline__ bool vector_rows(const Rows<T>& r) {
-  return HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p);
+__device__ __forceinline__ CopyMode copy_mode(const Rows<T>& r) {
+  if (HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p)) return COPY_VECTOR;
+  return r.col == 0 ? COPY_SPLAT : COPY_ELEMENTS;
+}
+
+// The copy mode of rows of several heads of an operand read by one CTA (the dK/dV kernels' group
+// of query heads): rows of head h0 and a head stride that keeps every head's rows aligned.
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ CopyMode copy_mode_heads(const Rows<T>& first_head, i64 head_stride) {
+  const CopyMode mode = copy_mode<HEAD_DIM>(first_head);
+  return mode == COPY_VECTOR && head_stride % 8 != 0 ? COPY_ELEMENTS : mode;
 }
 
 // A tile of ROWS x COLS elements (columns col0.. of rows 0.. of g) into shared memory rows of
-// SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled. vec (see
-// vector_rows): 16-byte cp.async chunks, else element by element through g's strides.
+// SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled (see CopyMode).
 template <int ROWS, int COLS, int SROW, int THREADS, typename T>
 __device__ __forceinline__ void load_tile(T* s, const Rows<const T>& g, int rows_valid, int col0, int head_dim,
-                                          bool vec, int tid) {
+                                          CopyMode mode, int tid) {
   constexpr int CHUNKS = COLS / 8;
-  if (vec) {
+  if (mode == COPY_VECTOR) {
 #pragma unroll
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
       const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const bool ok = r < rows_valid && col0 + c < head_dim;
       cp_async16(s + r * SROW + c, ok ? g.p + r * g.row + col0 + c : g.p, ok);
+    }
+  } else if (mode == COPY_SPLAT) {
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+      const T x = r < rows_valid ? g(r, 0) : T(0.0f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[r * SROW + c + i] = col0 + c + i < head_dim ? x : T(0.0f);
     }
   } else {
     for (int idx = tid; idx < ROWS * COLS; idx += THREADS) {

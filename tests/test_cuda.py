@@ -22,9 +22,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from attention_cases import LAYOUTS, Case, cases, check_case, make_arrays, relative_error, to_numpy
+from attention_cases import (GRADIENT_TOLERANCE, LAYOUTS, Case, cases, check_case, make_arrays, relative_error,
+                             to_numpy)
 
-from mlx_flash import FallbackWarning, fallback_counts, flash_attention, planner, reset_fallback_counts  # noqa: E402
+from mlx_flash import (FallbackWarning, fallback_counts, flash_attention, planner, reference,  # noqa: E402
+                       reset_fallback_counts)
 from mlx_flash.backends import cuda, cuda_emulator, cuda_source, get_backend, guard  # noqa: E402
 from mlx_flash.backends.cuda_source import Tuning  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
@@ -80,6 +82,37 @@ def test_emulated_kernels(case, capability, layout, eager_copies):
 ], ids=lambda x: f"sm{x}" if isinstance(x, int) else f"d{x.head_dim}")
 def test_emulated_input_layouts(case, capability, layout):
     check_case(case, backend=cuda_emulator.backend(seed=case.q_len, capability=capability, layout=layout))
+
+
+def _sum_cotangent_errors(case, backend):
+    """Relative errors of the gradients of flash_attention(...).sum() against the float64 reference:
+    the cotangent reaches the backward as a broadcast (all strides 0 on MLX)."""
+    a = make_arrays(case)
+    spec, mask4 = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)
+    f = lambda q, k, v: flash_attention(q, k, v, mask=a.mask, backend=backend, **a.kwargs).sum()
+    grads = mx.grad(f, argnums=(0, 1, 2))(a.q, a.k, a.v)
+    q, k, v = (to_numpy(x) for x in (a.q, a.k, a.v))
+    ref = reference.attention_backward(q, k, v, np.ones(q.shape), spec, None if mask4 is None else to_numpy(mask4))
+    return [relative_error(to_numpy(g), r) for g, r in zip(grads, ref)]
+
+
+@emulator
+@pytest.mark.parametrize("capability,head_dim", [(90, 64), (86, 200), (80, 37)])
+def test_emulated_broadcast_cotangent(capability, head_dim):
+    """A constant-row input (column stride 0) takes the splat copies; D = 37 the element path."""
+    case = Case(head_dim=head_dim, q_len=50, kv_len=41, dtype="bfloat16", mask="causal", group=2)
+    backend = cuda_emulator.backend(seed=3, capability=capability, layout="broadcast")
+    for error in _sum_cotangent_errors(case, backend):
+        assert error < GRADIENT_TOLERANCE["bfloat16"]
+
+
+@gpu
+@pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
+def test_broadcast_cotangent(head_dim):
+    """out.sum()'s cotangent is a broadcast on MLX (all strides 0): the splat copies (wgmma on an H100)."""
+    case = Case(head_dim=head_dim, q_len=300, kv_len=257, dtype="bfloat16", mask="causal", group=4, kv_heads=2)
+    for error in _sum_cotangent_errors(case, "cuda"):
+        assert error < GRADIENT_TOLERANCE["bfloat16"]
 
 
 def test_emulator_layouts_are_checked():

@@ -15,7 +15,9 @@ Strided inputs: MLX passes `<name>_strides` to a kernel whose body names it. The
 only an input's values, so it lays each such [B, H, N, D] input out itself (KernelFactory.layout):
 row-contiguous, token-major (a transposed view of a [B, N, H, D] buffer, as mlx-lm hands them
 over), spread (every other element of padded rows at an odd offset: the kernels' element-wise
-path), or mixed (those three in turn over a kernel's strided inputs).
+path), mixed (those three in turn over a kernel's strided inputs), or broadcast (an input whose
+rows are constant, e.g. the cotangent of out.sum(), as MLX hands it over: column stride 0; the
+others row-contiguous).
 
 Usage:
     out = flash_attention(q, k, v, backend=cuda_emulator.backend(seed=1, capability=86))
@@ -81,11 +83,16 @@ def _library(source: str) -> ctypes.CDLL:
     return lib
 
 
-LAYOUTS = ("row", "token_major", "spread", "mixed")
+LAYOUTS = ("row", "token_major", "spread", "mixed", "broadcast")
 
 
 def _lay_out(x: np.ndarray, layout: str):
     """(buffer kept alive, the [B, H, N, D] view of it holding x's values) for one layout."""
+    if layout == "broadcast":
+        if not (x == x[..., :1]).all():
+            return x, x
+        buffer = np.ascontiguousarray(x[..., :1])
+        return buffer, np.broadcast_to(buffer, x.shape)
     if layout == "row":
         return x, x
     if layout == "token_major":
