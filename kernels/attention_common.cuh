@@ -260,6 +260,22 @@ __device__ __forceinline__ CopyMode copy_mode(const Rows<T>& r) {
   return r.col == 0 ? COPY_SPLAT : COPY_ELEMENTS;
 }
 
+// 8 copies of x as one 16-byte chunk (elements i >= valid zero): a splat row's shared-memory stores.
+struct alignas(16) Chunk16 {
+  u32 w[4];
+};
+
+template <typename T>
+__device__ __forceinline__ Chunk16 splat8(T x, int valid) {
+  unsigned short bits;
+  memcpy(&bits, &x, sizeof(bits));  // fp16 / bf16: 2 bytes
+  Chunk16 chunk;
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    chunk.w[i] = (2 * i < valid ? (u32)bits : 0u) | ((2 * i + 1 < valid ? (u32)bits : 0u) << 16);
+  return chunk;
+}
+
 // The copy mode of rows of several heads of an operand read by one CTA (the dK/dV kernels' group
 // of query heads): rows of head h0 and a head stride that keeps every head's rows aligned.
 template <int HEAD_DIM, typename T>
@@ -285,8 +301,7 @@ __device__ __forceinline__ void load_tile(T* s, const Rows<const T>& g, int rows
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
       const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const T x = r < rows_valid ? g(r, 0) : T(0.0f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) s[r * SROW + c + i] = col0 + c + i < head_dim ? x : T(0.0f);
+      *reinterpret_cast<Chunk16*>(s + r * SROW + c) = splat8(x, head_dim - col0 - c);
     }
   } else {
     for (int idx = tid; idx < ROWS * COLS; idx += THREADS) {

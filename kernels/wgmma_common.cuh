@@ -146,9 +146,7 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<co
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
       const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const T x = r < rows_valid ? g(r, 0) : T(0.0f);
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        *reinterpret_cast<T*>(tile + swizzled_offset(r, c + i, ROWS)) = c + i < HEAD_DIM ? x : T(0.0f);
+      *reinterpret_cast<Chunk16*>(tile + swizzled_offset(r, c, ROWS)) = splat8(x, HEAD_DIM - c);
     }
   } else {
     for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
