@@ -110,8 +110,10 @@ class CUDABackend:
     """
 
     name = "cuda"
-    # q, k, v and d_out are read where they lie (common.STRIDED_INPUTS): flash_attention copies nothing.
+    # q, k, v and d_out are read where they lie (common.STRIDED_INPUTS): flash_attention copies nothing;
+    # out, dq, dk, dv are views of [B, N, H, D] buffers.
     row_contiguous_inputs = False
+    token_major_outputs = True
 
     def __init__(self, tuning: Tuning = Tuning(), kernel_factory: Optional[Callable] = None,
                  capability: Optional[int] = None):

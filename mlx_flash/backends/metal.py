@@ -103,6 +103,7 @@ class MetalBackend:
     # The kernels read q, k, v and d_out through their strides (api.takes_row_contiguous): the
     # caller copies none of them.
     row_contiguous_inputs = False
+    token_major_outputs = True  # out, dq, dk, dv: views of [B, N, H, D] buffers
 
     def __init__(self, family: Optional[str] = None, table=None):
         if family is not None and family not in FAMILIES:
