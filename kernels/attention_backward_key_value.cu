@@ -75,10 +75,10 @@ __device__ void attention_backward_key_value(
 
   const Rows<const T> kg = head_rows(k, lk, b, hk).from(k0);
   const Rows<const T> vg = head_rows(v, lv, b, hk).from(k0);
-  const CopyMode k_mode = copy_mode<HEAD_DIM>(kg), v_mode = copy_mode<HEAD_DIM>(vg);
-  // Q / dO rows of the group's query heads.
-  const CopyMode q_mode = copy_mode_heads<HEAD_DIM>(head_rows(q, lq, b, hk * group), lq.head);
-  const CopyMode do_mode = copy_mode_heads<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group), ldo.head);
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -99,9 +99,9 @@ __device__ void attention_backward_key_value(
     const int h = hk * group + gi;
     const i64 bh = (i64)b * Hq + h;
     load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, head_rows(q, lq, b, h).from(qs), Nq - qs, 0, HEAD_DIM,
-                                    q_mode, tid);
+                                    vec, tid);
     load_tile<BN, DS, ROW, THREADS>(dOs + stage * Q_ELEMS, head_rows(d_out, ldo, b, h).from(qs), Nq - qs, 0,
-                                    HEAD_DIM, do_mode, tid);
+                                    HEAD_DIM, vec, tid);
     for (int c = tid; c < BN; c += THREADS) {
       const bool ok = qs + c < Nq;
       Ls[stage * BN + c] = ok ? lse2[bh * Nq + qs + c] : INFINITY;
@@ -110,8 +110,8 @@ __device__ void attention_backward_key_value(
   };
 
   if (items > 0) {
-    load_tile<BM, DS, ROW, THREADS>(Ks, kg, Nk - k0, 0, HEAD_DIM, k_mode, tid);
-    load_tile<BM, DS, ROW, THREADS>(Vs, vg, Nk - k0, 0, HEAD_DIM, v_mode, tid);
+    load_tile<BM, DS, ROW, THREADS>(Ks, kg, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BM, DS, ROW, THREADS>(Vs, vg, Nk - k0, 0, HEAD_DIM, vec, tid);
     load_item(0, 0);
     cp_async_commit();
   }

@@ -122,10 +122,10 @@ __device__ void attention_backward_key_value_wgmma(
   const int k0 = kb * BM;
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  const CopyMode k_mode = copy_mode<HEAD_DIM>(kg), v_mode = copy_mode<HEAD_DIM>(vg);
-  // Q / dO rows of the group's query heads.
-  const CopyMode q_mode = copy_mode_heads<HEAD_DIM>(head_rows(q, lq, b, hk * group), lq.head);
-  const CopyMode do_mode = copy_mode_heads<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group), ldo.head);
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -152,7 +152,7 @@ __device__ void attention_backward_key_value_wgmma(
     // cp.async copies announced by the tiles' asynchronous arrival used to carry them, and
     // compute-sanitizer's racecheck reported hazards on exactly those two copies (H100: D = 96
     // bool mask, 160 causal, 200 additive, the last with 2 items, so no stage was ever refilled;
-    // none on the tiles, which only wgmma reads). With plain tile stores (not COPY_VECTOR) nothing
+    // none on the tiles, which only wgmma reads). With plain tile stores (vec false) nothing
     // waited for those copies at all: announce_tile's wait_group 0 skipped uncommitted copies.
     const bool stats_thread = ptid < BN;
     float next_l = 0.f, next_d = 0.f;
@@ -171,15 +171,15 @@ __device__ void attention_backward_key_value_wgmma(
       load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
       load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs), Nq - qs,
-                                                    q_mode, ptid);
-      announce_tile(full_q(stage), q_mode);
+                                                    vec, ptid);
+      announce_tile(full_q(stage), vec);
       if (stats_thread) {
         Ls[stage * BN + ptid] = l;
         mbarrier_arrive(full_q(stage));
       }
       load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, head_rows(d_out, ldo, b, h).from(qs),
-                                                    Nq - qs, do_mode, ptid);
-      announce_tile(full_do(stage), do_mode);
+                                                    Nq - qs, vec, ptid);
+      announce_tile(full_do(stage), vec);
       if (stats_thread) {
         Dls[stage * BN + ptid] = d;
         mbarrier_arrive(full_do(stage));
@@ -212,9 +212,9 @@ __device__ void attention_backward_key_value_wgmma(
     unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
     const int kv_row = min(key_first, Nk - 1);
     if (scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, k_mode, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, v_mode, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);

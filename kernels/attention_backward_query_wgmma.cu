@@ -77,8 +77,8 @@ __device__ void attention_backward_query_wgmma(
   const Rows<const T> dog = head_rows(d_out, ldo, b, h);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  const CopyMode q_mode = copy_mode<HEAD_DIM>(qg), do_mode = copy_mode<HEAD_DIM>(dog);
-  const CopyMode k_mode = copy_mode<HEAD_DIM>(kg), v_mode = copy_mode<HEAD_DIM>(vg);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
+                   vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -90,7 +90,7 @@ __device__ void attention_backward_query_wgmma(
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, k_mode, v_mode,
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
                                                           tid - 128 * CONSUMERS);
     return;
   }
@@ -133,8 +133,8 @@ __device__ void attention_backward_query_wgmma(
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
     unsigned char* do_tile = dOs + warpgroup * Q_GROUP_BYTES;
     const int q_row = min(query_first, Nq - 1);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, q_mode, tid % 128);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, do_mode, tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec, tid % 128);
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);

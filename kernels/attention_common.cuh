@@ -245,63 +245,26 @@ __device__ __forceinline__ Rows<T> head_rows(T* base, const Layout& l, int b, in
   return Rows<T>{base + (i64)b * l.batch + (i64)h * l.head, l.row, l.col};
 }
 
-// How a tile's rows are copied into shared memory (copy_mode, uniform over a CTA):
-//   COPY_VECTOR    16-byte cp.async chunks: whole 8-element chunks of unit-stride columns, rows
-//                  and base 16-byte aligned (any row-contiguous or mlx-lm layout with D % 8 == 0);
-//   COPY_SPLAT     a broadcast row (column stride 0): one load per 8-element chunk. The cotangent
-//                  of out.sum() reaches the backward as such a broadcast; element by element its
-//                  dO tiles made the backward 6-12x slower (H100, N = 4096..8192, D = 64..256);
-//   COPY_ELEMENTS  element by element through the strides (odd offsets, strided columns).
-enum CopyMode { COPY_VECTOR, COPY_SPLAT, COPY_ELEMENTS };
-
+// Whether rows can be copied in 16-byte chunks: whole 8-element chunks of unit-stride columns,
+// rows and base 16-byte aligned (any row-contiguous or mlx-lm layout with D % 8 == 0).
 template <int HEAD_DIM, typename T>
-__device__ __forceinline__ CopyMode copy_mode(const Rows<T>& r) {
-  if (HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p)) return COPY_VECTOR;
-  return r.col == 0 ? COPY_SPLAT : COPY_ELEMENTS;
-}
-
-// 8 copies of x as one 16-byte chunk (elements i >= valid zero): a splat row's shared-memory stores.
-struct alignas(16) Chunk16 {
-  u32 w[4];
-};
-
-template <typename T>
-__device__ __forceinline__ Chunk16 splat8(T x, int valid) {
-  unsigned short bits;
-  memcpy(&bits, &x, sizeof(bits));  // fp16 / bf16: 2 bytes
-  Chunk16 chunk;
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    chunk.w[i] = (2 * i < valid ? (u32)bits : 0u) | ((2 * i + 1 < valid ? (u32)bits : 0u) << 16);
-  return chunk;
-}
-
-// The copy mode of rows of several heads of an operand read by one CTA (the dK/dV kernels' group
-// of query heads): rows of head h0 and a head stride that keeps every head's rows aligned.
-template <int HEAD_DIM, typename T>
-__device__ __forceinline__ CopyMode copy_mode_heads(const Rows<T>& first_head, i64 head_stride) {
-  const CopyMode mode = copy_mode<HEAD_DIM>(first_head);
-  return mode == COPY_VECTOR && head_stride % 8 != 0 ? COPY_ELEMENTS : mode;
+__device__ __forceinline__ bool vector_rows(const Rows<T>& r) {
+  return HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p);
 }
 
 // A tile of ROWS x COLS elements (columns col0.. of rows 0.. of g) into shared memory rows of
-// SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled (see CopyMode).
+// SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled. vec (see
+// vector_rows): 16-byte cp.async chunks, else element by element through g's strides.
 template <int ROWS, int COLS, int SROW, int THREADS, typename T>
 __device__ __forceinline__ void load_tile(T* s, const Rows<const T>& g, int rows_valid, int col0, int head_dim,
-                                          CopyMode mode, int tid) {
+                                          bool vec, int tid) {
   constexpr int CHUNKS = COLS / 8;
-  if (mode == COPY_VECTOR) {
+  if (vec) {
 #pragma unroll
     for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
       const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const bool ok = r < rows_valid && col0 + c < head_dim;
       cp_async16(s + r * SROW + c, ok ? g.p + r * g.row + col0 + c : g.p, ok);
-    }
-  } else if (mode == COPY_SPLAT) {
-    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
-      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-      const T x = r < rows_valid ? g(r, 0) : T(0.0f);
-      *reinterpret_cast<Chunk16*>(s + r * SROW + c) = splat8(x, head_dim - col0 - c);
     }
   } else {
     for (int idx = tid; idx < ROWS * COLS; idx += THREADS) {

@@ -66,7 +66,7 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   const Rows<const T> qg = head_rows(q, lq, b, h).from(q0);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  const CopyMode q_mode = copy_mode<HEAD_DIM>(qg), k_mode = copy_mode<HEAD_DIM>(kg), v_mode = copy_mode<HEAD_DIM>(vg);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -99,10 +99,10 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
   const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
 
   if (kb_begin < kb_end) {
-    load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, q_mode, tid);
+    load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
     const int k0 = kb_begin * BN;
-    load_tile<BN, DP, KROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, k_mode, tid);
-    load_tile<BN, VC, VROW, THREADS>(Vs, vg.from(k0), Nk - k0, vcol0, HEAD_DIM, v_mode, tid);
+    load_tile<BN, DP, KROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, VC, VROW, THREADS>(Vs, vg.from(k0), Nk - k0, vcol0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
 
@@ -110,8 +110,8 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
     const int stage = (kb - kb_begin) & 1;
     if (kb + 1 < kb_end) {
       const int k1 = (kb + 1) * BN;
-      load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, k_mode, tid);
-      load_tile<BN, VC, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg.from(k1), Nk - k1, vcol0, HEAD_DIM, v_mode, tid);
+      load_tile<BN, DP, KROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, VC, VROW, THREADS>(Vs + (stage ^ 1) * V_ELEMS, vg.from(k1), Nk - k1, vcol0, HEAD_DIM, vec, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();

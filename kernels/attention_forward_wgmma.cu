@@ -95,7 +95,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const Rows<const T> qg = head_rows(q, lq, b, h);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  const CopyMode q_mode = copy_mode<HEAD_DIM>(qg), k_mode = copy_mode<HEAD_DIM>(kg), v_mode = copy_mode<HEAD_DIM>(vg);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -107,7 +107,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, k_mode, v_mode,
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
                                                           tid - 128 * CONSUMERS);
     return;
   }
@@ -139,7 +139,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
     const int q_row = q0 + warpgroup * 64;
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, q_mode,
+    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, vec,
                                              tid % 128);
     resident_rows_ready(warpgroup);
 

@@ -108,8 +108,8 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 }
 
 // Copies rows [0, rows_valid) x columns [0, head_dim) of g (rows through their strides) into a
-// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). How
-// the rows are copied: see CopyMode (attention_common.cuh).
+// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
+// 16-byte cp.async chunks (vector_rows), else element by element.
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
 // its shared and global offsets then advance by constants, so each copy costs a few instructions
 // (the general index arithmetic cost ~25 per 16-byte copy and made the producer warpgroup too
@@ -118,9 +118,8 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 // That path used to take the general arithmetic and measured slower per call than D = 256
 // (H100, B=1 H=16 N=4096: D=192 266 against 361 TFLOP/s; ncu: the producer's copy loop).
 template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
-__device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<const T>& g, int rows_valid,
-                                              CopyMode mode, int tid) {
-  const bool vec = mode == COPY_VECTOR;
+__device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<const T>& g, int rows_valid, bool vec,
+                                              int tid) {
   constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
   static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
   if (vec && CHUNKS <= THREADS) {
@@ -141,12 +140,6 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<co
       const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
       const bool ok = r < rows_valid && c < HEAD_DIM;
       cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g.p + r * g.row + c : g.p, ok);
-    }
-  } else if (mode == COPY_SPLAT) {
-    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
-      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-      const T x = r < rows_valid ? g(r, 0) : T(0.0f);
-      *reinterpret_cast<Chunk16*>(tile + swizzled_offset(r, c, ROWS)) = splat8(x, HEAD_DIM - c);
     }
   } else {
     for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
@@ -217,13 +210,13 @@ struct MmaTurns {
 };
 
 // Producer side of a tile handoff: the tile's "full" barrier receives this thread's arrival once
-// its copies have landed. With cp.async (COPY_VECTOR) the hardware arrives by itself
+// its copies have landed. With cp.async (vec) the hardware arrives by itself
 // (cp.async.mbarrier.arrive.noinc), so the producer never waits for its own loads, only for free
 // buffers: the earlier scheme (wait_group, fence, arrive) left the forward's consumers waiting for
-// K / V in 20 % of the stall samples (H100 ncu, D=128). Plain stores (the other copy modes: D % 8
-// != 0, unaligned or broadcast rows; load_swizzled then issues no cp.async) are fenced into the async proxy and arrive at once.
-__device__ __forceinline__ void announce_tile(u32 full_barrier, CopyMode mode) {
-  if (mode == COPY_VECTOR) {
+// K / V in 20 % of the stall samples (H100 ncu, D=128). Plain stores (D % 8 != 0, unaligned
+// or strided rows; load_swizzled then issues no cp.async) are fenced into the async proxy and arrive at once.
+__device__ __forceinline__ void announce_tile(u32 full_barrier, bool vec) {
+  if (vec) {
     cp_async_arrive_noinc(full_barrier);
   } else {
     fence_proxy_async();
@@ -267,18 +260,17 @@ template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
                                                         unsigned char* Vs, const Rows<const T>& kg,
                                                         const Rows<const T>& vg, int kb_begin,
-                                                        int steps, int Nk, CopyMode k_mode, CopyMode v_mode,
-                                                        int ptid) {
+                                                        int steps, int Nk, bool vec, int ptid) {
   constexpr int TILE_BYTES = PANELS * BN * 128;
   for (int j = 0; j < steps; ++j) {
     const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
     const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
     mbarrier_wait(ring.empty_keys(stage), parity);
-    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg.from(k0), Nk - k0, k_mode, ptid);
-    announce_tile(ring.full_keys(stage), k_mode);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg.from(k0), Nk - k0, vec, ptid);
+    announce_tile(ring.full_keys(stage), vec);
     mbarrier_wait(ring.empty_values(stage), parity);
-    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg.from(k0), Nk - k0, v_mode, ptid);
-    announce_tile(ring.full_values(stage), v_mode);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg.from(k0), Nk - k0, vec, ptid);
+    announce_tile(ring.full_values(stage), vec);
   }
   cp_async_wait_all();  // no copy outlives the thread
 }

@@ -99,7 +99,7 @@ def _sum_cotangent_errors(case, backend):
 @emulator
 @pytest.mark.parametrize("capability,head_dim", [(90, 64), (86, 200), (80, 37)])
 def test_emulated_broadcast_cotangent(capability, head_dim):
-    """A constant-row input (column stride 0) takes the splat copies; D = 37 the element path."""
+    """A constant-row input laid out as a broadcast (column stride 0) takes the element-wise copies."""
     case = Case(head_dim=head_dim, q_len=50, kv_len=41, dtype="bfloat16", mask="causal", group=2)
     backend = cuda_emulator.backend(seed=3, capability=capability, layout="broadcast")
     for error in _sum_cotangent_errors(case, backend):
@@ -109,7 +109,7 @@ def test_emulated_broadcast_cotangent(capability, head_dim):
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_broadcast_cotangent(head_dim):
-    """out.sum()'s cotangent is a broadcast on MLX (all strides 0): the splat copies (wgmma on an H100)."""
+    """out.sum()'s cotangent is a broadcast on MLX (all strides 0); flash_attention makes it contiguous."""
     case = Case(head_dim=head_dim, q_len=300, kv_len=257, dtype="bfloat16", mask="causal", group=4, kv_heads=2)
     for error in _sum_cotangent_errors(case, "cuda"):
         assert error < GRADIENT_TOLERANCE["bfloat16"]
