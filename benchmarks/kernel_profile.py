@@ -14,6 +14,7 @@ and sends the output through mlx-lm's transpose + reshape before the sum, so tha
 reaches the backward as a transposed view too.
 
 Wall time above summed kernel time is host time (graph building, launches) the GPU waited for.
+peak_mib: mx.get_peak_memory() of one call above the memory held before it (the inputs).
 """
 from __future__ import annotations
 
@@ -125,8 +126,15 @@ def main(argv=None):
                 mx.synchronize()
                 walls.append(time.perf_counter() - t0)
                 builds.append(t1 - t0)
+            mx.synchronize()
+            mx.clear_cache()
+            base = mx.get_active_memory()
+            mx.reset_peak_memory()
+            mx.eval(run())
+            peak_mib = (mx.get_peak_memory() - base) / 2**20  # above the inputs, one call
             row = {"N": N, "D": D, "causal": causal, "implementation": impl,
-                   "wall_ms": statistics.median(walls) * 1e3, "graph_build_ms": statistics.median(builds) * 1e3}
+                   "wall_ms": statistics.median(walls) * 1e3, "graph_build_ms": statistics.median(builds) * 1e3,
+                   "peak_mib": peak_mib}
             if not args.no_profile:
                 row["kernels_per_call"], row["kernel_ms_per_call"], top = kernels(run)
                 row["top"] = top[:args.top]
