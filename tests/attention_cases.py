@@ -7,6 +7,8 @@ float64 reference at per-dtype tolerances.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -26,6 +28,21 @@ LAYOUTS = ("row", "token_major", "columns", "offset")
 
 # Relative Frobenius error allowed, per dtype (shared with the self-check and the main job).
 FORWARD_TOLERANCE, GRADIENT_TOLERANCE = reference.FORWARD_TOLERANCE, reference.GRADIENT_TOLERANCE
+
+
+@contextlib.contextmanager
+def environment(**values):
+    """Set environment variables for the duration of the block."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update({name: str(value) for name, value in values.items()})
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 @dataclass(frozen=True)

@@ -14,10 +14,8 @@ so each configuration compiles once.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -28,7 +26,7 @@ from hypothesis import strategies as st
 pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
                                       "ziglang package (pip install ziglang)")
 
-from attention_cases import Case, check_case, make_arrays  # noqa: E402
+from attention_cases import Case, check_case, environment, make_arrays  # noqa: E402
 from mlx_flash import fallback_counts, flash_attention, reset_fallback_counts  # noqa: E402
 from mlx_flash.backends import metal as metal_backend  # noqa: E402
 from mlx_flash.backends.metal_source import (THREADGROUP_MEMORY_LIMIT, KernelVariant,  # noqa: E402
@@ -62,21 +60,6 @@ CONFIGS = [
 def config_id(config) -> str:
     family, head_dim, dtype, mask, softcap = config
     return f"{family}-d{head_dim}-{dtype}-{mask}" + (f"-cap{softcap}" if softcap else "")
-
-
-@contextlib.contextmanager
-def environment(**values):
-    """Set environment variables for the duration of the block."""
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: str(value) for name, value in values.items()})
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,9 +10,7 @@ the last stride, offset slices, GQA, causal and array masks, each dtype; that ou
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -21,25 +19,12 @@ import pytest
 pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
                                       "ziglang package (pip install ziglang)")
 
+from attention_cases import environment  # noqa: E402
 from mlx_flash import flash_attention, metalsim, reference  # noqa: E402
 from mlx_flash.api import takes_row_contiguous  # noqa: E402
 from mlx_flash.backends import metal as metal_backend  # noqa: E402
 from mlx_flash.metalsim import kernel as metalsim_kernel  # noqa: E402
 from mlx_flash.spec import check_inputs  # noqa: E402
-
-
-@contextlib.contextmanager
-def environment(**values):
-    old = {name: os.environ.get(name) for name in values}
-    os.environ.update({name: str(value) for name, value in values.items()})
-    try:
-        yield
-    finally:
-        for name, value in old.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 @pytest.fixture(autouse=True, scope="module")
