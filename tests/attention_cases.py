@@ -26,6 +26,20 @@ MASK_KINDS = ("none", "causal", "window", "causal_window", "bool", "additive")
 # offset (views at an odd element offset into wider rows: misaligned, element-wise loads).
 LAYOUTS = ("row", "token_major", "columns", "offset")
 
+
+def laid_out(x: mx.array, layout: str) -> mx.array:
+    """x's values in one of LAYOUTS."""
+    if layout == "token_major":
+        return mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
+    if layout == "columns":
+        return mx.contiguous(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
+    if layout == "offset":
+        wide = mx.concatenate([x[..., :1], x, x[..., :2]], axis=-1)
+        return mx.contiguous(wide)[..., 1:x.shape[-1] + 1]
+    if layout != "row":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    return x
+
 # Relative Frobenius error allowed, per dtype (shared with the self-check and the main job).
 FORWARD_TOLERANCE, GRADIENT_TOLERANCE = reference.FORWARD_TOLERANCE, reference.GRADIENT_TOLERANCE
 
@@ -127,17 +141,6 @@ def make_arrays(case: Case) -> Arrays:
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
-    def laid_out(x: mx.array) -> mx.array:
-        """x's values, in the case's memory layout."""
-        if case.layout == "token_major":
-            return mx.contiguous(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
-        if case.layout == "columns":
-            return mx.contiguous(x.transpose(0, 1, 3, 2)).transpose(0, 1, 3, 2)
-        if case.layout == "offset":
-            wide = mx.concatenate([x[..., :1], x, x[..., :2]], axis=-1)
-            return mx.contiguous(wide)[..., 1:x.shape[-1] + 1]
-        return x
-
     mask = None
     kwargs = {}
     if case.mask in ("causal", "causal_window"):
@@ -157,8 +160,9 @@ def make_arrays(case: Case) -> Arrays:
         kwargs["softcap"] = case.softcap
     # Sinks of a few units, as learned ones are: comparable to the scores, so p_sink spans (0, 1).
     sinks = normal(Hq) * 2 if case.sinks else None
-    return Arrays(q=laid_out(normal(B, Hq, Nq, D)), k=laid_out(normal(B, Hkv, Nk, D)),
-                  v=laid_out(normal(B, Hkv, Nk, D)), d_out=laid_out(normal(B, Hq, Nq, D)), d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
+    q, k, v, d_out = (laid_out(normal(B, h, n, D), case.layout)
+                      for h, n in ((Hq, Nq), (Hkv, Nk), (Hkv, Nk), (Hq, Nq)))
+    return Arrays(q=q, k=k, v=v, d_out=d_out, d_lse=mx.array(rng.standard_normal((B, Hq, Nq)).astype(np.float32)),
                   mask=mask, sinks=sinks, kwargs=kwargs)
 
 

@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
                                       "ziglang package (pip install ziglang)")
 
-from attention_cases import environment  # noqa: E402
+from attention_cases import DTYPES, environment, laid_out, to_numpy  # noqa: E402
 from mlx_flash import flash_attention, metalsim, reference  # noqa: E402
 from mlx_flash.api import takes_row_contiguous  # noqa: E402
 from mlx_flash.backends import metal as metal_backend  # noqa: E402
@@ -35,34 +35,22 @@ def simulated_metal():
         yield
 
 
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
 def make_input(rng, layout: str, b: int, h: int, n: int, d: int, dtype) -> mx.array:
     """A [b, h, n, d] array laid out as `layout` says.
 
-    "row": row-contiguous. "mlx_lm": a transposed view of a [b, n, h, d] buffer (mlx-lm's q, k, v).
-    "head_dim_strided": a transposed view of a [b, h, d, n] buffer (last stride n, not 1).
-    "offset": a slice [..., 1:d + 1] of a [b, h, n, d + 3] buffer (data at an offset, row stride d + 3).
-    "reversed": a [b, h, n, d] buffer read backwards along n (negative row stride).
+    One of the shared LAYOUTS (tests/attention_cases.py: "row", "token_major" as mlx-lm's q, k, v,
+    "columns" with last stride n, "offset" at an odd offset into wider rows), or
+    "reversed": a [b, h, n, d] buffer read backwards along n (negative row stride);
     "broadcast": one batch's [1, h, n, d] broadcast over b (batch stride 0).
     """
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
 
-    if layout == "row":
-        return normal(b, h, n, d)
-    if layout == "mlx_lm":
-        return normal(b, n, h, d).transpose(0, 2, 1, 3)
-    if layout == "head_dim_strided":
-        return normal(b, h, d, n).transpose(0, 1, 3, 2)
-    if layout == "offset":
-        return normal(b, h, n, d + 3)[..., 1:d + 1]
     if layout == "reversed":
         return normal(b, h, n, d)[:, :, ::-1]
     if layout == "broadcast":
         return mx.broadcast_to(normal(1, h, n, d), (b, h, n, d))
-    raise ValueError(layout)
+    return laid_out(normal(b, h, n, d), layout)
 
 
 class LayoutCase(NamedTuple):
@@ -79,15 +67,15 @@ class LayoutCase(NamedTuple):
 
 
 CASES = [
-    LayoutCase("float16", ("mlx_lm",) * 3, "causal", group=2),
-    LayoutCase("bfloat16", ("mlx_lm",) * 3, "bool", group=2, q_len=45),
-    LayoutCase("float32", ("head_dim_strided", "head_dim_strided", "head_dim_strided"), "additive"),
+    LayoutCase("float16", ("token_major",) * 3, "causal", group=2),
+    LayoutCase("bfloat16", ("token_major",) * 3, "bool", group=2, q_len=45),
+    LayoutCase("float32", ("columns", "columns", "columns"), "additive"),
     LayoutCase("float16", ("offset", "offset", "offset"), "none", group=3, kv_heads=1),
-    LayoutCase("float32", ("mlx_lm", "head_dim_strided", "offset"), "causal", group=2, q_len=20),
-    LayoutCase("bfloat16", ("head_dim_strided", "offset", "mlx_lm"), "additive", group=2),
+    LayoutCase("float32", ("token_major", "columns", "offset"), "causal", group=2, q_len=20),
+    LayoutCase("bfloat16", ("columns", "offset", "token_major"), "additive", group=2),
     LayoutCase("float16", ("reversed", "broadcast", "reversed"), "causal", group=2),
     # An uncached head dim whose fp32 accumulators spill into the [B, N, H, D] outputs themselves.
-    LayoutCase("float32", ("mlx_lm",) * 3, "causal", group=2, head_dim=320, q_len=19, kv_len=24, batch=1),
+    LayoutCase("float32", ("token_major",) * 3, "causal", group=2, head_dim=320, q_len=19, kv_len=24, batch=1),
 ]
 
 
@@ -105,10 +93,6 @@ def make_mask(rng, case: LayoutCase, dtype):
         values[rng.random(shape) < 0.1] = -np.inf
         return mx.array(values).astype(dtype).transpose(0, 1, 3, 2)
     return None if case.mask == "none" else case.mask
-
-
-def to_numpy(x: mx.array) -> np.ndarray:
-    return np.array(x.astype(mx.float32)) if x.dtype != mx.bool_ else np.array(x)
 
 
 def buffer_strides(x: mx.array):
@@ -172,8 +156,8 @@ def test_backward_writes_token_major_gradients():
     rng = np.random.default_rng(1)
     B, Hkv, group, N, D = 2, 2, 2, 29, 16
     Hq = Hkv * group
-    q, k, v = (make_input(rng, "mlx_lm", B, h, N, D, mx.float16) for h in (Hq, Hkv, Hkv))
-    d_out = make_input(rng, "mlx_lm", B, Hq, N, D, mx.float16)
+    q, k, v = (make_input(rng, "token_major", B, h, N, D, mx.float16) for h in (Hq, Hkv, Hkv))
+    d_out = make_input(rng, "token_major", B, Hq, N, D, mx.float16)
     spec, _ = check_inputs(q, k, v, mask="causal")
     backend = metal_backend.MetalBackend()
     out, lse = backend.forward(q, k, v, None, spec)
@@ -222,7 +206,7 @@ def test_strided_inputs_reach_the_kernels_uncopied(launches):
     rng = np.random.default_rng(2)
     B, Hkv, group, N, D = 1, 2, 2, 24, 16
     Hq = Hkv * group
-    q, k, v = (make_input(rng, "mlx_lm", B, h, N, D, mx.bfloat16) for h in (Hq, Hkv, Hkv))
+    q, k, v = (make_input(rng, "token_major", B, h, N, D, mx.bfloat16) for h in (Hq, Hkv, Hkv))
     cotangent = mx.array(rng.standard_normal((B, N, Hq * D)).astype(np.float32)).astype(mx.bfloat16)
     mx.eval(q, k, v, cotangent)
 

@@ -125,10 +125,10 @@ def heads_view(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3)
 
 
-def contiguous_operands(arrays: Sequence[Optional[mx.array]]) -> List[Optional[mx.array]]:
+def contiguous_operands(arrays: Sequence[mx.array]) -> List[mx.array]:
     """The operands a kernel reads as row-contiguous (masks, sinks, statistics): made so where they
     are not (no copy where they are), since the kernels are built with ensure_row_contiguous=False."""
-    return [None if x is None else mx.contiguous(x) for x in arrays]
+    return [mx.contiguous(x) for x in arrays]
 
 
 def window_bounds(spec: AttentionSpec) -> Tuple[int, int]:

@@ -278,9 +278,9 @@ class CUDABackend:
         return heads_view(results[0]), (results[1] if sinks is not None else None)
 
     def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
+        shapes = [token_major_shape(k.shape), token_major_shape(v.shape)]
         dk, dv = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
-                              heads=spec.kv_heads, output_shapes=[token_major_shape(k.shape), token_major_shape(v.shape)],
-                              output_dtypes=[spec.dtype, spec.dtype])
+                              heads=spec.kv_heads, output_shapes=shapes, output_dtypes=[spec.dtype, spec.dtype])
         return heads_view(dk), heads_view(dv)
 
     def kernel(self, variant: KernelVariant):

@@ -86,23 +86,19 @@ def _library(source: str) -> ctypes.CDLL:
 LAYOUTS = ("row", "token_major", "spread", "mixed", "broadcast")
 
 
-def _lay_out(x: np.ndarray, layout: str):
-    """(buffer kept alive, the [B, H, N, D] view of it holding x's values) for one layout."""
+def _lay_out(x: np.ndarray, layout: str) -> np.ndarray:
+    """A [B, H, N, D] view holding x's values in one layout (a view keeps its buffer alive)."""
     if layout == "broadcast":
-        if not (x == x[..., :1]).all():
-            return x, x
-        buffer = np.ascontiguousarray(x[..., :1])
-        return buffer, np.broadcast_to(buffer, x.shape)
+        constant_rows = (x == x[..., :1]).all()
+        return np.broadcast_to(np.ascontiguousarray(x[..., :1]), x.shape) if constant_rows else x
     if layout == "row":
-        return x, x
+        return x
     if layout == "token_major":
-        buffer = np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-        return buffer, buffer.transpose(0, 2, 1, 3)
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3)
     d = x.shape[-1]  # spread: columns 1, 3, ..., 2 d - 1 of rows of 2 d + 2 elements
-    buffer = np.zeros(x.shape[:-1] + (2 * d + 2,), x.dtype)
-    view = buffer[..., 1:2 * d:2]
+    view = np.zeros(x.shape[:-1] + (2 * d + 2,), x.dtype)[..., 1:2 * d:2]
     view[...] = x
-    return buffer, view
+    return view
 
 
 class EmulatedKernel:
@@ -144,7 +140,7 @@ class EmulatedKernel:
             lib = _library(self._source(inputs, output_dtypes))
         except RuntimeError as error:  # name the kernel, as the GPU's compiler log does
             raise RuntimeError(f"{self.name}: {error}") from None
-        host_inputs, keep, strides = [], [], []
+        host_inputs, strides = [], []
         layouts = iter(self._layouts())
         for x, strided in zip(inputs, self.strided):
             if x.dtype not in _NP_STORAGE:
@@ -154,8 +150,7 @@ class EmulatedKernel:
             if strided:
                 if host.ndim != 4:
                     raise ValueError(f"[cuda_emulator] {self.name}: strided input of shape {host.shape} is not 4-D")
-                buffer, host = _lay_out(host, next(layouts))
-                keep.append(buffer)
+                host = _lay_out(host, next(layouts))
                 strides.append(np.array([s // host.itemsize for s in host.strides], np.int64))
             host_inputs.append(host)
         # Outputs poisoned with all-ones bits (NaN for floats): an element never written shows.
