@@ -127,9 +127,14 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype,
                             lse_is_used=return_lse)
     with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
-        if getattr(chosen, "whole_function", False):
-            # mx.fast with MLX's own VJP (the fallback rule never picks it when lse is asked for).
-            return chosen.attention(q, k, v, mask_array, spec)
+        whole = getattr(chosen, "whole_function", None)
+        if whole is not None and whole(spec):
+            # Differentiated by MLX itself: mx.fast (never with lse or sinks: the fallback rule), or
+            # the "mlx" backend's small unbanded calls (one score block, P kept for the backward).
+            if sinks is not None and sinks.dtype != q.dtype:
+                sinks = sinks.astype(q.dtype)
+            out, lse = chosen.attention(q, k, v, mask_array, spec, sinks=sinks, return_lse=return_lse)
+            return (out, lse) if return_lse else out
         attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
         if takes_row_contiguous(chosen):
             # One copy of a strided q, k or v (none for a row-contiguous one), made before the

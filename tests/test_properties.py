@@ -3,6 +3,7 @@ import mlx.core as mx
 import pytest
 from hypothesis import given, settings
 
+from mlx_flash.backends import mlx_ops
 from mlx_flash.spec import check_inputs
 
 from attention_cases import Case, cases, check_case
@@ -12,9 +13,19 @@ from attention_cases import Case, cases, check_case
 pytestmark = pytest.mark.usefixtures("on_cpu")
 
 
+# The "mlx" backend serves test-sized calls whole (MLX's autograd over one score block,
+# mlx_ops.whole_function); CHUNKED runs the same calls through its chunked forward / backward.
+CHUNKED = mlx_ops.MLXOpsBackend(whole_bytes=0)
+
+
 @given(cases())
 def test_matches_reference(case):
     check_case(case, backend="mlx")
+
+
+@given(cases())
+def test_chunked_path_matches_reference(case):
+    check_case(case, backend=CHUNKED)
 
 
 @settings(max_examples=10)
@@ -26,7 +37,6 @@ def test_auto_backend_matches_reference(case):
 
 def test_multiple_row_chunks(monkeypatch):
     """Small blocks force many query-row chunks, band-edge masks and keyless chunks at test sizes."""
-    from mlx_flash.backends import mlx_ops
     for knob, value in (("MIN_BLOCK_BYTES", 2048), ("MAX_BLOCK_BYTES", 2048), ("ROW_ALIGN", 1),
                         ("MIN_ROWS", 3)):
         monkeypatch.setattr(mlx_ops, knob, value)
@@ -35,7 +45,7 @@ def test_multiple_row_chunks(monkeypatch):
             check_case(Case(batch=2, kv_heads=2, group=2, q_len=q_len, kv_len=kv_len, head_dim=12,
                             mask=mask, window=(9, 4), softcap=5.0 if mask == "bool" else None,
                             lse_gradient=True, sinks=mask in ("causal", "window", "bool"),
-                            seed=q_len * kv_len))
+                            seed=q_len * kv_len), backend=CHUNKED)
     # The test is only meaningful if the plan really splits the rows into several chunks.
     spec, _ = check_inputs(*[mx.zeros((2, 4, 61, 12))] * 3)
     assert len(mlx_ops.plan_chunks(spec)[1]) > 2

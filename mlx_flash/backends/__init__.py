@@ -17,10 +17,13 @@ covers more keys than the call's (the ring's key pieces), so P is not the softma
 scores. sinks is None (spec.has_sinks False) or [Hq] in q's dtype, one extra
 softmax logit per query head with no value; d_sinks is its gradient [Hq] in sinks' dtype, None
 when sinks is None.
-The "fast" backend (mx.fast.scaled_dot_product_attention, fast.py) is the exception: a
-whole-function backend (`whole_function = True`) with attention(q, k, v, mask, spec) -> out that
-MLX differentiates itself; only the fallback rule and, under backend="auto" on CUDA, the dispatch
-table (dispatch.py: where a recorded run measured mx.fast faster) choose it.
+A backend may also serve some calls whole: whole_function(spec) -> bool says which, and
+attention(q, k, v, mask, spec, sinks=None, return_lse=False) -> (out, lse or None) computes them
+with MLX's own VJP instead of the forward/backward pair. The "fast" backend
+(mx.fast.scaled_dot_product_attention, fast.py) serves every call so; only the fallback rule and,
+under backend="auto" on CUDA, the dispatch table (dispatch.py: where a recorded run measured
+mx.fast faster) choose it. The "mlx" backend serves its small calls without a causal mask or
+window so (mlx_ops.whole_function: P kept instead of recomputed).
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations

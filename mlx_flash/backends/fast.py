@@ -73,7 +73,10 @@ class FastBackend:
     """mx.fast.scaled_dot_product_attention as a whole-function backend (MLX's own VJP)."""
 
     name = "fast"
-    whole_function = True  # `attention` replaces the forward/backward pair (see the module docstring)
+
+    def whole_function(self, spec: AttentionSpec) -> bool:
+        """`attention` replaces the forward/backward pair for every call (see the module docstring)."""
+        return True
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
@@ -113,8 +116,14 @@ class FastBackend:
             return "an empty dimension"
         return None
 
-    def attention(self, q, k, v, mask, spec: AttentionSpec) -> mx.array:
-        """out [B, Hq, Nq, Dv] in q's dtype; `mask` is None or the rank-4 array mask."""
+    def attention(self, q, k, v, mask, spec: AttentionSpec, sinks=None, return_lse: bool = False):
+        """(out [B, Hq, Nq, Dv] in q's dtype, None); `mask` is None or the rank-4 array mask.
+        The fallback rule and the dispatch table never send sinks or lse here (inexact_reason)."""
+        if sinks is not None or return_lse:
+            raise ValueError("[flash_attention] mx.fast cannot serve sinks or return_lse.")
+        return self._out(q, k, v, mask, spec), None
+
+    def _out(self, q, k, v, mask, spec: AttentionSpec) -> mx.array:
         if spec.causal and spec.q_len > spec.kv_len:
             blind = spec.q_len - spec.kv_len  # query rows before the first key's diagonal
             seen = mx.fast.scaled_dot_product_attention(q[:, :, blind:], k, v, scale=spec.scale, mask="causal")

@@ -50,16 +50,23 @@ two input-dtype columns (hi + lo, ~2^-17 relative in bf16): where a row sees one
 cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10% error in dQ
 (found by the property tests). fp32 inputs compute everything in fp32.
 
-Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] may take 1/32 of
-the whole score matrix on the CPU and 1/2 on a GPU (all of it while that is at most 8 MiB: one
-chunk, no chain, for small problems and for the ring's key pieces; at least 4 MiB above that), and
-at most 1/512 of the memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to
-[32 MiB, 1 GiB]), where the memory is the device's or MLX's memory limit if that is lower
-(budget.memory_budget_bytes: under mx.set_memory_limit the blocks shrink with the limit); chunks start on multiples of 64 rows and take at least 64. Narrow chunks (the
-first ones under a causal mask) are taller, so each holds about one block of scores. The CPU's
-1/32 is its memory target (forward+backward peak under a quarter of MLX's unfused attention,
-tests/test_memory.py). On a GPU each MLX op is a kernel launch and a chunk takes about 15 forward
-and 25 backward, so fewer, larger chunks win there (measured: the comment at SCORE_FRACTIONS).
+Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] holds 64 query rows
+of every batch entry and head on the CPU (so the peak grows linearly in N) and 1/2 of the whole
+score matrix on a GPU (all of it while that is at most 2 MiB: one chunk, no chain, for small
+problems and for the ring's key pieces; at least 1 MiB above that), and at most 1/512 of the
+memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to [32 MiB, 1 GiB]), where the
+memory is the device's or MLX's memory limit if that is lower (budget.memory_budget_bytes: under
+mx.set_memory_limit the blocks shrink with the limit); chunks start on multiples of 64 rows and
+take at least 64. Narrow chunks (the first ones under a causal mask) are taller, so each holds
+about one block of scores. The CPU's rows meet its memory target (forward+backward peak under a
+quarter of MLX's unfused attention, tests/test_memory.py). On a GPU each MLX op is a kernel launch
+and a chunk takes about 15 forward and 25 backward, so fewer, larger chunks win there (measured:
+the comment at SCORE_FRACTIONS).
+
+Small calls (whole_function: fp32 scores of at most 32 MiB, no causal mask or window on the CPU)
+skip all of this: `attention` is MLX's unfused graph with these semantics, and MLX's VJP keeps P
+instead of recomputing it (four products in the backward, not five); flash_attention calls it
+outside the custom function. The ring calls forward / backward directly and always chunks.
 
 Sinks: a row's sink joins its lse (lse = logaddexp(logsumexp(S), sink)); the keys' share of the
 row, 1 - p_sink, scales O (forward) and P (backward); the sink's gradient -sum_i p_sink,i D_i
@@ -79,10 +86,11 @@ from .sinks import empty_lse, sinks_gradient
 # Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
 # 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (all of it while that is at most
 # SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
-# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory, clamped to
+# SMALL_BLOCK_BYTES: on the CPU small blocks let causal chunks skip more, see whole_function),
+# and at most 1/DEVICE_FRACTION of the device's memory, clamped to
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / DEVICE_FRACTION]; both fractions per device type.
-# CPU: 1/32 of the scores keeps forward+backward within a fraction of one score matrix
-# (tests/test_memory.py), 1/512 of the memory as before. GPU: 1/2 and 1/128 (640 MB on an H100).
+# CPU: no fraction (BLOCK_ROWS bounds its blocks), 1/512 of the memory. GPU: 1/2 and 1/128
+# (640 MB on an H100).
 # Each MLX op is a kernel launch there, and a chunk costs about 40 of them, so fewer, larger
 # chunks win. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
 # results/h100_cpu2core_mlx_backend_variants.json), against 1/512 of the memory, 1/128 took
@@ -97,8 +105,16 @@ from .sinks import empty_lse, sinks_gradient
 # backend holds an op's inputs until its command buffer (100 ops on an H100) completes and lets
 # up to 10 buffers run ahead, so the block size bounds the GPU's peak only when MLX has to wait
 # for memory (mx.set_memory_limit): benchmarks/RESULTS.md.
-SCORE_FRACTIONS = (("cpu", 32), ("gpu", 2))
-SMALL_BLOCK_BYTES = 8 << 20
+SCORE_FRACTIONS = (("cpu", 1), ("gpu", 2))
+# ... and at most this many query rows (of every batch entry and head) x their keys; 0: no bound.
+# The CPU's blocks are 64 rows (MIN_ROWS): its peak then grows linearly in N (tests/test_memory.py),
+# where 1/32 of the score matrix grew with N^2 / 32 (32 rows at N=1024, 128 at 4096); at N=2048
+# the two are one plan. The CPU's time is its products', so more chunks cost little there.
+BLOCK_ROWS = (("cpu", 64), ("gpu", 0))
+SMALL_BLOCK_BYTES = 2 << 20
+# Calls whose whole fp32 score matrix takes at most this (B=1 H=8: N <= 1024) run as one block
+# under MLX's own autograd (whole_function; on the CPU banded calls only up to SMALL_BLOCK_BYTES).
+WHOLE_BYTES = 32 << 20
 DEVICE_FRACTIONS = (("cpu", 512), ("gpu", 128))
 MIN_BLOCK_BYTES = 32 << 20
 MAX_BLOCK_BYTES = 256 << 20
@@ -127,7 +143,11 @@ def score_block_bytes(spec: AttentionSpec, memory_bytes: int, device_type: str =
     device_share = min(max(memory_bytes // device_fraction, MIN_BLOCK_BYTES), cap)
     whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
     fraction = score_fraction(device_type, score_fractions)
-    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(whole // fraction, SMALL_BLOCK_BYTES // 2)
+    share = whole // fraction
+    rows = _per_device(BLOCK_ROWS, device_type)
+    if rows:
+        share = min(share, 4 * spec.batch * spec.q_heads * rows * spec.kv_len)
+    problem_share = whole if whole <= SMALL_BLOCK_BYTES else max(share, SMALL_BLOCK_BYTES // 2)
     return max(1, min(device_share, problem_share))
 
 
@@ -561,6 +581,66 @@ def _backward_chunk(q, k, v, mask, row_term, share, seen, safe_lse, d_out, spec,
     return dq.reshape(q.shape), (dk * spec.scale).astype(k.dtype), dv[..., :Dv].astype(v.dtype)
 
 
+# -- small problems: the whole call as one score block that MLX differentiates itself --------------
+
+def whole_function(spec: AttentionSpec, whole_bytes: int = WHOLE_BYTES, device_type: Optional[str] = None) -> bool:
+    """Whether this call is served by `attention` (MLX's own autograd over one score block) rather
+    than the chunked forward / backward pair: no dimension is empty and its fp32 score matrix takes
+    at most `whole_bytes`; on the CPU a causal mask or window also needs it within
+    SMALL_BLOCK_BYTES (else chunks skip the keys its rows cannot see). whole_bytes = 0: never.
+    device_type: "cpu" or "gpu", default the default device's.
+
+    Why: the chunked backward recomputes S and P (five products and a softmax per chunk); MLX's
+    VJP of the unfused graph keeps P from the forward and needs four. While the whole score matrix
+    is small, that memory is cheap and the recompute is not. On the 2-core CPU (fp32 B=1 H=8 D=64,
+    fwd+bwd, against mx.fast): chunked 1.34x at N=512 and 1.28x at N=1024, whole 1.00x at both.
+    Causal, chunks of 1 MiB blocks took 0.87x at N=384, 0.79x at 512 and 0.69x at 1024 (the whole
+    matrix 1.00x), and one chunk (2 MiB of scores, N=256) 1.34x. On a GPU each MLX op is a kernel
+    launch and a chunk costs about 40 of them, so small banded calls are whole there too.
+    """
+    if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim) == 0:
+        return False
+    if device_type is None:
+        device_type = "gpu" if mx.default_device().type == mx.gpu else "cpu"
+    whole = 4 * spec.batch * spec.q_heads * spec.q_len * spec.kv_len
+    if spec.has_band and device_type != "gpu":
+        return whole <= min(SMALL_BLOCK_BYTES, whole_bytes)
+    return whole <= whole_bytes
+
+
+def attention(q, k, v, mask, spec: AttentionSpec, sinks=None, return_lse: bool = False):
+    """(out [B, Hq, Nq, Dv] in q's dtype, lse [B, Hq, Nq] fp32 or None): MLX's unfused attention
+    with mlx-flash's semantics, differentiated by MLX (whole_function says when).
+
+    The same passes as a chunk of `forward` over all rows and keys. Rows that see no key get the
+    scores 0 before the softmax and output 0 after it, so no 0 / 0 reaches the softmax's VJP (their
+    gradient is 0). lse (only when asked for, or with sinks) is logsumexp over fp32 scores: its VJP
+    is P, the term the lse cotangent adds to dS.
+    """
+    problem = _Problem(q, k, v, mask, spec)
+    B, Hkv, G = problem.shape
+    Nq, Nk, Dv, dtype = spec.q_len, spec.kv_len, spec.value_dim, spec.dtype
+    s, _ = problem.scores(problem.rows(problem.q, 0, Nq), 0, Nq, 0, Nk)
+    seen = None
+    if problem.may_have_empty_rows(0, Nq):
+        seen = mx.max(s, axis=-1, keepdims=True) > -math.inf
+        s = mx.where(seen, s, mx.array(0, s.dtype))
+    p = mx.softmax(s, axis=-1, precise=True)
+    out = mx.matmul(p.reshape(B, Hkv, G * Nq, Nk), v).reshape(B, Hkv, G, Nq, Dv)
+    lse = None
+    if return_lse or sinks is not None:
+        lse = mx.logsumexp(s.astype(mx.float32), axis=-1)
+        if seen is not None:
+            lse = mx.where(seen[..., 0], lse, -math.inf)
+        if sinks is not None:
+            lse_keys, lse = lse, mx.logaddexp(lse, sinks.astype(mx.float32).reshape(1, Hkv, G, 1))
+            out = (out * mx.exp(lse_keys - lse)[..., None]).astype(dtype)  # the keys' share
+        lse = lse.reshape(B, spec.q_heads, Nq)
+    if seen is not None:
+        out = mx.where(seen, out, mx.array(0, dtype))
+    return out.reshape(B, spec.q_heads, Nq, Dv), lse
+
+
 class MLXOpsBackend:
     """Backend protocol implementation for the blocked MLX-ops path (always available).
 
@@ -569,19 +649,30 @@ class MLXOpsBackend:
             backend object (benchmarks/mlx_backend_variants.py compares others through it).
         device_fractions: ((device type, F), ...): a score block takes at most 1/F of the memory
             budget (budget.memory_budget_bytes); an immutable value like score_fractions.
+        whole_bytes: calls whose fp32 score matrix takes at most this are served whole, by MLX's
+            autograd (whole_function); 0: every call is chunked (the tests of the chunked path).
     """
 
     name = "mlx"
 
-    def __init__(self, score_fractions=SCORE_FRACTIONS, device_fractions=DEVICE_FRACTIONS):
+    def __init__(self, score_fractions=SCORE_FRACTIONS, device_fractions=DEVICE_FRACTIONS,
+                 whole_bytes: int = WHOLE_BYTES):
         self.score_fractions = tuple((str(t), int(f)) for t, f in score_fractions)
         self.device_fractions = tuple((str(t), int(f)) for t, f in device_fractions)
+        self.whole_bytes = int(whole_bytes)
 
     def unavailable_reason(self, device) -> Optional[str]:
         return None
 
     def unsupported_reason(self, spec: AttentionSpec) -> Optional[str]:
         return None
+
+    def whole_function(self, spec: AttentionSpec) -> bool:
+        """Whether `attention` serves this call (small: module-level whole_function)."""
+        return whole_function(spec, self.whole_bytes)
+
+    def attention(self, q, k, v, mask, spec: AttentionSpec, sinks=None, return_lse: bool = False):
+        return attention(q, k, v, mask, spec, sinks, return_lse)
 
     def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None):
         return forward(q, k, v, mask, spec, sinks, self.score_fractions, self.device_fractions)
