@@ -22,8 +22,8 @@ attention(q, k, v, mask, spec, sinks=None, return_lse=False) -> (out, lse or Non
 with MLX's own VJP instead of the forward/backward pair. The "fast" backend
 (mx.fast.scaled_dot_product_attention, fast.py) serves every call so; only the fallback rule and,
 under backend="auto" on CUDA, the dispatch table (dispatch.py: where a recorded run measured
-mx.fast faster) choose it. The "mlx" backend serves its small calls without a causal mask or
-window so (mlx_ops.whole_function: P kept instead of recomputed).
+mx.fast faster) choose it. The "mlx" backend serves its small calls so (mlx_ops.whole_function:
+P kept instead of recomputed).
 Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `import mlx_flash`.
 """
 from __future__ import annotations

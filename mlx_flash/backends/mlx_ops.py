@@ -63,8 +63,8 @@ quarter of MLX's unfused attention, tests/test_memory.py). On a GPU each MLX op 
 and a chunk takes about 15 forward and 25 backward, so fewer, larger chunks win there (measured:
 the comment at SCORE_FRACTIONS).
 
-Small calls (whole_function: fp32 scores of at most 32 MiB, no causal mask or window on the CPU)
-skip all of this: `attention` is MLX's unfused graph with these semantics, and MLX's VJP keeps P
+Small calls (whole_function: fp32 scores of at most 32 MiB; on the CPU, under a causal mask or a
+window, at most 2 MiB) skip all of this: `attention` is MLX's unfused graph with these semantics, and MLX's VJP keeps P
 instead of recomputing it (four products in the backward, not five); flash_attention calls it
 outside the custom function. The ring calls forward / backward directly and always chunks.
 
