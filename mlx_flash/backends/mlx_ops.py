@@ -594,9 +594,12 @@ def whole_function(spec: AttentionSpec, whole_bytes: int = WHOLE_BYTES, device_t
     VJP of the unfused graph keeps P from the forward and needs four. While the whole score matrix
     is small, that memory is cheap and the recompute is not. On the 2-core CPU (fp32 B=1 H=8 D=64,
     fwd+bwd, against mx.fast): chunked 1.34x at N=512 and 1.28x at N=1024, whole 1.00x at both.
-    Causal, chunks of 1 MiB blocks took 0.87x at N=384, 0.79x at 512 and 0.69x at 1024 (the whole
-    matrix 1.00x), and one chunk (2 MiB of scores, N=256) 1.34x. On a GPU each MLX op is a kernel
-    launch and a chunk costs about 40 of them, so small banded calls are whole there too.
+    Causal, chunks of 1 MiB blocks took 0.87x at N=384, 0.79x at 512 and 0.69x at 1024 (2 MiB
+    blocks, the 64 rows shipped there: 0.72x; the whole matrix 1.00x), and one chunk (2 MiB of
+    scores, N=256) 1.34x (results/h100_cpu2core_mlx_backend_variants.json, "cpu2core_small_before",
+    "cpu2core_causal_small_blocks"). On a GPU each MLX op is a kernel launch and a chunk costs about
+    40 of them, so small banded calls are whole there too (H100, H=8 N=1024 bf16 causal: 0.57 ms
+    whole, 1.46 ms chunked; "h100_whole_path").
     """
     if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim) == 0:
         return False
