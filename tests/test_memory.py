@@ -61,20 +61,22 @@ def test_peak_memory_grows_linearly():
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_mlx_backend_peak_grows_linearly_in_each_dtype(dtype):
-    """fp16 / bf16 compute in their dtype with fp32 statistics; no dtype may bring O(N^2) back."""
+    """fp16 / bf16 compute in their dtype with fp32 statistics; no dtype may bring O(N^2) back.
+    The chunked path (small calls are served whole, at MLX's memory)."""
+    from mlx_flash.backends import mlx_ops
+    CHUNKED = mlx_ops.MLXOpsBackend(whole_bytes=0)
 
     def peak(n):
         q, k, v = (mx.random.normal((1, 2, n, D), key=mx.random.key(i)).astype(dtype) for i in range(3))
         mx.eval(q, k, v)
-        grad = mx.grad(lambda q, k, v: flash_attention(q, k, v, mask="causal", backend="mlx")
-                       .astype(mx.float32).sum(), argnums=(0, 1, 2))
+        grad = mx.grad(lambda q, k, v: flash_attention(q, k, v, backend=CHUNKED).astype(mx.float32).sum(),
+                       argnums=(0, 1, 2))
         mx.synchronize()
         base = mx.get_active_memory()
         mx.reset_peak_memory()
         mx.eval(grad(q, k, v))
         return mx.get_peak_memory() - base
 
-    assert chunked(1024, 2, "causal")
     small, large = peak(1024), peak(4096)
     # 4x the length: O(N) memory grows ~4x, O(N^2) would grow 16x.
     assert large < 6 * small, f"{dtype}: peak {small / 2**20:.1f} MiB at N=1024, {large / 2**20:.1f} MiB at N=4096"
@@ -92,7 +94,8 @@ def test_chunk_plan_follows_the_problem_and_the_device():
         return [q1 - q0 for q0, q1, _, _ in chunks]
 
     assert rows(plan(256, heads=2)) == [256]                     # small: the whole score matrix
-    assert rows(plan(1024, heads=4)) == [64] * 16                # the CPU's blocks: 64 rows x keys
+    assert rows(plan(1024, heads=4)) == [256] * 4                # 16 MiB: the 4 MiB floor
+    assert set(rows(plan(2048))) == {64}                           # the CPU's blocks: 64 rows x keys
     assert set(rows(plan(4096))) == {64}
     assert set(rows(plan(16384, memory=8 << 30))) == {64}         # 32 MiB floor, then 64 rows minimum
     gpu = lambda n, memory=80 << 30: mlx_ops.score_block_bytes(
@@ -110,7 +113,7 @@ def test_chunk_plan_follows_the_problem_and_the_device():
 
 
 def test_small_calls_are_served_whole_at_mlx_memory():
-    """Up to 32 MiB of fp32 scores (and on the CPU, under a causal mask, 2 MiB) the "mlx" backend is
+    """Up to 32 MiB of fp32 scores (and on the CPU, under a causal mask, 8 MiB) the "mlx" backend is
     MLX's unfused graph under MLX's own VJP: the memory of mx.fast (unfused on the CPU), not more."""
     from mlx_flash.backends import mlx_ops
     from mlx_flash.spec import check_inputs
@@ -120,7 +123,7 @@ def test_small_calls_are_served_whole_at_mlx_memory():
         return mlx_ops.whole_function(spec, device_type=device_type)
 
     assert whole(1024) and not whole(1025) and not whole(2048)
-    assert whole(256, mask="causal") and not whole(512, mask="causal")
+    assert whole(512, mask="causal") and not whole(1024, mask="causal")
     assert whole(1024, mask="causal", device_type="gpu")          # a GPU: one launch sequence
     assert not whole(0) and not whole(1024, heads=9)
     ours, theirs = peak_bytes(flash(None), 1024), peak_bytes(unfused(None), 1024)

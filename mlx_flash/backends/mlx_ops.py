@@ -52,8 +52,8 @@ cancels in exact arithmetic, and a D off by the rounding of dP (2^-9) left a 10%
 
 Chunk sizes (plan_chunks): one fp32 score block [B, Hq, rows, visible keys] holds 64 query rows
 of every batch entry and head on the CPU (so the peak grows linearly in N) and 1/2 of the whole
-score matrix on a GPU (all of it while that is at most 2 MiB: one chunk, no chain, for small
-problems and for the ring's key pieces; at least 1 MiB above that), and at most 1/512 of the
+score matrix on a GPU (all of it while that is at most 8 MiB: one chunk, no chain, for small
+problems and for the ring's key pieces; at least 4 MiB above that), and at most 1/512 of the
 memory on the CPU (clamped to [32, 256] MiB), 1/128 on a GPU (to [32 MiB, 1 GiB]), where the
 memory is the device's or MLX's memory limit if that is lower (budget.memory_budget_bytes: under
 mx.set_memory_limit the blocks shrink with the limit); chunks start on multiples of 64 rows and
@@ -64,7 +64,7 @@ and a chunk takes about 15 forward and 25 backward, so fewer, larger chunks win 
 the comment at SCORE_FRACTIONS).
 
 Small calls (whole_function: fp32 scores of at most 32 MiB; on the CPU, under a causal mask or a
-window, at most 2 MiB) skip all of this: `attention` is MLX's unfused graph with these semantics, and MLX's VJP keeps P
+window, at most 8 MiB) skip all of this: `attention` is MLX's unfused graph with these semantics, and MLX's VJP keeps P
 instead of recomputing it (four products in the backward, not five); flash_attention calls it
 outside the custom function. The ring calls forward / backward directly and always chunks.
 
@@ -86,8 +86,7 @@ from .sinks import empty_lse, sinks_gradient
 # Chunk plan (see the module docstring): one fp32 score block [B, Hq, rows, keys] may take
 # 1/SCORE_FRACTION of the whole Nq x Nk fp32 score matrix (all of it while that is at most
 # SMALL_BLOCK_BYTES: one chunk, no step chain, where memory is cheap; else at least half of
-# SMALL_BLOCK_BYTES: on the CPU small blocks let causal chunks skip more, see whole_function),
-# and at most 1/DEVICE_FRACTION of the device's memory, clamped to
+# SMALL_BLOCK_BYTES), and at most 1/DEVICE_FRACTION of the device's memory, clamped to
 # [MIN_BLOCK_BYTES, MAX_BLOCK_BYTES x 512 / DEVICE_FRACTION]; both fractions per device type.
 # CPU: no fraction (BLOCK_ROWS bounds its blocks), 1/512 of the memory. GPU: 1/2 and 1/128
 # (640 MB on an H100).
@@ -111,7 +110,7 @@ SCORE_FRACTIONS = (("cpu", 1), ("gpu", 2))
 # where 1/32 of the score matrix grew with N^2 / 32 (32 rows at N=1024, 128 at 4096); at N=2048
 # the two are one plan. The CPU's time is its products', so more chunks cost little there.
 BLOCK_ROWS = (("cpu", 64), ("gpu", 0))
-SMALL_BLOCK_BYTES = 2 << 20
+SMALL_BLOCK_BYTES = 8 << 20
 # Calls whose whole fp32 score matrix takes at most this (B=1 H=8: N <= 1024) run as one block
 # under MLX's own autograd (whole_function; on the CPU banded calls only up to SMALL_BLOCK_BYTES).
 WHOLE_BYTES = 32 << 20
@@ -594,10 +593,13 @@ def whole_function(spec: AttentionSpec, whole_bytes: int = WHOLE_BYTES, device_t
     VJP of the unfused graph keeps P from the forward and needs four. While the whole score matrix
     is small, that memory is cheap and the recompute is not. On the 2-core CPU (fp32 B=1 H=8 D=64,
     fwd+bwd, against mx.fast): chunked 1.34x at N=512 and 1.28x at N=1024, whole 1.00x at both.
-    Causal, chunks of 1 MiB blocks took 0.87x at N=384, 0.79x at 512 and 0.69x at 1024 (2 MiB
-    blocks, the 64 rows shipped there: 0.72x; the whole matrix 1.00x), and one chunk (2 MiB of
-    scores, N=256) 1.34x (results/h100_cpu2core_mlx_backend_variants.json, "cpu2core_small_before",
-    "cpu2core_causal_small_blocks"). On a GPU each MLX op is a kernel launch and a chunk costs about
+    Causal, chunks of 4 MiB blocks took 0.72x at N=1024 (the whole matrix 1.00x) and one chunk
+    1.34x at N=256 and 512 (results/h100_cpu2core_mlx_backend_variants.json,
+    "cpu2core_small_before", "cpu2core_causal_small_blocks"). Smaller blocks skip more (1 MiB:
+    0.79x at N=512, 0.69x at 1024) but were not kept: the ring's per-rank peak (its key pieces,
+    distributed/ring.py) is held to 1.3x of one process running its share, and 1 MiB blocks
+    cut that process's peak from 21 to 8.6 MB while the ring's stayed 14.8 MB
+    (tests/test_distributed.py: 4 ranks, N_local=512, H=4 causal). On a GPU each MLX op is a kernel launch and a chunk costs about
     40 of them, so small banded calls are whole there too (H100, H=8 N=1024 bf16 causal: 0.57 ms
     whole, 1.46 ms chunked; "h100_whole_path").
     """
