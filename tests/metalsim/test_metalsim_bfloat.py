@@ -2,14 +2,12 @@
 MLX's portable 16-bit struct (MLX <= 0.29) and rejects the native bfloat types; the project's
 kernels run unchanged in that mode with the same numbers as with native bfloat."""
 
-import contextlib
-import os
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from attention_cases import Case, check_case, make_arrays
+from attention_cases import Case, check_case, environment, make_arrays
 from mlx_flash import flash_attention, metalsim
 
 MIXED = """
@@ -62,20 +60,6 @@ def test_metal_version_is_validated():
     with pytest.raises(ValueError, match="metal_version"):
         metalsim.metal_kernel(name="v", input_names=["x"], output_names=["o"], source="",
                               metal_version="13.5")
-
-
-@contextlib.contextmanager
-def environment(**values):
-    old = {n: os.environ.get(n) for n in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for n, v in old.items():
-            if v is None:
-                os.environ.pop(n, None)
-            else:
-                os.environ[n] = v
 
 
 def _run(case: Case):
