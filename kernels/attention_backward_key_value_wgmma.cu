@@ -117,7 +117,7 @@ __device__ void attention_backward_key_value_wgmma(
   i64 bkv;
   block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
-  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int tid = threadIdx.x, warpgroup = warpgroup_index();
   const int col0 = CG == 2 ? (warpgroup % CG) * DS : cslice * 128;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
   const Rows<const T> kg = head_rows(k, lk, b, hk);

@@ -71,7 +71,7 @@ __device__ void attention_backward_query_wgmma(
   i64 bh;
   query_block_of<CAUSAL>(bid, nqb, ip, Hq, qb, bh);
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
-  const int tid = threadIdx.x, warpgroup = tid / 128;
+  const int tid = threadIdx.x, warpgroup = warpgroup_index();
   const int q0 = qb * BM;
   const Rows<const T> qg = head_rows(q, lq, b, h);
   const Rows<const T> dog = head_rows(d_out, ldo, b, h);

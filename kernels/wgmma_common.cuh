@@ -62,6 +62,12 @@ template <int REGS>
 __device__ __forceinline__ void registers_increase() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 #endif
 
+// This thread's warpgroup (0, 1, ...), broadcast from lane 0 so that the compiler knows it is
+// the same across the warp: addresses derived from it (each consumer's resident tiles) then live
+// in uniform registers, where wgmma reads its descriptors, instead of being moved there before
+// every wgmma (R2UR) from general registers.
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, (int)threadIdx.x / 128, 0); }
+
 // Keeps the compiler from moving reads / writes of accumulator registers across a wgmma
 // issue or wait (the asm statements do not name them).
 template <int N>
@@ -72,10 +78,20 @@ __device__ __forceinline__ void fence_registers(float (&d)[N]) {
 
 // Matrix descriptor of a 128-byte-swizzled shared memory operand (PTX ISA, "Matrix Descriptor
 // Format"): start address, leading and stride byte offsets, all >> 4; swizzle mode 1 = 128 B.
-__device__ __forceinline__ unsigned long long smem_descriptor(u32 address, u32 leading_bytes, u32 stride_bytes) {
-  return (unsigned long long)((address & 0x3FFFF) >> 4) | ((unsigned long long)(leading_bytes >> 4) << 16) |
-         ((unsigned long long)(stride_bytes >> 4) << 32) | (1ull << 62);
-}
+// Kept as its two 32-bit halves: the start address (bits 0-13) and the leading offset (bits
+// 16-29) in the low one, the stride offset and the swizzle mode in the high one. An operand
+// `offset` bytes further on (a multiple of 16, still inside shared memory, so below 2^18) has the
+// low half plus offset >> 4 (no carry out of the 14-bit field). The k-steps of a product add a
+// compile-time constant to one register: building each descriptor from its address took 4-5
+// instructions per wgmma, about a sixth of the D=128 forward's instructions per step (nvcc 13.0 SASS).
+struct SmemDescriptor {
+  u32 lo, hi;
+  __device__ __forceinline__ SmemDescriptor(u32 address, u32 leading_bytes, u32 stride_bytes)
+      : lo(((address & 0x3FFFF) >> 4) | ((leading_bytes >> 4) << 16)), hi((stride_bytes >> 4) | (1u << 30)) {}
+  __device__ __forceinline__ unsigned long long at(u32 offset) const {
+    return ((unsigned long long)hi << 32) | (lo + (offset >> 4));
+  }
+};
 
 // Byte offset of element (row, col) in a panel-swizzled tile of `rows` rows (see the top).
 __device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
@@ -89,11 +105,11 @@ __device__ __forceinline__ int swizzled_offset(int row, int col, int rows) {
 //   along a panel row, every 4 steps to the next panel.
 template <int N, int KDIM, int A_ROWS, typename T>
 __device__ __forceinline__ void wgmma_shared_shared(float (&c)[N / 2], u32 a_addr, u32 b_addr) {
+  const SmemDescriptor a(a_addr, 16, 1024), b(b_addr, 16, 1024);
 #pragma unroll
   for (int kk = 0; kk < KDIM / 16; ++kk) {
     const u32 step = (kk % 4) * 32;
-    Wgmma<N, T>::ss(c, smem_descriptor(a_addr + (kk / 4) * A_ROWS * 128 + step, 16, 1024),
-                    smem_descriptor(b_addr + (kk / 4) * N * 128 + step, 16, 1024), kk > 0);
+    Wgmma<N, T>::ss(c, a.at((kk / 4) * A_ROWS * 128 + step), b.at((kk / 4) * N * 128 + step), kk > 0);
   }
 }
 //   acc (64 x N) += A (K / 16 register fragments) * B (K rows x N columns from b_addr, MN-major:
@@ -103,8 +119,9 @@ __device__ __forceinline__ void wgmma_shared_shared(float (&c)[N / 2], u32 a_add
 template <int N, int K, typename T>
 __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], const u32 (&a)[K / 16][4], u32 b_addr,
                                                        u32 leading, u32 stride) {
+  const SmemDescriptor b(b_addr, leading, stride);
 #pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], smem_descriptor(b_addr + kk * 16 * 128, leading, stride), 1);
+  for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], b.at(kk * 16 * 128), 1);
 }
 
 // Copies rows [0, rows_valid) x columns [0, head_dim) of g (rows through their strides) into a
