@@ -19,14 +19,15 @@ backend is never routed (a routed or fallen-back row would not count as measured
     python3 benchmarks/dispatch_table.py $OUT/dispatch_h100_bf16.json $OUT/dispatch_h100_fp16.json
 
 The rule (conservative: a call does not know whether a backward follows):
-- a measured point is (dtype, head dim, causal, N) with Nq = Nk = N; it routes only when, for
-  every head layout and batch measured at that point (MHA and GQA alike), mx.fast's median is
+- a measured point is (dtype, head dim, head layout class, causal, N) with Nq = Nk = N, the
+  class "mha" (as many kv heads as query heads) or "gqa" (fewer); it routes only when, for
+  every head layout and batch of its class measured at that point, mx.fast's median is
   below ours in BOTH the forward and the forward+backward pass, and below (1 - margin) x ours in
   at least one of them (so a tie in one pass does not keep a clear loss in the other), MLX runs it
   through cuDNN (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend
   "cuda", no fallback);
 - a point with a missing, skipped or failed row does not route, nor one where a head layout
-  measured at other N of its (dtype, head dim, causal) is missing;
+  measured at other N of its (dtype, head dim, class, causal) is missing;
 - adjacent routed points (in the measured N order) merge into one range [min_n, max_n]: a call
   routes only inside such a range, never between a routed and a not-routed point, never past
   the largest measured N.
@@ -65,28 +66,29 @@ HEADER = """\
 # A call routes only if mx.fast serves it exactly (no array mask, window, softcap, sinks, lse or
 # shifted diagonal: mlx_flash/backends/fast.py), MLX runs it through cuDNN forward and backward
 # (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
-# its family, dtype, head dim (exactly), mask and N: Nq = Nk = N, min_n <= N <= max_n (only
-# square problems are measured).
-# Rule: every measured head layout (MHA, GQA) at that N had mx.fast's median below ours in both the
-# forward and the forward+backward pass, and below (1 - margin) x ours in at least one; adjacent
-# such N merge into a range;
+# its family, dtype, head dim (exactly), head layout (mha: as many kv heads as query heads; gqa:
+# fewer), mask and N: Nq = Nk = N, min_n <= N <= max_n (only square problems are measured).
+# Rule: every measured head layout of the row's class at that N had mx.fast's median below ours in
+# both the forward and the forward+backward pass, and below (1 - margin) x ours in at least one;
+# adjacent such N merge into a range;
 # nothing routes outside a measured range. forward / fwd_bwd: the range's largest mx.fast / ours
 # median-time ratio (lower = mx.fast faster).
 # Columns (each followed by at least one space; mlx_flash/backends/dispatch.py parses them):
-# family   dtype     head_dim mask   min_n  max_n  forward fwd_bwd
+# family   dtype     head_dim heads mask   min_n  max_n  forward fwd_bwd
 """
 
 
-def point_of(row: Dict) -> Tuple[str, int, bool, int]:  # (dtype, head dim, causal, N)
-    return row["dtype"], row["head_dim"], bool(row["causal"]), row["q_len"]
+Point = Tuple[str, int, str, bool, int]  # (dtype, head dim, head layout class, causal, N)
 
 
-Point = Tuple[str, int, bool, int]  # (dtype, head dim, causal, N)
+def point_of(row: Dict) -> Point:
+    return (row["dtype"], row["head_dim"], dispatch.heads_of(row["q_heads"], row["kv_heads"]), bool(row["causal"]),
+            row["q_len"])
 
 
 def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, Optional[Tuple[float, float]]]:
-    """Per measured point (dtype, head dim, causal, N): (forward, fwd+bwd) worst mx.fast / ours
-    ratios where the point routes, else None.
+    """Per measured point (dtype, head dim, head layout class, causal, N): (forward, fwd+bwd) worst
+    mx.fast / ours ratios over the class's layouts where the point routes, else None.
 
     Args:
         rows: bench.py's JSON rows.
@@ -104,16 +106,16 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
             usable = False  # not our kernels: nothing to compare
         layout = (row["batch"], row["q_heads"], row["kv_heads"])
         table[point_of(row)][layout][row["implementation"], row["pass"]] = row["median_ms"] if usable else None
-    # Every layout measured anywhere in a (dtype, head dim, causal) group must be measured at each
-    # of its points: a run cut short by its time budget may have timed MHA at an N but not GQA.
+    # Every layout measured anywhere in a (dtype, head dim, class, causal) group must be measured at
+    # each of its points: a run cut short by its time budget may have timed a layout at one N only.
     group_layouts = defaultdict(set)
     for point, layouts in table.items():
-        group_layouts[point[:3]].update(layouts)
+        group_layouts[point[:4]].update(layouts)
     verdicts = {}
     for point, layouts in table.items():
-        for missing in group_layouts[point[:3]] - set(layouts):
+        for missing in group_layouts[point[:4]] - set(layouts):
             layouts[missing] = {}
-        dtype, head_dim, causal, n = point
+        dtype, head_dim, _, causal, n = point
         spec = AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=n, kv_len=n, head_dim=head_dim, value_dim=head_dim,
                              dtype=dispatch.DTYPES[dtype], scale=1.0, causal=causal)
         worst = [0.0, 0.0]
@@ -135,17 +137,17 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
 def table_rows(family: str, verdicts: Dict) -> List[DispatchRow]:
     """The verdicts as ranges of adjacent routed N, one row each, sorted."""
     groups = defaultdict(list)
-    for (dtype, head_dim, causal, n), verdict in verdicts.items():
-        groups[dtype, head_dim, causal].append((n, verdict))
+    for (dtype, head_dim, heads, causal, n), verdict in verdicts.items():
+        groups[dtype, head_dim, heads, causal].append((n, verdict))
     result = []
-    for (dtype, head_dim, causal), points in sorted(groups.items()):
+    for (dtype, head_dim, heads, causal), points in sorted(groups.items()):
         run: List[Tuple[int, Tuple[float, float]]] = []
         for n, verdict in sorted(points) + [(None, None)]:  # a sentinel closes the last range
             if verdict is not None:
                 run.append((n, verdict))
                 continue
             if run:
-                result.append(DispatchRow(family, dtype, head_dim, "causal" if causal else "none", run[0][0],
+                result.append(DispatchRow(family, dtype, head_dim, heads, "causal" if causal else "none", run[0][0],
                                           run[-1][0], max(v[0] for _, v in run), max(v[1] for _, v in run)))
             run = []
     return result
@@ -189,7 +191,7 @@ def render(recorded: Dict[str, List[str]], rows: Iterable[DispatchRow]) -> str:
     for family in sorted(set(recorded) | set(by_family)):
         lines += [""] + recorded.get(family, [])
         lines += [format_dispatch_row(r) for r in sorted(by_family[family], key=lambda r: (
-            r.dtype, r.head_dim, r.mask, r.min_n))]
+            r.dtype, r.head_dim, r.heads, r.mask, r.min_n))]
     return "\n".join(lines) + "\n"
 
 

@@ -59,9 +59,10 @@ class KernelPlan:
 
 
 def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none", q_len: int = 1,
-              kv_len: Optional[int] = None) -> AttentionSpec:
+              kv_len: Optional[int] = None, group: int = 1) -> AttentionSpec:
     """The spec of a call with this head dim, dtype and mask (sizes do not change a plan; they
-    change whether backend="auto" routes the call, see auto_route). kv_len None = q_len."""
+    change whether backend="auto" routes the call, see auto_route). kv_len None = q_len; group:
+    query heads per kv head (1: MHA)."""
     if dtype not in DTYPES:
         raise ValueError(f"[plan] dtype must be one of {tuple(DTYPES)}, got {dtype!r}.")
     if mask not in MASKS:
@@ -69,11 +70,11 @@ def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none", q_len:
     if not isinstance(head_dim, int) or head_dim < 1:
         raise ValueError(f"[plan] head_dim must be a positive int, got {head_dim!r}.")
     kv_len = q_len if kv_len is None else kv_len
-    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+    for name, value in (("q_len", q_len), ("kv_len", kv_len), ("group", group)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"[plan] {name} must be a positive int, got {value!r}.")
     mask_kind = mask if mask in ("bool", "additive") else "none"
-    return AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+    return AttentionSpec(batch=1, q_heads=group, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                          value_dim=head_dim, dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
                          window=(16, 0) if mask == "window" else None, mask_kind=mask_kind,
                          mask_shape=(1, 1, 1, 1) if mask_kind != "none" else None)
@@ -154,7 +155,7 @@ def _metal_plans(spec: AttentionSpec, family: Optional[str]) -> List[KernelPlan]
 
 
 def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capability: Optional[int] = None,
-               q_len: Optional[int] = None, kv_len: Optional[int] = None) -> List[str]:
+               q_len: Optional[int] = None, kv_len: Optional[int] = None, group: int = 1) -> List[str]:
     """What backend="auto" does with such a call on a CUDA GPU, in words: the kernels, or mx.fast
     and the kernels/dispatch_cuda.txt row that routes it (backends.dispatch_route decides). Empty
     where the kernels cannot serve the call (the fallback rule decides; plans() names the reason).
@@ -162,12 +163,13 @@ def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capab
     Args:
         head_dim, dtype, mask, capability: as for `plans`.
         q_len, kv_len: the call's Nq and Nk; None = every N (the rows of this family, dtype,
-            head dim and mask, with their N ranges). kv_len None = q_len.
+            head dim, head layout and mask, with their N ranges). kv_len None = q_len.
+        group: query heads per kv head (1: MHA; the table has rows per layout class).
     """
     from .backends import cuda, dispatch, dispatch_route, get_backend
 
     backend = cuda.CUDABackend(capability=capability)
-    spec = make_spec(head_dim, dtype, mask, q_len or 1, kv_len)
+    spec = make_spec(head_dim, dtype, mask, q_len or 1, kv_len, group)
     if backend.unsupported_reason(spec) is not None:
         return []
     family, fast = backend.family().name, get_backend("fast")
@@ -186,9 +188,10 @@ def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capab
     routed = [f"backend='auto' routes Nq = Nk = N in {row.min_n}..{row.max_n} to mx.fast.scaled_dot_product_attention: "
               f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"
               for row in dispatch.shipped_dispatch()  # every row that routes such a call at its own N
-              if dispatch_route(backend, make_spec(head_dim, dtype, mask, row.min_n)) == row]
+              if dispatch_route(backend, make_spec(head_dim, dtype, mask, row.min_n, group=group)) == row]
+    heads = dispatch.heads_of(spec.q_heads, spec.kv_heads)
     return routed or [f"backend='auto' runs these kernels at every N (no {dispatch.TABLE_NAME} row of {family} "
-                      f"routes {dtype} D={head_dim} mask {mask})"]
+                      f"routes {dtype} D={head_dim} {heads} mask {mask})"]
 
 
 def format_table(rows: List[KernelPlan]) -> str:

@@ -2,12 +2,14 @@
 
     python -m mlx_flash plan --backend cuda --capability 86 --head-dim 128 --dtype bfloat16 [--mask causal] [--json]
     python -m mlx_flash plan --backend cuda --capability 90 --head-dim 128 --mask causal --seq-len 8192
+    python -m mlx_flash plan --backend cuda --capability 90 --head-dim 128 --mask causal --group 4
     python -m mlx_flash plan --backend metal --family m1 --head-dim 96 --dtype float16
 
 Per kernel: the GPU family, instruction family (wgmma / mma.sync / simdgroup_matrix / fallback),
 block sizes P / T / H, warps, threads, shared memory bytes and the family's limit. For cuda, also
 whether backend="auto" routes such a call to mx.fast (kernels/dispatch_cuda.txt) and by which
-row: at --seq-len (and --kv-len), or the N ranges where it does.
+row: at --seq-len (and --kv-len), or the N ranges where it does, for --group query heads per kv
+head (the table's rows are per head layout: MHA, GQA).
 """
 from __future__ import annotations
 
@@ -35,6 +37,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=positive_int, help="cuda: Nq, for the backend='auto' routing line "
                         "(default: list the N ranges that route)")
     parser.add_argument("--kv-len", type=positive_int, help="cuda: Nk (default: --seq-len)")
+    parser.add_argument("--group", type=positive_int, default=1,
+                        help="cuda: query heads per kv head, for the routing line (default: %(default)s, MHA)")
     parser.add_argument("--json", action="store_true", help="print JSON (one object per kernel)")
     parser.set_defaults(run=run_plan)
     return parser
@@ -53,7 +57,8 @@ def run_plan(args) -> int:
         return 0
     lines = [inspect.format_table(rows)]
     if args.backend == "cuda":
-        lines += inspect.auto_route(args.head_dim, args.dtype, args.mask, args.capability, args.seq_len, args.kv_len)
+        lines += inspect.auto_route(args.head_dim, args.dtype, args.mask, args.capability, args.seq_len, args.kv_len,
+                                    args.group)
     print("\n".join(lines))
     return 0
 

@@ -230,7 +230,8 @@ def _auto_route(backend: str, case: bm.BenchCase) -> Optional[str]:
     from .backends import dispatch, dispatch_route
     from .inspect import make_spec
 
-    spec = make_spec(case.head_dim, case.dtype, "causal" if case.causal else "none", case.q_len, case.kv_len)
+    spec = dataclasses.replace(make_spec(case.head_dim, case.dtype, "causal" if case.causal else "none", case.q_len,
+                                         case.kv_len), q_heads=case.q_heads, kv_heads=case.kv_heads)
     row = dispatch_route(get_backend("cuda"), spec)
     return None if row is None else f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}"
 

@@ -55,9 +55,9 @@ def bench_rows(dtype, head_dim, causal, n, ours, theirs, kv_heads=4, **extra):
 
 
 def synthetic():
-    """bf16 D=128 causal: mx.fast faster at 1024..4096 except 2048's forward (noise-level win),
-    then ours from 8192; bf16 D=64 non-causal: faster at 512, 1024 (both layouts), 2048 only in
-    one layout; fp16 D=256: faster but unfused (never routes); fp16 D=64 causal: our row fell back."""
+    """bf16 D=128 causal (MHA): mx.fast faster at 1024..4096 except 2048's forward (noise-level
+    win), then ours from 8192; bf16 D=64 non-causal: faster at 512, 1024 in both layouts, at 2048
+    under MHA only (the GQA forward loses); fp16 D=256: faster but unfused (never routes); fp16 D=64 causal: our row fell back."""
     rows = []
     for n, ours, theirs in ((1024, (1.0, 3.0), (0.8, 2.0)), (2048, (2.0, 6.0), (1.97, 4.0)),
                             (4096, (4.0, 12.0), (3.0, 9.0)), (8192, (8.0, 24.0), (7.0, 30.0)),
@@ -76,24 +76,34 @@ def synthetic():
 
 def test_tool_rows_from_a_synthetic_recording():
     rows = TOOL.table_rows("sm90", TOOL.decide(synthetic(), margin=0.05))
-    assert [(r.dtype, r.head_dim, r.mask, r.min_n, r.max_n) for r in rows] == [
-        ("bfloat16", 64, "none", 512, 1024),      # 2048: one layout's forward loses: not routed
-        ("bfloat16", 128, "causal", 512, 4096),   # 2048: a forward tie (0.985) beside a clear fwd+bwd
-    ]                                             # win routes; 8192: fwd+bwd slower; none past 16384
-    d64 = rows[0]
-    assert (d64.forward, d64.forward_backward) == (0.6, 0.75)  # worst ratio over layouts and N
+    assert [(r.dtype, r.head_dim, r.heads, r.mask, r.min_n, r.max_n) for r in rows] == [
+        ("bfloat16", 64, "gqa", "none", 512, 1024),      # 2048: the GQA forward loses: not routed
+        ("bfloat16", 64, "mha", "none", 512, 2048),      # ... while MHA routes there
+        ("bfloat16", 128, "mha", "causal", 512, 4096),   # 2048: a forward tie (0.985) beside a clear
+    ]                                                    # fwd+bwd win routes; 8192: fwd+bwd slower
+    assert [(r.forward, r.forward_backward) for r in rows[:2]] == [(0.6, 0.6), (0.5, 0.75)]  # worst over N
     assert all(r.family == "sm90" for r in rows)
 
 
 def test_tool_does_not_route_a_tie_in_both_passes():
     rows = bench_rows("bfloat16", 64, True, 4096, (2.0, 4.0), (1.98, 3.96))  # 1% faster in both
-    assert TOOL.decide(rows, margin=0.05) == {("bfloat16", 64, True, 4096): None}
-    assert TOOL.decide(rows, margin=0.0)[("bfloat16", 64, True, 4096)] is not None
+    assert TOOL.decide(rows, margin=0.05) == {("bfloat16", 64, "mha", True, 4096): None}
+    assert TOOL.decide(rows, margin=0.0)[("bfloat16", 64, "mha", True, 4096)] is not None
 
 
 def test_tool_margin_zero_joins_the_noise_level_point():
     rows = TOOL.table_rows("sm90", TOOL.decide(synthetic(), margin=0.0))
     assert ("bfloat16", 128, "causal", 512, 4096) in [(r.dtype, r.head_dim, r.mask, r.min_n, r.max_n) for r in rows]
+
+
+def test_tool_keeps_the_head_layout_classes_apart():
+    """MHA measured faster under mx.fast and GQA slower at one point: only the MHA row routes, and
+    a call routes by its own class (dispatch.heads_of)."""
+    rows = (bench_rows("bfloat16", 128, True, 4096, (2.0, 4.0), (1.5, 3.9), kv_heads=4)
+            + bench_rows("bfloat16", 128, True, 4096, (2.0, 4.0), (1.5, 4.1), kv_heads=1))
+    table = TOOL.table_rows("sm90", TOOL.decide(rows))
+    assert [(r.heads, r.min_n, r.max_n) for r in table] == [("mha", 4096, 4096)]
+    assert dispatch.heads_of(8, 8) == "mha" and dispatch.heads_of(8, 2) == "gqa" and dispatch.heads_of(8, 1) == "gqa"
 
 
 def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
@@ -104,12 +114,12 @@ def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
     recorded = tmp_path / "dispatch_h100.json"
     recorded.write_text(json.dumps(payload))
     table = tmp_path / "dispatch_cuda.txt"
-    other = DispatchRow("sm80", "float16", 64, "none", 1024, 2048, 0.5, 0.6)
+    other = DispatchRow("sm80", "float16", 64, "mha", "none", 1024, 2048, 0.5, 0.6)
     table.write_text(TOOL.render({"sm80": ["# recorded sm80: an A100 run"]}, [other]))
     assert TOOL.main([str(recorded), "--table", str(table)]) == 0
     text = table.read_text()
     rows = parse_dispatch(text)
-    assert other in rows and sum(r.family == "sm90" for r in rows) == 2
+    assert other in rows and sum(r.family == "sm90" for r in rows) == 3
     assert "# recorded sm80: an A100 run" in text
     line = next(l for l in text.splitlines() if l.startswith("# recorded sm90:"))
     assert "NVIDIA H100" in line and "aaaaaaaaaaaa" in line and "2026-11-23" in line
@@ -128,20 +138,21 @@ def test_shipped_table_is_the_tools_output_and_parses():
 
 
 def test_format_and_parse_round_trip():
-    rows = (DispatchRow("sm90", "bfloat16", 128, "causal", 4096, 16384, 0.812, 0.9),
-            DispatchRow("sm100", "float16", 64, "none", 512, 512, 0.5, 0.123))
+    rows = (DispatchRow("sm90", "bfloat16", 128, "gqa", "causal", 4096, 16384, 0.812, 0.9),
+            DispatchRow("sm100", "float16", 64, "mha", "none", 512, 512, 0.5, 0.123))
     text = "\n".join(format_dispatch_row(r) for r in rows)
     assert parse_dispatch(text) == rows
     assert all(not line.endswith(" ") for line in text.splitlines())
 
 
 @pytest.mark.parametrize("line, message", [
-    ("sm90 bfloat16 128 causal 4096 16384 0.8", "8 columns"),
-    ("sm90 float32 128 causal 4096 16384 0.8 0.9", "dtype"),
-    ("sm90 bfloat16 128 window 4096 16384 0.8 0.9", "mask"),
-    ("sm90 bfloat16 128 causal 8192 4096 0.8 0.9", "min_n <= max_n"),
-    ("sm90 bfloat16 12x causal 4096 8192 0.8 0.9", "integers"),
-    ("sm90 bfloat16 128 causal 4096 8192 1.2 0.9", r"\(0, 1\)"),
+    ("sm90 bfloat16 128 causal 4096 16384 0.8 0.9", "9 columns"),
+    ("sm90 float32 128 mha causal 4096 16384 0.8 0.9", "dtype"),
+    ("sm90 bfloat16 128 mqa causal 4096 16384 0.8 0.9", "heads"),
+    ("sm90 bfloat16 128 mha window 4096 16384 0.8 0.9", "mask"),
+    ("sm90 bfloat16 128 gqa causal 8192 4096 0.8 0.9", "min_n <= max_n"),
+    ("sm90 bfloat16 12x mha causal 4096 8192 0.8 0.9", "integers"),
+    ("sm90 bfloat16 128 mha causal 4096 8192 1.2 0.9", r"\(0, 1\)"),
 ])
 def test_bad_lines_are_named(line, message):
     with pytest.raises(ValueError, match=f"dispatch_cuda.txt line 2: .*{message}"):
@@ -152,8 +163,9 @@ def test_bad_lines_are_named(line, message):
 # select_backend
 
 
-ROW = DispatchRow("sm90", "bfloat16", 16, "causal", 128, 256, 0.8, 0.9, line=17)
-ROW_NONE = DispatchRow("sm90", "float16", 16, "none", 128, 128, 0.8, 0.9, line=18)
+ROW = DispatchRow("sm90", "bfloat16", 16, "mha", "causal", 128, 256, 0.8, 0.9, line=17)
+ROW_NONE = DispatchRow("sm90", "float16", 16, "mha", "none", 128, 128, 0.8, 0.9, line=18)
+ROW_GQA = DispatchRow("sm90", "bfloat16", 16, "gqa", "causal", 256, 256, 0.8, 0.9, line=19)
 
 
 @pytest.fixture
@@ -164,7 +176,7 @@ def cuda_auto(monkeypatch):
     real = backends.get_backend
     monkeypatch.setattr(backends, "auto_backend_name", lambda device: "cuda")
     monkeypatch.setattr(backends, "get_backend", lambda name: backend if name == "cuda" else real(name))
-    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE, ROW_GQA))
     monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "90")
     # A call that is not routed would build our kernels: the guard's verdict says "serve it".
     monkeypatch.setattr(guard.GUARD, "verdict", lambda *args: None)
@@ -173,28 +185,30 @@ def cuda_auto(monkeypatch):
     mlx_flash.reset_fallback_counts()
 
 
-def call(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, **kwargs):
+def call(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, kv_heads=2, **kwargs):
     kv_len = q_len if kv_len is None else kv_len
     q = mx.zeros((1, 2, q_len, head_dim), dtype)
-    k = mx.zeros((1, 2, kv_len, head_dim), dtype)
+    k = mx.zeros((1, kv_heads, kv_len, head_dim), dtype)
     kwargs.setdefault("mask", "causal")
     return q, k, kwargs
 
 
-def selected(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, backend="auto", lse=False, **kwargs):
-    q, k, kwargs = call(q_len, kv_len, dtype, head_dim, **kwargs)
+def selected(q_len=128, kv_len=None, dtype=mx.bfloat16, head_dim=16, backend="auto", lse=False, kv_heads=2,
+             **kwargs):
+    q, k, kwargs = call(q_len, kv_len, dtype, head_dim, kv_heads, **kwargs)
     spec, mask = check_inputs(q, k, k, **kwargs)
     return backends.select_backend(backend, spec, None, None if mask is None else mask.dtype, lse_is_used=lse).name
 
 
 def test_matching_call_routes_under_auto_only(cuda_auto):
-    assert selected() == "fast" and selected(256) == "fast"
+    assert selected() == "fast" and selected(256) == "fast" and selected(256, kv_heads=1) == "fast"
     assert selected(backend="cuda") == "cuda"        # explicit: always ours
     assert selected(backend=cuda_auto) == "cuda"     # a backend object is explicit too
     assert selected(dtype=mx.float16, mask=None) == "fast"
     counts = mlx_flash.route_counts()
-    assert sum(counts.values()) == 3 and mlx_flash.fallback_counts() == {}
-    assert any("dispatch_cuda.txt line 17" in r and "sm90 bfloat16 D=16 causal N=128..256" in r for r in counts)
+    assert sum(counts.values()) == 4 and mlx_flash.fallback_counts() == {}
+    assert any("dispatch_cuda.txt line 17" in r and "sm90 bfloat16 D=16 mha causal N=128..256" in r for r in counts)
+    assert any("line 19" in r and "D=16 gqa causal N=256..256" in r for r in counts)
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -204,6 +218,7 @@ def test_matching_call_routes_under_auto_only(cuda_auto):
     dict(q_len=64),                         # below min_n (and not a multiple of 128: unfused backward)
     dict(dtype=mx.float16),                 # the row is bf16
     dict(head_dim=24),                      # head dims match exactly
+    dict(kv_heads=1),                       # GQA: the gqa row covers N=256 only
     dict(mask=None),                        # the bf16 row is causal
     dict(window_size=(8, 0)),
     dict(softcap=5.0),
@@ -260,7 +275,7 @@ def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto):
 def test_plan_inspector_names_the_routing_row(monkeypatch, capsys):
     from mlx_flash import __main__ as cli, inspect
 
-    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE, ROW_GQA))
     routed = inspect.auto_route(16, "bfloat16", "causal", capability=90, q_len=256)
     assert len(routed) == 1 and "routes Nq=256 Nk=256 to mx.fast" in routed[0] and "line 17" in routed[0]
     assert "runs these kernels at Nq=128 Nk=256" in inspect.auto_route(16, "bfloat16", "causal", 90, 128, 256)[0]
@@ -279,7 +294,7 @@ def test_report_names_routes_and_what_auto_would_route(monkeypatch):
     from mlx_flash import benchmark as bm, report
     from mlx_flash.report_markdown import render_markdown
 
-    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE))
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE, ROW_GQA))
     monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "90")
     case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=256, kv_len=256, head_dim=16, dtype="bfloat16",
                         causal=True)
@@ -293,11 +308,11 @@ def test_report_names_routes_and_what_auto_would_route(monkeypatch):
 
 
 def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
-    """A run cut short timed MHA at 4096 but not GQA: 4096 does not route. Two runs of one GPU
+    """A run cut short timed GQA 2:1 at 4096 but not 4:1: 4096 does not route. Two runs of one GPU
     (bf16 and fp16) give one table; runs of two families are refused."""
     rows = []
     for n in (1024, 2048, 4096):
-        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=4)
+        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=2)
     for n in (1024, 2048):
         rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=1)
     assert [(r.min_n, r.max_n) for r in TOOL.table_rows("sm90", TOOL.decide(rows))] == [(1024, 2048)]

@@ -1,7 +1,7 @@
 """The dispatch table: where backend="auto" on CUDA hands a call to MLX's own fused attention.
 
-kernels/dispatch_cuda.txt lists, per GPU family, the (dtype, head dim, mask, N range) where a
-recorded benchmark measured mx.fast.scaled_dot_product_attention (cuDNN) faster than the "cuda"
+kernels/dispatch_cuda.txt lists, per GPU family, the (dtype, head dim, head layout, mask, N
+range) where a recorded benchmark measured mx.fast.scaled_dot_product_attention (cuDNN) faster than the "cuda"
 backend's kernels in both the forward and the forward+backward pass. It is data, written by
 benchmarks/dispatch_table.py from a recorded benchmarks/bench.py JSON, never by hand; a family
 without rows routes nothing. `select_backend` (backends/__init__.py) consults it for
@@ -12,6 +12,9 @@ Columns (each followed by at least one space; '#' starts a comment):
     family   a family of kernels/families_cuda.txt (sm80, sm86, sm90, ...)
     dtype    float16 or bfloat16
     head_dim D (= Dv), matched exactly: only measured head dims route
+    heads    mha (as many kv heads as query heads) or gqa (fewer: grouped or multi-query); the
+             two differ (our dK / dV kernel sums a group's heads inside one CTA), so each has
+             its own rows, from the layouts the recording measured in that class
     mask     none or causal (array masks never route: not measured)
     min_n    smallest N of the range; a call routes when Nq = Nk = N and min_n <= N <= max_n
              (only square problems are measured: MLX may take another path for Nq != Nk)
@@ -34,6 +37,12 @@ from ..spec import AttentionSpec
 TABLE_NAME = "dispatch_cuda.txt"
 DTYPES = MappingProxyType({"float16": mx.float16, "bfloat16": mx.bfloat16})
 MASKS = ("none", "causal")
+HEADS = ("mha", "gqa")
+
+
+def heads_of(q_heads: int, kv_heads: int) -> str:
+    """The head-layout class of a call or a measured case (the table's heads column)."""
+    return "mha" if q_heads == kv_heads else "gqa"
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,7 @@ class DispatchRow:
     family: str
     dtype: str
     head_dim: int
+    heads: str
     mask: str
     min_n: int
     max_n: int
@@ -56,11 +66,12 @@ class DispatchRow:
         the "fast" backend's rule, not this table's)."""
         mask = "causal" if spec.causal else "none"
         return (self.family == family and DTYPES[self.dtype] == spec.dtype and self.head_dim == spec.head_dim
-                and self.head_dim == spec.value_dim and self.mask == mask and spec.mask_kind == "none"
+                and self.head_dim == spec.value_dim and self.heads == heads_of(spec.q_heads, spec.kv_heads)
+                and self.mask == mask and spec.mask_kind == "none"
                 and spec.q_len == spec.kv_len and self.min_n <= spec.q_len <= self.max_n)
 
     def describe(self) -> str:
-        return (f"{self.family} {self.dtype} D={self.head_dim} {self.mask} N={self.min_n}..{self.max_n} "
+        return (f"{self.family} {self.dtype} D={self.head_dim} {self.heads} {self.mask} N={self.min_n}..{self.max_n} "
                 f"(mx.fast/ours {self.forward:.2f} fwd, {self.forward_backward:.2f} fwd+bwd)")
 
 
@@ -76,12 +87,14 @@ def parse_dispatch(text: str, name: str = TABLE_NAME) -> Tuple[DispatchRow, ...]
         if not line:
             continue
         fields = line.split()
-        if len(fields) != 8:
-            raise ValueError(f"{name} line {number}: expected 8 columns (family dtype head_dim mask min_n max_n "
-                             f"forward fwd_bwd), got {fields}")
-        family, dtype, head_dim, mask, min_n, max_n, forward, forward_backward = fields
+        if len(fields) != 9:
+            raise ValueError(f"{name} line {number}: expected 9 columns (family dtype head_dim heads mask min_n "
+                             f"max_n forward fwd_bwd), got {fields}")
+        family, dtype, head_dim, heads, mask, min_n, max_n, forward, forward_backward = fields
         if dtype not in DTYPES:
             raise ValueError(f"{name} line {number}: dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+        if heads not in HEADS:
+            raise ValueError(f"{name} line {number}: heads must be one of {HEADS}, got {heads!r}")
         if mask not in MASKS:
             raise ValueError(f"{name} line {number}: mask must be one of {MASKS}, got {mask!r}")
         try:
@@ -89,20 +102,21 @@ def parse_dispatch(text: str, name: str = TABLE_NAME) -> Tuple[DispatchRow, ...]
             ratios = [float(x) for x in (forward, forward_backward)]
         except ValueError:
             raise ValueError(f"{name} line {number}: head_dim, min_n, max_n must be integers and forward, fwd_bwd "
-                             f"numbers, got {fields[2:]}") from None
+                             f"numbers, got {[head_dim] + fields[5:]}") from None
         if min(sizes) < 1 or sizes[1] > sizes[2]:
             raise ValueError(f"{name} line {number}: head_dim, min_n, max_n must be positive with "
-                             f"min_n <= max_n, got {fields[2:6]}")
+                             f"min_n <= max_n, got {[head_dim, min_n, max_n]}")
         if not all(0 < r < 1 for r in ratios):
             raise ValueError(f"{name} line {number}: a routed row's ratios must lie in (0, 1) (mx.fast "
-                             f"faster), got {fields[6:]}")
-        rows.append(DispatchRow(family, dtype, sizes[0], mask, sizes[1], sizes[2], *ratios, line=number))
+                             f"faster), got {fields[7:]}")
+        rows.append(DispatchRow(family, dtype, sizes[0], heads, mask, sizes[1], sizes[2], *ratios, line=number))
     return tuple(rows)
 
 
 def format_dispatch_row(row: DispatchRow) -> str:
     """One table line (parse_dispatch reads it back); every column is followed by a space."""
-    return (f"{row.family:<10} {row.dtype:<9} {row.head_dim:<8} {row.mask:<6} {row.min_n:<6} {row.max_n:<6} "
+    return (f"{row.family:<10} {row.dtype:<9} {row.head_dim:<8} {row.heads:<5} {row.mask:<6} {row.min_n:<6} "
+            f"{row.max_n:<6} "
             f"{row.forward:<7.3f} {row.forward_backward:.3f}")
 
 
