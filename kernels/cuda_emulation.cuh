@@ -93,7 +93,7 @@ static inline float __half2float(__half a) { return emu_f16_to_float(a.bits); }
 
 namespace emu {
 
-enum Op { OP_NONE = 0, OP_LDM, OP_LDM_T, OP_LDM2, OP_LDM2_T, OP_MMA_BF16, OP_MMA_F16, OP_SHFL, OP_SYNC, OP_DONE };
+enum Op { OP_NONE = 0, OP_LDM, OP_LDM_T, OP_LDM2, OP_LDM2_T, OP_MMA_BF16, OP_MMA_F16, OP_SHFL, OP_VOTE_ANY, OP_SYNC, OP_DONE };
 
 struct Lane {
   ucontext_t ctx;
@@ -102,7 +102,7 @@ struct Lane {
   uint32_t a[4], b[2], r[4];    // mma / ldmatrix operands and results
   float c[4];                   // mma accumulators (in and out)
   float fval;                   // shuffle value / result
-  int ival;                     // shuffle lane mask
+  int ival;                     // shuffle lane mask / vote predicate and result
   struct Copy { void* dst; const void* src; bool valid; int group; };
   std::vector<Copy> pending;    // cp.async copies not yet done
   int group = 0;                // current (uncommitted) cp.async group number
@@ -234,6 +234,10 @@ inline void run_collective(int w) {
     float v[32];
     for (int l = 0; l < 32; ++l) v[l] = L[l].fval;
     for (int l = 0; l < 32; ++l) L[l].fval = v[l ^ L[l].ival];
+  } else if (op == OP_VOTE_ANY) {
+    int any = 0;
+    for (int l = 0; l < 32; ++l) any |= L[l].ival;
+    for (int l = 0; l < 32; ++l) L[l].ival = any != 0;
   } else {
     s.error = "internal: unknown collective";
     return;
@@ -254,6 +258,13 @@ inline float __shfl_xor_sync(unsigned, float x, int mask) {
   l.ival = mask;
   emu::wait_at(emu::OP_SHFL);
   return emu::me().fval;
+}
+
+inline int __any_sync(unsigned, int predicate) {
+  emu::Lane& l = emu::me();
+  l.ival = predicate != 0;
+  emu::wait_at(emu::OP_VOTE_ANY);
+  return emu::me().ival;
 }
 
 namespace mlxflash {
