@@ -1,8 +1,8 @@
 """The dispatch table: where backend="auto" on CUDA hands a call to MLX's own fused attention.
 
 kernels/dispatch_cuda.txt lists, per GPU family, the (dtype, head dim, head layout, mask, N
-range) where a recorded benchmark measured mx.fast.scaled_dot_product_attention (cuDNN) faster than the "cuda"
-backend's kernels in both the forward and the forward+backward pass. It is data, written by
+range) where a recorded benchmark measured mx.fast.scaled_dot_product_attention (cuDNN) faster
+than the "cuda" backend's kernels in both the forward and the forward+backward pass. It is data, written by
 benchmarks/dispatch_table.py from a recorded benchmarks/bench.py JSON, never by hand; a family
 without rows routes nothing. `select_backend` (backends/__init__.py) consults it for
 backend="auto" only, after the "fast" backend's "serves exactly" rule (fast.py) and its fused
