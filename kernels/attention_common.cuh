@@ -387,9 +387,11 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT
 // relative precision, so O / l and lse are the same function; but a step whose rows all keep
 // their max leaves O alone (rescale_output skips the warp's multiplies), which after the first
 // blocks is most steps (FlashAttention-4 rescales the same way, with the same threshold).
-// It pays only where O is wide: H100 wgmma forward, CUPTI, against rescaling every step: D=256
-// 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower (the branch splits the step's code, and
-// ptxas no longer interleaves the multiplies with the softmax's latencies).
+// It pays only where O is wide and an MMA is in flight beside the softmax: H100 wgmma forward,
+// CUPTI, against rescaling every step: D=160 3 %, D=256 6 % faster, D=128 2-3 % slower, D=64
+// 12-13 % slower (the branch splits the step's code, and ptxas no longer interleaves the
+// multiplies with the softmax's latencies); the synchronous mma.sync forward was 1.5-5.5 % slower
+// at D >= 256. Only attention_forward_wgmma.cu sets LAZY (DP > 128).
 constexpr float MAX_SLACK = 8.f;
 
 // One step of the forward's online softmax for one 16-row m-tile, in the accumulator layout of
