@@ -289,6 +289,15 @@ def test_plan_inspector_names_the_routing_row(monkeypatch, capsys):
     assert parsed.run(parsed) == 0
     out = capsys.readouterr().out
     assert "backend='auto' routes Nq = Nk = N in 128..256 to mx.fast" in out and "line 17" in out
+    # GQA calls (--group) route by the gqa rows only.
+    assert "line 19" in inspect.auto_route(16, "bfloat16", "causal", capability=90, q_len=256, group=2)[0]
+    assert "runs these kernels at Nq=128" in inspect.auto_route(16, "bfloat16", "causal", 90, 128, group=4)[0]
+    parsed = cli.build_parser().parse_args(args + ["--group", "4"])
+    assert parsed.run(parsed) == 0
+    out = capsys.readouterr().out
+    assert "N in 256..256 to mx.fast" in out and "line 19" in out and "line 17" not in out
+    with pytest.raises(ValueError, match=r"\[plan\] group must be a positive int, got 0"):
+        inspect.make_spec(16, group=0)
 
 
 def test_report_names_routes_and_what_auto_would_route(monkeypatch):
