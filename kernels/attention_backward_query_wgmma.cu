@@ -36,7 +36,7 @@ constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int PANELS = (DP + 63) / 64;
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of Q (or dO)
 constexpr int TILE_BYTES = PANELS * BN * 128;     // one K (or V) tile
-constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 4 * STAGES * 8;
+constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 constexpr int PRODUCER_REGS = 48;  // the forward's (40 spills a few bytes at D = 8 and 64, nvcc 13.0)
@@ -53,7 +53,8 @@ __device__ void attention_backward_query_wgmma(
     const bwdqwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
     const float* __restrict__ lse2, const float* __restrict__ delta,
     const bwdqwg::MaskT* __restrict__ mask, const float* __restrict__ sinks, const i64* __restrict__ ip,
-    const float* __restrict__ fp, bwdqwg::T* __restrict__ dq, float* __restrict__ d_sinks_part) {
+    const float* __restrict__ fp, const u32* __restrict__ tensor_map, bwdqwg::T* __restrict__ dq,
+    float* __restrict__ d_sinks_part, unsigned char* __restrict__ tensor_maps) {
   using namespace bwdqwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
@@ -79,18 +80,20 @@ __device__ void attention_backward_query_wgmma(
   const Rows<const T> vg = head_rows(v, lv, b, hk);
   const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
                    vector_rows<HEAD_DIM>(vg);
+  const bool tma = tma_rows<HEAD_DIM>(kg) && tma_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
   key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
   const int steps = kb_end - kb_begin;
 
-  if (tid == 0) ring.init(4 * CONSUMERS);
+  if (tid == 0) ring.init(4 * CONSUMERS, tma ? 1 : 128);
   __syncthreads();  // the barriers are initialized before anyone uses them
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
+                                                          {tensor_map, tensor_maps + 256 * bid},
                                                           tid - 128 * CONSUMERS);
     return;
   }

@@ -51,8 +51,7 @@ constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 constexpr int STAGES = 2;  // K and V buffers each (a ring)
 constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per tile row
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
-constexpr int BARRIER_BYTES = 4 * STAGES * 8;  // full / empty mbarriers of the K and V rings
-constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + BARRIER_BYTES;
+constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
 // to 8: 168 with two consumers). setmaxnreg moves registers only inside the CTA's allocation, so
@@ -74,8 +73,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
                                         const fwdwg::T* __restrict__ v, const Layout lq, const Layout lk,
                                         const Layout lv, const fwdwg::MaskT* __restrict__ mask,
                                         const float* __restrict__ sinks, const i64* __restrict__ ip,
-                                        const float* __restrict__ fp, fwdwg::T* __restrict__ out,
-                                        float* __restrict__ lse) {
+                                        const float* __restrict__ fp, const u32* __restrict__ tensor_map,
+                                        fwdwg::T* __restrict__ out, float* __restrict__ lse,
+                                        unsigned char* __restrict__ tensor_maps) {
   using namespace fwdwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // Panels must start on 1024-byte boundaries of the shared address space (swizzle phase).
@@ -102,18 +102,20 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
   const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
+  const bool tma = tma_rows<HEAD_DIM>(kg) && tma_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
   key_block_range<CAUSAL, WINDOW, BN>(q0, q_last, Nk, diag, wleft, wright, kb_begin, kb_end);
   const int steps = kb_end - kb_begin;
 
-  if (tid == 0) ring.init(4 * CONSUMERS);
+  if (tid == 0) ring.init(4 * CONSUMERS, tma ? 1 : 128);
   __syncthreads();  // the barriers are initialized before anyone uses them
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
+                                                          {tensor_map, tensor_maps + 256 * bid},
                                                           tid - 128 * CONSUMERS);
     return;
   }

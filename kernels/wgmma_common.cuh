@@ -60,6 +60,51 @@ template <int REGS>
 __device__ __forceinline__ void registers_decrease() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
 template <int REGS>
 __device__ __forceinline__ void registers_increase() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS)); }
+
+// Tensor maps (PTX ISA "Tensor Map", "tensormap.replace"): a 128-byte object that tells the Tensor
+// Memory Accelerator (TMA) where a 2-D tensor lies and which box one load copies. The host encodes
+// a template once per box shape (mlx_flash/backends/tensor_map.py: cuTensorMapEncodeTiled with a
+// dummy address); the device writes each head's address, sizes and row stride into a copy in
+// shared memory, then publishes it to global memory, where TMA reads maps.
+__device__ __forceinline__ void tensor_map_replace(u32 map, const void* base, int cols, int rows, i64 row_bytes) {
+  asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;\n" ::"r"(map), "l"(base)
+               : "memory");
+  asm volatile("tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], 0, %1;\n" ::"r"(map), "r"(cols)
+               : "memory");
+  asm volatile("tensormap.replace.tile.global_dim.shared::cta.b1024.b32 [%0], 1, %1;\n" ::"r"(map), "r"(rows)
+               : "memory");
+  asm volatile("tensormap.replace.tile.global_stride.shared::cta.b1024.b64 [%0], 0, %1;\n" ::"r"(map), "l"(row_bytes)
+               : "memory");
+}
+// The whole warp: copies the shared map to `global` with a release fence toward the tensor-map proxy.
+__device__ __forceinline__ void tensor_map_publish(unsigned char* global, u32 map) {
+  asm volatile(
+      "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.gpu.sync.aligned [%0], [%1], 128;\n" ::"l"(
+          global),
+      "r"(map)
+      : "memory");
+}
+// Before the first TMA load through a published map (by the thread that issues the loads).
+__device__ __forceinline__ void tensor_map_acquire(const unsigned char* global) {
+  asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global) : "memory");
+}
+// The barrier's current phase also waits for `bytes` of asynchronous copies (and counts this
+// thread's arrival).
+__device__ __forceinline__ void mbarrier_arrive_expect_bytes(u32 barrier, u32 bytes) {
+  asm volatile("{\n .reg .b64 state;\n mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(barrier),
+               "r"(bytes)
+               : "memory");
+}
+// One TMA load: the map's box at (column, row) into shared memory at `dst` (1024-byte aligned for
+// the 128-byte swizzle), counted on `barrier` as it lands. Rows and columns past the tensor's
+// sizes are zero-filled.
+__device__ __forceinline__ void tma_load_2d(u32 dst, const unsigned char* map, int column, int row, u32 barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+          dst),
+      "l"(map), "r"(column), "r"(row), "r"(barrier)
+      : "memory");
+}
 #endif
 
 // This thread's warpgroup (0, 1, ...), broadcast from lane 0 so that the compiler knows it is
@@ -250,35 +295,93 @@ __device__ __forceinline__ void acquire_tile(u32 full_barrier, u32 parity) {
 }
 
 // The K / V ring of the forward and the dQ kernel: STAGES buffers of BN keys each for K and V,
-// and four arrays of STAGES mbarriers at `barriers`: full / empty for K, full / empty for V.
-// "full" counts the 128 producer threads, "empty" one lane of each of the consumers' warps.
+// and its control block at `at` (BYTES, 128-byte aligned): the K and V tensor maps, then four
+// arrays of STAGES mbarriers: full / empty for K, full / empty for V. "full" counts the producer's
+// arrivals (`producers`: one thread with TMA, the producer's 128 threads with cp.async), "empty"
+// one lane of each of the consumers' warps.
 template <int STAGES>
 struct KeyValueRing {
-  u32 barriers;
-  __device__ __forceinline__ u32 full_keys(int stage) const { return barriers + 8 * stage; }
-  __device__ __forceinline__ u32 empty_keys(int stage) const { return barriers + 8 * (STAGES + stage); }
-  __device__ __forceinline__ u32 full_values(int stage) const { return barriers + 8 * (2 * STAGES + stage); }
-  __device__ __forceinline__ u32 empty_values(int stage) const { return barriers + 8 * (3 * STAGES + stage); }
-  __device__ __forceinline__ void init(int consumer_warps) const {
+  static constexpr int BYTES = 2 * 128 + 4 * STAGES * 8;
+  u32 at;
+  __device__ __forceinline__ u32 key_map() const { return at; }
+  __device__ __forceinline__ u32 value_map() const { return at + 128; }
+  __device__ __forceinline__ u32 full_keys(int stage) const { return at + 256 + 8 * stage; }
+  __device__ __forceinline__ u32 empty_keys(int stage) const { return at + 256 + 8 * (STAGES + stage); }
+  __device__ __forceinline__ u32 full_values(int stage) const { return at + 256 + 8 * (2 * STAGES + stage); }
+  __device__ __forceinline__ u32 empty_values(int stage) const { return at + 256 + 8 * (3 * STAGES + stage); }
+  __device__ __forceinline__ void init(int consumer_warps, int producers) const {
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
-      mbarrier_init(full_keys(stage), 128);
-      mbarrier_init(full_values(stage), 128);
+      mbarrier_init(full_keys(stage), producers);
+      mbarrier_init(full_values(stage), producers);
       mbarrier_init(empty_keys(stage), consumer_warps);
       mbarrier_init(empty_values(stage), consumer_warps);
     }
+    // The initializations visible to the asynchronous proxy too (TMA counts bytes on "full").
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
+};
+
+// Whether TMA can load these rows: vector_rows' 16-byte chunks, and a row stride that a tensor
+// map can name (a positive multiple of 16 bytes, rows not overlapping).
+template <int HEAD_DIM, typename T>
+__device__ __forceinline__ bool tma_rows(const Rows<T>& r) {
+  return vector_rows<HEAD_DIM>(r) && r.row >= HEAD_DIM && r.row < ((i64)1 << 36);
+}
+
+// Where a CTA's K and V tensor maps come from: the host's template (32 words) and the CTA's two
+// 128-byte slots of a global scratch output (TMA reads maps from global memory only).
+struct TensorMapSource {
+  const u32* templ;
+  unsigned char* slots;
 };
 
 // The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
 // kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
 // once the consumers released it (it runs up to STAGES tiles ahead).
+// tma (tma_rows for K and V; the ring's "full" barriers then count one arrival): the first warp
+// publishes the two tensor maps and one thread issues a TMA load per 64-column panel; the
+// hardware counts the bytes on "full". Else all 128 threads copy with cp.async (load_swizzled).
 template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
                                                         unsigned char* Vs, const Rows<const T>& kg,
-                                                        const Rows<const T>& vg, int kb_begin,
-                                                        int steps, int Nk, bool vec, int ptid) {
+                                                        const Rows<const T>& vg, int kb_begin, int steps, int Nk,
+                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid) {
   constexpr int TILE_BYTES = PANELS * BN * 128;
+  if (tma) {
+    if (ptid >= 32) return;
+    unsigned char *key_map = maps.slots, *value_map = maps.slots + 128;
+    const u32 word = maps.templ[ptid];
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ring.key_map() + 4 * ptid), "r"(word) : "memory");
+    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ring.value_map() + 4 * ptid), "r"(word) : "memory");
+    __syncwarp();
+    if (ptid == 0) {
+      tensor_map_replace(ring.key_map(), kg.p, HEAD_DIM, Nk, kg.row * (i64)sizeof(T));
+      tensor_map_replace(ring.value_map(), vg.p, HEAD_DIM, Nk, vg.row * (i64)sizeof(T));
+    }
+    __syncwarp();
+    tensor_map_publish(key_map, ring.key_map());
+    tensor_map_publish(value_map, ring.value_map());
+    if (ptid != 0) return;
+    tensor_map_acquire(key_map);
+    tensor_map_acquire(value_map);
+    for (int j = 0; j < steps; ++j) {
+      const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
+      const u32 parity = ((j / STAGES) & 1) ^ 1;
+      mbarrier_wait(ring.empty_keys(stage), parity);
+      mbarrier_arrive_expect_bytes(ring.full_keys(stage), TILE_BYTES);
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p)
+        tma_load_2d(smem_u32(Ks + stage * TILE_BYTES + p * BN * 128), key_map, 64 * p, k0, ring.full_keys(stage));
+      mbarrier_wait(ring.empty_values(stage), parity);
+      mbarrier_arrive_expect_bytes(ring.full_values(stage), TILE_BYTES);
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p)
+        tma_load_2d(smem_u32(Vs + stage * TILE_BYTES + p * BN * 128), value_map, 64 * p, k0,
+                    ring.full_values(stage));
+    }
+    return;
+  }
   for (int j = 0; j < steps; ++j) {
     const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
     const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 
-from attention_cases import (GRADIENT_TOLERANCE, LAYOUTS, Case, cases, check_case, make_arrays, relative_error,
-                             to_numpy)
+from attention_cases import (GRADIENT_TOLERANCE, LAYOUTS, Case, cases, check_case, laid_out, make_arrays,
+                             relative_error, to_numpy)
 
 from mlx_flash import (FallbackWarning, fallback_counts, flash_attention, planner, reference,  # noqa: E402
                        reset_fallback_counts)
@@ -351,7 +351,10 @@ def test_wgmma_variant_renders(kernel, head_dim):
     assert variant.shared_memory <= SM90.shared_memory
     header, body, inputs, outputs = cuda_source.source(variant)
     assert f"attention_{kernel}_wgmma(" in body
-    assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[kernel]
+    # the forward and dQ kernels load K / V with TMA: the map template in, every CTA's maps out (last)
+    assert outputs == {"forward": ["out", "lse", "tensor_maps"], "backward_query": ["dq", "tensor_maps"],
+                       "backward_key_value": ["dk", "dv"]}[kernel]
+    assert ("tensor_map" in inputs) == variant.tensor_maps == (kernel != "backward_key_value")
     assert f"static_assert(SMEM_BYTES <= {variant.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{variant.head_block}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{variant.traversal_block}, __nv_bfloat16>" in header
@@ -515,6 +518,38 @@ def test_wgmma_forward_matches_reference_and_mma(case):
     assert np.array_equal(np.isfinite(lse_wgmma), np.isfinite(lse_mma))
     finite = np.isfinite(lse_mma)
     assert relative_error(lse_wgmma[finite], lse_mma[finite]) < 1e-4
+
+
+@gpu
+@sm90_only
+@pytest.mark.parametrize("head_dim,kv_len,dtype,mask", [
+    (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
+    (176, 333, "bfloat16", "causal"), (256, 150, "float16", None)])
+def test_wgmma_key_value_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
+    """The wgmma forward and dQ kernels load K and V with TMA where their rows allow (row-contiguous,
+    mlx-lm's token-major views), else with per-element stores (rows at an odd offset). Both fill
+    shared memory with the same tile, zeros past Nk and past D included, so the outputs, lse and
+    gradients agree bit for bit. Tails: Nk not a multiple of the key block; D = 96 and 176 fill
+    part of their last 64-column panel."""
+    rng = np.random.default_rng(head_dim + kv_len)
+    dt = getattr(mx, dtype)
+    B, Hq, Hkv, Nq = 2, 4, 2, 300
+    q, d_out = (mx.array(rng.standard_normal((B, Hq, Nq, head_dim)).astype(np.float32)).astype(dt) for _ in range(2))
+    k, v = (mx.array(rng.standard_normal((B, Hkv, kv_len, head_dim)).astype(np.float32)).astype(dt) for _ in range(2))
+    backend = cuda.CUDABackend()
+
+    def run(layout):
+        kl, vl = laid_out(k, layout), laid_out(v, layout)
+
+        out, lse = flash_attention(q, kl, vl, mask=mask, return_lse=True, backend=backend)
+        grads = mx.vjp(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=mask, backend=backend), [q, kl, vl],
+                       [d_out])[1]
+        mx.eval(out, lse, grads)
+        return [np.array(x.astype(mx.float32)) for x in (out, lse, *grads)]
+
+    tma, tma_token_major, elementwise = run("row"), run("token_major"), run("offset")
+    for name, a, b, c in zip(("out", "lse", "dq", "dk", "dv"), tma, tma_token_major, elementwise):
+        assert np.array_equal(a, b) and np.array_equal(a, c), (name, head_dim, kv_len)
 
 
 @gpu

@@ -31,7 +31,7 @@ import mlx.core as mx
 from .. import planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
-from . import cuda_source
+from . import cuda_source, tensor_map
 from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_operands, empty_backward,
                      empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
                      token_major_shape)
@@ -323,8 +323,15 @@ class CUDABackend:
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
         inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
             _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
-        return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                    grid=grid, threadgroup=group)
+        if not variant.tensor_maps:
+            return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
+                                        grid=grid, threadgroup=group)
+        # TMA loads: the template in, a scratch output for every CTA's published maps (dropped).
+        outputs = self.kernel(variant)(
+            inputs=inputs + [tensor_map.panel_template(variant.traversal_block)],
+            output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
+            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
+        return outputs[:-1]
 
 
 BACKEND = CUDABackend()

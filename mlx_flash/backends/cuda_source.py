@@ -250,10 +250,11 @@ class KernelVariant:
         bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
         if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
             row, stages = -(-self.padded_dim // 64) * 128, WGMMA_STAGES
+            ring = 256 + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
             if self.kernel == "forward":  # Q; K and V rings
-                return 1024 + row * (bm + 2 * stages * bn) + 32 * stages
+                return 1024 + row * (bm + 2 * stages * bn) + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings
-                return 1024 + row * (2 * bm + 2 * stages * bn) + 32 * stages
+                return 1024 + row * (2 * bm + 2 * stages * bn) + ring
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
@@ -266,6 +267,12 @@ class KernelVariant:
         if self.kernel == "backward_query":
             return (2 * bm * row + 4 * bn * row + shared_scores) * 2
         return (2 * bm * row + 4 * bn * row + 2 * shared_scores) * 2 + 4 * bn * 4
+
+    @property
+    def tensor_maps(self) -> bool:
+        """Whether the kernel loads K and V with TMA where their rows allow (the wgmma forward and
+        dQ kernels): it then takes a tensor-map template and a scratch output for its maps."""
+        return self.instruction == "wgmma" and self.kernel in ("forward", "backward_query")
 
     @property
     def name(self) -> str:
@@ -481,18 +488,20 @@ def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
     else:
         parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
         suffix = ""
-    inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks)
+    inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks,
+                                       variant.tensor_maps)
     return "\n".join(parts), body, inputs, outputs
 
 
-def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
-               sinks: bool = False) -> Tuple[List[str], List[str], str]:
+def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: bool = False,
+               tensor_maps: bool = False) -> Tuple[List[str], List[str], str]:
     """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
 
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
     body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
     after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
-    without sinks)."""
+    without sinks). With tensor_maps (the wgmma forward and dQ kernels) the tensor-map template
+    follows the parameters and a scratch output for the CTAs' maps comes last."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
@@ -503,10 +512,14 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str,
     if kernel != "backward_key_value":
         args.append("sinks" if sinks else "(const float*)nullptr")
     inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + ["params", "fparams"]
-    args += ["params", "fparams"] + outputs
+    args += ["params", "fparams"] + (["tensor_map"] if tensor_maps else []) + outputs
     if kernel == "backward_query":
         outputs = outputs + (["d_sinks_part"] if sinks else [])
         args.append("d_sinks_part" if sinks else "(float*)nullptr")
+    if tensor_maps:
+        inputs.append("tensor_map")
+        outputs = outputs + ["tensor_maps"]
+        args.append("tensor_maps")
     body = f"mlxflash::attention_{kernel}{suffix}({', '.join(args)});"
     return inputs, outputs, body
 
