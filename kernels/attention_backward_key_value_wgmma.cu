@@ -7,8 +7,10 @@
 //   S^T = K Q^T, dP^T = V dO^T                          (wgmma, both operands in shared memory)
 //   P^T = exp2(S2^T - lse2), dS^T = P^T * (dP^T - delta) (registers)
 //   dV += P^T dO, dK += dS^T Q                         (wgmma, P^T / dS^T from registers)
-// - A producer warpgroup streams each item's Q and dO tiles into a ring of STAGES buffers with
-//   cp.async; the hardware announces each on an mbarrier. The item's lse2 and delta values go
+// - A producer warpgroup streams each item's Q and dO tiles into a ring of STAGES buffers: one
+//   thread issues a TMA load per panel through one map per operand over the group's query
+//   heads (rows TMA cannot name: cp.async from all 128 threads); the hardware announces each
+//   tile on an mbarrier as it lands. The item's lse2 and delta values go
 //   beside them through ordinary loads and stores, each announced by its own thread's arrive
 //   (see the producer: the consumers read them with ordinary loads, not through wgmma).
 // - CG = 1, NSLICE = 1 (D <= blocks_cuda.txt's H): CONSUMERS consumer warpgroups own 64 keys
@@ -65,7 +67,8 @@ constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 // (one barrier per step) where it fits, at BN <= 32; at BN = 64 one buffer and a second barrier.
 constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
-constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES +
+constexpr int MAP_BYTES = 2 * 128;  // the Q and dO tensor maps (TMA)
+constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + MAP_BYTES +
                            STAGES * 2 * BN * 4 + 3 * STAGES * 8;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -90,8 +93,9 @@ static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 1
 __device__ void attention_backward_key_value_wgmma(
     const bwdkvwg::T* __restrict__ q, const bwdkvwg::T* __restrict__ k, const bwdkvwg::T* __restrict__ v,
     const bwdkvwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
-    const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
-    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv) {
+    const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask,
+    const i64* __restrict__ ip, const float* __restrict__ fp, const u32* __restrict__ tensor_map,
+    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, unsigned char* __restrict__ tensor_maps) {
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
@@ -100,7 +104,8 @@ __device__ void attention_backward_key_value_wgmma(
   unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
   float4* swap = reinterpret_cast<float4*>(dOs + STAGES * TILE_BYTES);  // [SWAP_BUFFERS][2 warpgroups]
-  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES);  // [STAGES] x BN lse2
+  const u32 q_map = smem_u32(dOs + STAGES * TILE_BYTES + SWAP_BYTES), do_map = q_map + 128;
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
@@ -126,6 +131,10 @@ __device__ void attention_backward_key_value_wgmma(
   const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
                    vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
                    vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
+  // TMA: one map per operand spans the group's query heads (a third dimension of `group` heads).
+  const bool tma = tma_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) &&
+                   tma_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) &&
+                   (group == 1 || (lq.head % 8 == 0 && lq.head > 0 && ldo.head % 8 == 0 && ldo.head > 0));
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -135,10 +144,12 @@ __device__ void attention_backward_key_value_wgmma(
   if (tid == 0) {
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
-      mbarrier_init(full_q(stage), 128 + BN);  // 128 tile arrivals + BN statistics arrivals
-      mbarrier_init(full_do(stage), 128 + BN);
+      // The tile's arrivals (one with TMA, the 128 copying threads with cp.async) + BN statistics arrivals.
+      mbarrier_init(full_q(stage), (tma ? 1 : 128) + BN);
+      mbarrier_init(full_do(stage), (tma ? 1 : 128) + BN);
       mbarrier_init(empty(stage), 128 * CONSUMERS);
     }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
 
@@ -164,6 +175,55 @@ __device__ void attention_backward_key_value_wgmma(
       next_d = i < Nq ? delta[row] : 0.f;
     };
     load_stats(0);
+    if (tma) {  // the first warp publishes the Q and dO maps, thread 0 issues the loads
+      unsigned char *q_global = tensor_maps + 256 * bid, *do_global = q_global + 128;
+      if (ptid < 32) {
+        const u32 word = tensor_map[ptid];
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_map + 4 * ptid), "r"(word) : "memory");
+        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(do_map + 4 * ptid), "r"(word) : "memory");
+        __syncwarp();
+        if (ptid == 0) {
+          tensor_map_replace(q_map, head_rows(q, lq, b, hk * group).p, HEAD_DIM, Nq, lq.row * (i64)sizeof(T));
+          tensor_map_replace_heads(q_map, group, (group > 1 ? lq.head : 8) * (i64)sizeof(T));
+          tensor_map_replace(do_map, head_rows(d_out, ldo, b, hk * group).p, HEAD_DIM, Nq, ldo.row * (i64)sizeof(T));
+          tensor_map_replace_heads(do_map, group, (group > 1 ? ldo.head : 8) * (i64)sizeof(T));
+        }
+        __syncwarp();
+        tensor_map_publish(q_global, q_map);
+        tensor_map_publish(do_global, do_map);
+        if (ptid == 0) {
+          tensor_map_acquire(q_global);
+          tensor_map_acquire(do_global);
+        }
+      }
+      for (int it = 0; it < items; ++it) {
+        const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+        const float l = next_l, d = next_d;
+        load_stats(it + 1);
+        mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
+        if (ptid == 0) {
+          mbarrier_arrive_expect_bytes(full_q(stage), TILE_BYTES);
+#pragma unroll
+          for (int p = 0; p < TILE_PANELS; ++p)
+            tma_load_3d(smem_u32(Qs + stage * TILE_BYTES + p * BN * 128), q_global, 64 * p, qs, gi, full_q(stage));
+        }
+        if (stats_thread) {
+          Ls[stage * BN + ptid] = l;
+          mbarrier_arrive(full_q(stage));
+        }
+        if (ptid == 0) {
+          mbarrier_arrive_expect_bytes(full_do(stage), TILE_BYTES);
+#pragma unroll
+          for (int p = 0; p < TILE_PANELS; ++p)
+            tma_load_3d(smem_u32(dOs + stage * TILE_BYTES + p * BN * 128), do_global, 64 * p, qs, gi, full_do(stage));
+        }
+        if (stats_thread) {
+          Dls[stage * BN + ptid] = d;
+          mbarrier_arrive(full_do(stage));
+        }
+      }
+      return;
+    }
     for (int it = 0; it < items; ++it) {
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
       const int h = hk * group + gi;
@@ -238,13 +298,14 @@ __device__ void attention_backward_key_value_wgmma(
       const float* Lst = Ls + stage * BN;
       const float* Dst = Dls + stage * BN;
 
-      // S^T starts as soon as Q has landed.
+      // S^T starts as soon as Q has landed. Every acquire fences, TMA tiles too: skipping the
+      // fence after TMA tiles cost ptxas 8-12 bytes of spills here (acquire_tile).
       if (CG == 1) {
-        acquire_tile(full_q(stage), parity);
+        acquire_tile(full_q(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
         wgmma_commit();
-        acquire_tile(full_do(stage), parity);
+        acquire_tile(full_do(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
         wgmma_commit();
@@ -260,7 +321,7 @@ __device__ void attention_backward_key_value_wgmma(
         float4* theirs = swap + (buffer * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
         // The same instructions in both warpgroups (only the descriptors differ): a wgmma on a
         // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
-        acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity);
+        acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
         wgmma_commit();
@@ -278,7 +339,7 @@ __device__ void attention_backward_key_value_wgmma(
             dp_flat[i] = x;
           }
         }
-        acquire_tile(scores_side ? full_do(stage) : full_q(stage), parity);  // the gradient product's B
+        acquire_tile(scores_side ? full_do(stage) : full_q(stage), parity, true);  // the gradient product's B
       }
 
       // P^T into s, dS^T into dp. Thread element (n, hf, e): key row0 + 8 hf, query qs + col.

@@ -151,11 +151,11 @@ __device__ void attention_backward_query_wgmma(
       const u32 parity = (it / STAGES) & 1;
       const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
 
-      acquire_tile(ring.full_keys(stage), parity);
+      acquire_tile(ring.full_keys(stage), parity, !tma);
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
       wgmma_commit();
-      acquire_tile(ring.full_values(stage), parity);
+      acquire_tile(ring.full_values(stage), parity, !tma);
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
       wgmma_commit();

@@ -2,9 +2,10 @@
 //
 // The algorithm of attention_forward.cu with warpgroup MMAs (wgmma.mma_async) and warp
 // specialization (the FlashAttention-3 design):
-//   - a producer warpgroup streams K and V tiles into a ring of STAGES shared memory buffers each
-//     with cp.async and announces each tile on an mbarrier ("full"); it runs on 48 registers
-//     (setmaxnreg) since it holds no tiles;
+//   - a producer warpgroup streams K and V tiles into a ring of STAGES shared memory buffers,
+//     each tile one TMA load per 64-column panel issued by one thread, which the hardware
+//     counts on the tile's mbarrier ("full") as it lands (rows TMA cannot name: all 128 threads
+//     with cp.async); it runs on 48 registers (setmaxnreg) since it holds no tiles;
 //   - CONSUMERS consumer warpgroups (64 query rows each, all DP output columns) run the MMAs
 //     and the online softmax on 224 registers (152 with three, the D <= 64 table row), and
 //     hand each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
@@ -24,8 +25,9 @@
 //   Q, K: K-major operands (rows = queries / keys, contiguous along D); each consumer
 //         warpgroup loads its own 64 Q rows.
 //   V:    MN-major B operand of O += P V (rows = keys = the contraction, contiguous along D).
-// Ordering: cp.async writes through the generic proxy, wgmma reads through the async proxy; the
-// hardware arrives on a tile's "full" barrier when the copies land, and each consumer runs
+// Ordering: TMA writes through the async proxy, which wgmma reads, so a TMA tile needs only its
+// "full" barrier; cp.async (and the per-element stores) write through the generic proxy, the
+// hardware arrives on the tile's "full" barrier when the copies land, and each consumer runs
 // fence.proxy.async after acquiring it.
 // Rendered by mlx_flash.backends.cuda_source with the constants below.
 namespace mlxflash {
@@ -199,7 +201,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     turns.start();
 
     float corr[2];
-    auto wait_full = [&](u32 barrier, int it) { acquire_tile(barrier, (it / STAGES) & 1); };
+    auto wait_full = [&](u32 barrier, int it) { acquire_tile(barrier, (it / STAGES) & 1, !tma); };
     wait_full(ring.full_keys(0), 0);
     turns.take();
     issue_scores(0);

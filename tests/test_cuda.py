@@ -351,10 +351,11 @@ def test_wgmma_variant_renders(kernel, head_dim):
     assert variant.shared_memory <= SM90.shared_memory
     header, body, inputs, outputs = cuda_source.source(variant)
     assert f"attention_{kernel}_wgmma(" in body
-    # the forward and dQ kernels load K / V with TMA: the map template in, every CTA's maps out (last)
-    assert outputs == {"forward": ["out", "lse", "tensor_maps"], "backward_query": ["dq", "tensor_maps"],
-                       "backward_key_value": ["dk", "dv"]}[kernel]
-    assert ("tensor_map" in inputs) == variant.tensor_maps == (kernel != "backward_key_value")
+    # the wgmma kernels load their streamed tiles with TMA: the map template in, every CTA's maps out (last)
+    assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[
+        kernel] + ["tensor_maps"]
+    assert inputs[-1] == "tensor_map" and variant.tensor_maps
+    assert variant.tensor_map_rank == (3 if kernel == "backward_key_value" else 2)
     assert f"static_assert(SMEM_BYTES <= {variant.shared_memory}," in header  # the template's layout fits the launch
     assert f"struct Wgmma<{variant.head_block}, __nv_bfloat16>" in header
     assert f"struct Wgmma<{variant.traversal_block}, __nv_bfloat16>" in header

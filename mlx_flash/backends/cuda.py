@@ -328,7 +328,7 @@ class CUDABackend:
                                         grid=grid, threadgroup=group)
         # TMA loads: the template in, a scratch output for every CTA's published maps (dropped).
         outputs = self.kernel(variant)(
-            inputs=inputs + [tensor_map.panel_template(variant.traversal_block)],
+            inputs=inputs + [tensor_map.panel_template(variant.traversal_block, variant.tensor_map_rank)],
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
             output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
         return outputs[:-1]

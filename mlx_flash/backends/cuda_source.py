@@ -258,7 +258,7 @@ class KernelVariant:
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + stages * (8 * bn + 24)
+            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + 256 + stages * (8 * bn + 24)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.head_block + 8)) * 2
@@ -270,9 +270,15 @@ class KernelVariant:
 
     @property
     def tensor_maps(self) -> bool:
-        """Whether the kernel loads K and V with TMA where their rows allow (the wgmma forward and
-        dQ kernels): it then takes a tensor-map template and a scratch output for its maps."""
-        return self.instruction == "wgmma" and self.kernel in ("forward", "backward_query")
+        """Whether the kernel loads its streamed tiles with TMA where their rows allow (the wgmma
+        kernels: K and V, or the dK/dV kernel's Q and dO): it then takes a tensor-map template and
+        a scratch output for its maps."""
+        return self.instruction == "wgmma"
+
+    @property
+    def tensor_map_rank(self) -> int:
+        """The maps' rank: 3 where one map spans a group's query heads (dK/dV), else 2."""
+        return 3 if self.kernel == "backward_key_value" else 2
 
     @property
     def name(self) -> str:
@@ -500,7 +506,7 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
     body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
     after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
-    without sinks). With tensor_maps (the wgmma forward and dQ kernels) the tensor-map template
+    without sinks). With tensor_maps (the wgmma kernels) the tensor-map template
     follows the parameters and a scratch output for the CTAs' maps comes last."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]

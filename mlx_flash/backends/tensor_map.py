@@ -39,24 +39,31 @@ def _driver():
 
 
 @functools.lru_cache(maxsize=None)
-def panel_template(rows: int) -> mx.array:
-    """The 32 uint32 words of a 2-D tensor map whose box is one 64-column panel of `rows` rows.
+def panel_template(rows: int, rank: int = 2) -> mx.array:
+    """The 32 uint32 words of a tensor map whose box is one 64-column panel of `rows` rows.
 
     Args:
-        rows: rows per load (a tile's keys), 1..256 (TMA's box limit).
+        rows: rows per load (a tile's keys or queries), 1..256 (TMA's box limit).
+        rank: 2 (columns, rows: one head's rows) or 3 (a third dimension of heads, box 1: the
+            dK/dV kernel's one map over the query heads of a kv head's group).
     """
     if not 1 <= rows <= 256:
         raise ValueError(f"[cuda] a TMA box has 1..256 rows; got rows={rows}")
+    if rank not in (2, 3):
+        raise ValueError(f"[cuda] the kernels' tensor maps have rank 2 or 3; got rank={rank}")
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     words = (ctypes.c_uint32 * (_MAP_BYTES // 4))()
-    # Placeholder address and sizes (each CTA replaces them); the address must be 16-byte aligned.
-    status = _driver()(ctypes.byref(words), _UINT16, 2, ctypes.c_void_p(1 << 20),
-                       (u64 * 2)(_PANEL_COLUMNS, 1 << 20), (u64 * 1)(2 * _PANEL_COLUMNS),
-                       (u32 * 2)(_PANEL_COLUMNS, rows), (u32 * 2)(1, 1),
+    # Placeholder address, sizes and strides (each CTA replaces them); the address must be
+    # 16-byte aligned, each stride a multiple of 16 bytes.
+    sizes = (_PANEL_COLUMNS, 1 << 20, 1)[:rank]
+    strides = (2 * _PANEL_COLUMNS, 2 * _PANEL_COLUMNS << 20)[:rank - 1]
+    status = _driver()(ctypes.byref(words), _UINT16, rank, ctypes.c_void_p(1 << 20),
+                       (u64 * rank)(*sizes), (u64 * (rank - 1))(*strides),
+                       (u32 * rank)(*(_PANEL_COLUMNS, rows, 1)[:rank]), (u32 * rank)(*(1,) * rank),
                        _INTERLEAVE_NONE, _SWIZZLE_128B, _L2_PROMOTION_256B, _FILL_ZERO)
     if status != 0:
         raise RuntimeError(f"[cuda] cuTensorMapEncodeTiled failed with CUresult {status} for a "
-                           f"{_PANEL_COLUMNS} x {rows} box")
+                           f"{_PANEL_COLUMNS} x {rows} box of rank {rank}")
     return mx.array(list(words), dtype=mx.uint32)
 
 
