@@ -1,4 +1,4 @@
-"""Tensor-map templates for the wgmma kernels' TMA loads of K and V.
+"""Tensor-map templates for the wgmma kernels' TMA loads (K and V; Q and dO in the dK/dV kernel).
 
 A CUDA tensor map (CUtensorMap, 128 opaque bytes) tells the Tensor Memory Accelerator where a
 tensor lies and which box one load copies. Only the CUDA driver encodes one
@@ -32,7 +32,7 @@ def _driver():
         cuda = ctypes.CDLL("libcuda.so.1")
         encode = cuda.cuTensorMapEncodeTiled
     except (OSError, AttributeError) as error:
-        raise RuntimeError(f"[cuda] the wgmma kernels load K and V with TMA, whose tensor maps only the CUDA "
+        raise RuntimeError(f"[cuda] the wgmma kernels load their tiles with TMA, whose tensor maps only the CUDA "
                            f"driver encodes (cuTensorMapEncodeTiled in libcuda.so.1): {error}") from error
     encode.restype = ctypes.c_int
     return encode
@@ -68,5 +68,5 @@ def panel_template(rows: int, rank: int = 2) -> mx.array:
 
 
 def scratch_bytes(ctas: int) -> int:
-    """Bytes of the global scratch the kernels publish their maps in: a K and a V map per CTA."""
+    """Bytes of the global scratch the kernels publish their maps in: two maps per CTA (K and V, or Q and dO)."""
     return 2 * _MAP_BYTES * ctas
