@@ -527,11 +527,12 @@ def test_wgmma_forward_matches_reference_and_mma(case):
     (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
     (176, 333, "bfloat16", "causal"), (256, 150, "float16", None)])
 def test_wgmma_key_value_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
-    """The wgmma forward and dQ kernels load K and V with TMA where their rows allow (row-contiguous,
-    mlx-lm's token-major views), else with per-element stores (rows at an odd offset). Both fill
-    shared memory with the same tile, zeros past Nk and past D included, so the outputs, lse and
-    gradients agree bit for bit. Tails: Nk not a multiple of the key block; D = 96 and 176 fill
-    part of their last 64-column panel."""
+    """The wgmma kernels load their streamed tiles with TMA where the rows allow (row-contiguous,
+    mlx-lm's token-major views), else with per-element stores (rows at an odd offset): K and V in
+    the forward and dQ kernels, Q in the dK/dV kernel (through one map over a kv head's two query
+    heads here). Both fill shared memory with the same tile, zeros past N and past D included, so
+    the outputs, lse and gradients agree bit for bit. Tails: N not a multiple of the blocks;
+    D = 96 and 176 fill part of their last 64-column panel."""
     rng = np.random.default_rng(head_dim + kv_len)
     dt = getattr(mx, dtype)
     B, Hq, Hkv, Nq = 2, 4, 2, 300
@@ -540,10 +541,10 @@ def test_wgmma_key_value_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask)
     backend = cuda.CUDABackend()
 
     def run(layout):
-        kl, vl = laid_out(k, layout), laid_out(v, layout)
+        ql, kl, vl = laid_out(q, layout), laid_out(k, layout), laid_out(v, layout)
 
-        out, lse = flash_attention(q, kl, vl, mask=mask, return_lse=True, backend=backend)
-        grads = mx.vjp(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=mask, backend=backend), [q, kl, vl],
+        out, lse = flash_attention(ql, kl, vl, mask=mask, return_lse=True, backend=backend)
+        grads = mx.vjp(lambda q_, k_, v_: flash_attention(q_, k_, v_, mask=mask, backend=backend), [ql, kl, vl],
                        [d_out])[1]
         mx.eval(out, lse, grads)
         return [np.array(x.astype(mx.float32)) for x in (out, lse, *grads)]
