@@ -196,27 +196,24 @@ __device__ void attention_backward_key_value_wgmma(
           tensor_map_acquire(do_global);
         }
       }
+      // One tile (query rows qs.., query head gi of the group) into `tile`, counted on `full`.
+      auto load_tile = [&](unsigned char* tile, const unsigned char* map, int qs, int gi, u32 full) {
+        if (ptid != 0) return;
+        mbarrier_arrive_expect_bytes(full, TILE_BYTES);
+#pragma unroll
+        for (int p = 0; p < TILE_PANELS; ++p) tma_load_3d(smem_u32(tile + p * BN * 128), map, 64 * p, qs, gi, full);
+      };
       for (int it = 0; it < items; ++it) {
         const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
         const float l = next_l, d = next_d;
         load_stats(it + 1);
         mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
-        if (ptid == 0) {
-          mbarrier_arrive_expect_bytes(full_q(stage), TILE_BYTES);
-#pragma unroll
-          for (int p = 0; p < TILE_PANELS; ++p)
-            tma_load_3d(smem_u32(Qs + stage * TILE_BYTES + p * BN * 128), q_global, 64 * p, qs, gi, full_q(stage));
-        }
+        load_tile(Qs + stage * TILE_BYTES, q_global, qs, gi, full_q(stage));
         if (stats_thread) {
           Ls[stage * BN + ptid] = l;
           mbarrier_arrive(full_q(stage));
         }
-        if (ptid == 0) {
-          mbarrier_arrive_expect_bytes(full_do(stage), TILE_BYTES);
-#pragma unroll
-          for (int p = 0; p < TILE_PANELS; ++p)
-            tma_load_3d(smem_u32(dOs + stage * TILE_BYTES + p * BN * 128), do_global, 64 * p, qs, gi, full_do(stage));
-        }
+        load_tile(dOs + stage * TILE_BYTES, do_global, qs, gi, full_do(stage));
         if (stats_thread) {
           Dls[stage * BN + ptid] = d;
           mbarrier_arrive(full_do(stage));
