@@ -177,25 +177,13 @@ __device__ void attention_backward_key_value_wgmma(
     load_stats(0);
     if (tma) {  // the first warp publishes the Q and dO maps, thread 0 issues the loads
       unsigned char *q_global = tensor_maps + 256 * bid, *do_global = q_global + 128;
-      if (ptid < 32) {
-        const u32 word = tensor_map[ptid];
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(q_map + 4 * ptid), "r"(word) : "memory");
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(do_map + 4 * ptid), "r"(word) : "memory");
-        __syncwarp();
-        if (ptid == 0) {
+      if (ptid < 32)
+        publish_tensor_maps(tensor_map, q_map, do_map, q_global, ptid, [&] {
           tensor_map_replace(q_map, head_rows(q, lq, b, hk * group).p, HEAD_DIM, Nq, lq.row * (i64)sizeof(T));
           tensor_map_replace_heads(q_map, group, (group > 1 ? lq.head : 8) * (i64)sizeof(T));
           tensor_map_replace(do_map, head_rows(d_out, ldo, b, hk * group).p, HEAD_DIM, Nq, ldo.row * (i64)sizeof(T));
           tensor_map_replace_heads(do_map, group, (group > 1 ? ldo.head : 8) * (i64)sizeof(T));
-        }
-        __syncwarp();
-        tensor_map_publish(q_global, q_map);
-        tensor_map_publish(do_global, do_map);
-        if (ptid == 0) {
-          tensor_map_acquire(q_global);
-          tensor_map_acquire(do_global);
-        }
-      }
+        });
       // One tile (query rows qs.., query head gi of the group) into `tile`, counted on `full`.
       auto load_tile = [&](unsigned char* tile, const unsigned char* map, int qs, int gi, u32 full) {
         if (ptid != 0) return;

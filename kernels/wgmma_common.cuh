@@ -96,6 +96,26 @@ __device__ __forceinline__ void tensor_map_publish(unsigned char* global, u32 ma
 __device__ __forceinline__ void tensor_map_acquire(const unsigned char* global) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global) : "memory");
 }
+// A CTA's two tensor maps, by its producer's first warp (lane 0..31): the host's template (32
+// words) into both shared maps, which lane 0 then completes (`complete`: tensor_map_replace...);
+// the warp publishes them to `slots` (two 128-byte global slots) and lane 0, which issues the
+// loads, acquires them.
+template <typename Complete>
+__device__ __forceinline__ void publish_tensor_maps(const u32* templ, u32 first, u32 second, unsigned char* slots,
+                                                    int lane, Complete complete) {
+  const u32 word = templ[lane];
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(first + 4 * lane), "r"(word) : "memory");
+  asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(second + 4 * lane), "r"(word) : "memory");
+  __syncwarp();
+  if (lane == 0) complete();
+  __syncwarp();
+  tensor_map_publish(slots, first);
+  tensor_map_publish(slots + 128, second);
+  if (lane == 0) {
+    tensor_map_acquire(slots);
+    tensor_map_acquire(slots + 128);
+  }
+}
 // The barrier's current phase also waits for `bytes` of asynchronous copies (and counts this
 // thread's arrival).
 __device__ __forceinline__ void mbarrier_arrive_expect_bytes(u32 barrier, u32 bytes) {
@@ -371,20 +391,11 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
   if (tma) {
     if (ptid >= 32) return;
     unsigned char *key_map = maps.slots, *value_map = maps.slots + 128;
-    const u32 word = maps.templ[ptid];
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ring.key_map() + 4 * ptid), "r"(word) : "memory");
-    asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(ring.value_map() + 4 * ptid), "r"(word) : "memory");
-    __syncwarp();
-    if (ptid == 0) {
+    publish_tensor_maps(maps.templ, ring.key_map(), ring.value_map(), maps.slots, ptid, [&] {
       tensor_map_replace(ring.key_map(), kg.p, HEAD_DIM, Nk, kg.row * (i64)sizeof(T));
       tensor_map_replace(ring.value_map(), vg.p, HEAD_DIM, Nk, vg.row * (i64)sizeof(T));
-    }
-    __syncwarp();
-    tensor_map_publish(key_map, ring.key_map());
-    tensor_map_publish(value_map, ring.value_map());
+    });
     if (ptid != 0) return;
-    tensor_map_acquire(key_map);
-    tensor_map_acquire(value_map);
     for (int j = 0; j < steps; ++j) {
       const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
       const u32 parity = ((j / STAGES) & 1) ^ 1;

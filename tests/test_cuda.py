@@ -526,7 +526,7 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 @pytest.mark.parametrize("head_dim,kv_len,dtype,mask", [
     (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
     (176, 333, "bfloat16", "causal"), (256, 150, "float16", None)])
-def test_wgmma_key_value_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
+def test_wgmma_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
     """The wgmma kernels load their streamed tiles with TMA where the rows allow (row-contiguous,
     mlx-lm's token-major views), else with per-element stores (rows at an odd offset): K and V in
     the forward and dQ kernels, Q in the dK/dV kernel (through one map over a kv head's two query
