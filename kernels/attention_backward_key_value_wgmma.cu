@@ -37,18 +37,6 @@
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
 // GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 //
-// FUSED_DQ (CG = 1, NSLICE = 1, no window): the kernel also accumulates dQ, so the backward
-// runs 5 products instead of the dQ kernel's 3 plus these 4 (FlashAttention-3's backward, in
-// its deterministic form). Each warpgroup stores its dS^T (bf16) transposed into shared memory
-// and multiplies dQ_part (BN x D) = dS (BN x 64 keys, K-major) * K (its 64 keys, MN-major);
-// one warpgroup hands its part to the other through shared memory (the roles alternate per
-// item, so one buffer and no "empty" barrier), which adds both and then adds the sum into an
-// fp32 dQ accumulator in global memory in a fixed order: the contributions to a query block
-// go in ascending key block, each CTA waiting on a per-(head, query block) counter until the
-// key blocks before it have added theirs. A CTA only waits on lower-indexed CTAs (started no
-// later), so the wait always ends; the order makes dQ bitwise reproducible (fp32 adds in one
-// order), and the caller scales and rounds the accumulator to dQ.
-//
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
 // (rows = queries = the contraction), one layout for both.
@@ -68,7 +56,6 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
-constexpr bool FUSED_DQ = {{fused_query}};
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -81,12 +68,7 @@ constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int MAP_BYTES = 2 * 128;  // the Q and dO tensor maps (TMA)
-// FUSED_DQ: each warpgroup's dS (BN query rows of its 64 keys: one 128-byte panel row each) and
-// the BN x DP fp32 dQ part handed between the warpgroups.
-constexpr int DS_TILE_BYTES = FUSED_DQ ? BN * 128 : 0;
-constexpr int DQ_PART_BYTES = FUSED_DQ ? BN * DP * 4 : 0;
-constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES +
-                           CONSUMERS * DS_TILE_BYTES + DQ_PART_BYTES + SWAP_BYTES + MAP_BYTES +
+constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + MAP_BYTES +
                            STAGES * 2 * BN * 4 + 3 * STAGES * 8;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
@@ -104,10 +86,6 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2),
               "column groups: two warpgroups, one slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
-constexpr int DQ_PART_BARRIER = SWAP_BARRIER + 1;  // FUSED_DQ: two, alternating per item
-static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0),
-              "fused dQ: all of D per warpgroup, no window (every key block before a contributor contributes), "
-              "whole 64-row query tiles");
 static_assert(DP <= 256, "D <= 256");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
@@ -117,8 +95,7 @@ __device__ void attention_backward_key_value_wgmma(
     const bwdkvwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
     const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask,
     const i64* __restrict__ ip, const float* __restrict__ fp, const u32* __restrict__ tensor_map,
-    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ dq_order,
-    unsigned char* __restrict__ tensor_maps) {
+    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, unsigned char* __restrict__ tensor_maps) {
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
@@ -126,11 +103,9 @@ __device__ void attention_backward_key_value_wgmma(
   unsigned char* Vs = Ks + KEY_GROUPS * KV_GROUP_BYTES;       // [KEY_GROUPS] x 64 key rows
   unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
-  unsigned char* dSs = dOs + STAGES * TILE_BYTES;             // FUSED_DQ: [CONSUMERS] x BN query rows
-  float4* dq_part = reinterpret_cast<float4*>(dSs + CONSUMERS * DS_TILE_BYTES);  // FUSED_DQ
-  float4* swap = reinterpret_cast<float4*>(dSs + CONSUMERS * DS_TILE_BYTES + DQ_PART_BYTES);  // [SWAP_BUFFERS][2]
-  const u32 q_map = smem_u32(reinterpret_cast<unsigned char*>(swap) + SWAP_BYTES), do_map = q_map + 128;
-  float* Ls = reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(swap) + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
+  float4* swap = reinterpret_cast<float4*>(dOs + STAGES * TILE_BYTES);  // [SWAP_BUFFERS][2 warpgroups]
+  const u32 q_map = smem_u32(dOs + STAGES * TILE_BYTES + SWAP_BYTES), do_map = q_map + 128;
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
@@ -408,7 +383,6 @@ __device__ void attention_backward_key_value_wgmma(
       issue_gradient(dv_flat, pa, do_addr);
       issue_gradient(dk_flat, dsa, q_addr);
       wgmma_commit();
-      if (FUSED_DQ) store_scores_transposed<BN>(dsa, dSs + warpgroup * DS_TILE_BYTES, warp * 16 + g, tq);
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
@@ -416,56 +390,6 @@ __device__ void attention_backward_key_value_wgmma(
       // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
       // stage; the former one by lane 0 of each warp released only lane 0's own loads).
       mbarrier_arrive(empty(stage));
-      if (FUSED_DQ) {
-        // dQ part (BN x DP) = dS (BN x 64 keys, this warpgroup's tile) * K (64 keys x DP).
-        named_barrier_sync(1 + warpgroup, 128);  // every warp's dS stores are in the tile
-        float dqa[BN / 64][DP / 2];
-        const SmemDescriptor ds_desc(smem_u32(dSs + warpgroup * DS_TILE_BYTES), 16, 1024);
-        const SmemDescriptor k_desc(k_addr, 64 * 128, 1024);
-        wgmma_fence();
-#pragma unroll
-        for (int mb = 0; mb < BN / 64; ++mb)
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk)
-            Wgmma<DP, T>::ss_mn(dqa[mb], ds_desc.at(mb * 64 * 128 + kk * 32), k_desc.at(kk * 16 * 128), kk > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        float(&dq_flat)[BN / 64 * DP / 2] = *reinterpret_cast<float(*)[BN / 64 * DP / 2]>(&dqa[0][0]);
-        fence_registers(dq_flat);
-        // Every warp's product has read the dS tile before any warp stores the next item's (each
-        // warp stores columns that all four read).
-        named_barrier_sync(1 + warpgroup, 128);
-        // Warpgroup it % 2 hands its part over; the other adds both and then into dq_acc.
-        const int barrier = DQ_PART_BARRIER + (it & 1);
-        if ((it & 1) == warpgroup) {
-          store_fragments(dq_flat, dq_part + tid % 128);
-          named_barrier_arrive(barrier, 256);
-        } else {
-          named_barrier_sync(barrier, 256);
-          add_fragments(dq_flat, dq_part + tid % 128);
-          const int h = hk * group + gi, nqb = (Nq + BN - 1) / BN;
-          int* order = dq_order + ((i64)b * Hq + h) * nqb + qs / BN;
-          if (tid % 128 == 0) wait_for_count(order, kb);  // key blocks 0 .. kb - 1 have added theirs
-          named_barrier_sync(1 + warpgroup, 128);
-          float* rows = dq_acc + (((i64)b * nqb * BN + qs) * Hq + h) * DP;
-#pragma unroll
-          for (int mb = 0; mb < BN / 64; ++mb)
-#pragma unroll
-            for (int n = 0; n < DP / 8; ++n)
-#pragma unroll
-              for (int hf = 0; hf < 2; ++hf) {
-                const int r = mb * 64 + warp * 16 + g + 8 * hf, c = n * 8 + 2 * tq;
-                atomicAdd(reinterpret_cast<float2*>(rows + (i64)r * Hq * DP + c),
-                          make_float2(dqa[mb][4 * n + 2 * hf], dqa[mb][4 * n + 2 * hf + 1]));
-              }
-          __threadfence();  // this thread's adds before the count (released by thread 0 below)
-          named_barrier_sync(1 + warpgroup, 128);
-          if (tid % 128 == 0) {
-            __threadfence();
-            atomicAdd(order, 1);
-          }
-        }
-      }
     }
   }
 

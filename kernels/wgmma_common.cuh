@@ -288,47 +288,6 @@ __device__ __forceinline__ void load_fragments(float (&r)[N], const float4* at) 
   }
 }
 
-template <int N>
-__device__ __forceinline__ void add_fragments(float (&r)[N], const float4* at) {
-#pragma unroll
-  for (int i = 0; i < N / 4; ++i) {
-    const float4 x = at[i * 128];
-    r[4 * i] += x.x;
-    r[4 * i + 1] += x.y;
-    r[4 * i + 2] += x.z;
-    r[4 * i + 3] += x.w;
-  }
-}
-
-// The dK/dV kernel's fused dQ: a warpgroup's dS^T A fragments (keys = rows key0 + 8 (r & 1) of
-// the thread, queries 16 kk + 8 (r >> 1) + 2 tq + {0, 1}) stored transposed into a K-major
-// swizzled tile of BN query rows x 64 keys (one panel), the A operand of dQ = dS K, followed by
-// the proxy fence that orders these generic stores before wgmma's reads (the caller then
-// synchronizes the warpgroup).
-template <int K>
-__device__ __forceinline__ void store_scores_transposed(const u32 (&a)[K / 16][4], unsigned char* tile, int key0,
-                                                        int tq) {
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int key = key0 + 8 * (r & 1), query = kk * 16 + 8 * (r >> 1) + 2 * tq;
-      *reinterpret_cast<unsigned short*>(tile + swizzled_offset(query, key, K)) = (unsigned short)(a[kk][r] & 0xFFFFu);
-      *reinterpret_cast<unsigned short*>(tile + swizzled_offset(query + 1, key, K)) = (unsigned short)(a[kk][r] >> 16);
-    }
-  fence_proxy_async();
-}
-
-// Spins until *count (global, written by other CTAs) reaches `value`; the acquire orders this
-// thread's later accesses (and, through the caller's barrier, its warpgroup's) after the writes
-// that the count's release published.
-__device__ __forceinline__ void wait_for_count(const int* count, int value) {
-  int seen;
-  do {
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(count) : "memory");
-  } while (seen != value);
-}
-
 // FlashAttention-3's scheduler barriers: consumer warpgroup w issues its MMAs only after
 // warpgroup w - 1 (cyclically) has issued its own, so one's softmax / gradient arithmetic
 // overlaps the other's MMAs instead of colliding with them. Named barriers FIRST ..

@@ -352,10 +352,8 @@ def test_wgmma_variant_renders(kernel, head_dim):
     header, body, inputs, outputs = cuda_source.source(variant)
     assert f"attention_{kernel}_wgmma(" in body
     # the wgmma kernels load their streamed tiles with TMA: the map template in, every CTA's maps out (last)
-    fused = ["dq_acc", "dq_order"] if variant.fused_query else []
-    assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"] + fused}[
+    assert outputs == {"forward": ["out", "lse"], "backward_query": ["dq"], "backward_key_value": ["dk", "dv"]}[
         kernel] + ["tensor_maps"]
-    assert ("constexpr bool FUSED_DQ = true;" in header) == variant.fused_query
     assert inputs[-1] == "tensor_map" and variant.tensor_maps
     assert variant.tensor_map_rank == (3 if kernel == "backward_key_value" else 2)
     assert f"static_assert(SMEM_BYTES <= {variant.shared_memory}," in header  # the template's layout fits the launch
@@ -604,62 +602,6 @@ def test_wgmma_key_value_schemes(scheme):
         _check_wgmma_backward(case, blocks)
 
 
-def test_fused_query_only_where_the_kernel_can():
-    """The dK/dV kernel accumulates dQ (Tuning.fused_query / the table's fused_dq option) only where
-    each warpgroup holds all of D, a step is whole 64-row query tiles, without a window or sinks."""
-    on = Tuning(wgmma_backward=True, fused_query=True)
-
-    def fused(head_dim, tuning=on, blocks=None, **kwargs):
-        q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
-        spec, _ = check_inputs(q, q, q, **kwargs)
-        if blocks:
-            tuning = Tuning(wgmma_backward=True, fused_query=True, blocks={"backward_key_value_wgmma": blocks})
-        variants = [cuda_source.make_variant(kernel, spec, None, SM90, tuning, True) for kernel in planner.KERNELS]
-        assert not variants[0].fused_query and not variants[1].fused_query  # the dK/dV kernel's option only
-        return variants[2].fused_query
-
-    assert fused(64) and fused(128) and fused(37, mask="causal") and fused(96, softcap=5.0)
-    assert not fused(128, Tuning(wgmma_backward=True, fused_query=False))
-    assert not fused(128, mask="causal", window_size=(16, 0))  # the order of contributions counts every key block
-    assert not fused(128, sinks=mx.zeros((2,), mx.bfloat16))  # d_sinks comes from the dQ kernel
-    assert not fused(256)                                  # D split over CTAs or column groups
-    assert not fused(160)                                  # the table's T = 32: half a 64-row query tile
-    assert not fused(128, Tuning(wgmma_backward=False, fused_query=True))  # mma.sync kernels
-    variant = _variant("backward_key_value", 128, on)
-    header, body, _, outputs = cuda_source.source(variant)
-    assert variant.fused_query and "constexpr bool FUSED_DQ = true;" in header and variant.name.endswith("q")
-    assert outputs == ["dk", "dv", "dq_acc", "dq_order", "tensor_maps"] and "dq_acc, dq_order" in body
-    assert f"static_assert(SMEM_BYTES <= {variant.shared_memory}," in header
-    assert variant.shared_memory <= SM90.shared_memory
-
-
-FUSED_QUERY_CASES = [
-    Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
-    Case(head_dim=64, q_len=300, kv_len=200, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
-    Case(head_dim=72, q_len=100, kv_len=90, dtype="bfloat16", mask="additive", softcap=10.0, lse_gradient=True),
-    Case(head_dim=37, q_len=130, kv_len=129, dtype="float16", mask="causal", group=3),  # a row that sees no key
-    Case(head_dim=96, q_len=150, kv_len=153, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
-    Case(head_dim=128, q_len=700, kv_len=1100, dtype="bfloat16", batch=2, kv_heads=2, group=2),  # 9 key blocks in order
-]
-
-
-@gpu
-@sm90_only
-@pytest.mark.parametrize("case", FUSED_QUERY_CASES, ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}")
-def test_wgmma_fused_query_gradients(case):
-    """dQ accumulated by the dK/dV kernel: against float64, against the dQ kernel's, and bitwise
-    the same in two runs (the key blocks add their parts in one order)."""
-    fused = cuda.CUDABackend(tuning=Tuning(wgmma_backward=True, fused_query=True))
-    a = make_arrays(case)
-    assert fused.variant("backward_key_value", check_inputs(a.q, a.k, a.v, mask=a.mask)[0]).fused_query
-    check_case(case, backend=fused)
-    first, second = _out_and_grads(case, fused), _out_and_grads(case, fused)
-    separate = _out_and_grads(case, cuda.CUDABackend(tuning=Tuning(wgmma_backward=True, fused_query=False)))
-    for name, x, y, z in zip(("out", "dq", "dk", "dv"), first, second, separate):
-        assert np.array_equal(x, y), name
-        assert relative_error(x, z) < 2e-2, name
-
-
 # ----------------------------------------------------------------------------- first contact
 @dataclass(frozen=True)
 class BrokenTemplate(cuda_emulator.KernelFactory):
@@ -741,9 +683,4 @@ def test_wgmma_kernels_compile_with_nvcc():
     with tempfile.TemporaryDirectory() as tmp:
         for kernel in planner.KERNELS:
             line = module.compile_variant(_variant(kernel, 128, Tuning(), real_sm90=True), "sm_90a", tmp)
-            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
-        for fused in (False, True):  # the dK/dV kernel with and without the dQ it can accumulate
-            variant = _variant("backward_key_value", 64, Tuning(fused_query=fused), real_sm90=True)
-            assert variant.fused_query == fused
-            line = module.compile_variant(variant, "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line

@@ -6,8 +6,7 @@ emulator's stand-in) and optionally a compute capability; it compiles each varia
 and launches the kernels with the runtime values (sizes, strides, scale, softcap, window) passed
 as two small arrays, so a new sequence length or batch never recompiles.
 
-Gradients are bitwise reproducible: sums run in a fixed order (the wgmma dK/dV kernel's fused
-dQ adds each key block's part in ascending key-block order; no other kernel adds across CTAs). Supported natively: fp16 / bf16, any
+No atomics anywhere: gradients are bitwise reproducible. Supported natively: fp16 / bf16, any
 head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
 masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (compute
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
@@ -220,9 +219,6 @@ class CUDABackend:
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = self.variants(spec, None if mask is None else mask.dtype)
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        if variants.backward_key_value.fused_query:  # dQ accumulated by the dK/dV kernel (no sinks there)
-            dq, dk, dv = self._backward_fused(variants.backward_key_value, q, k, v, mask, d_out, lse2, delta, spec)
-            return dq, dk, dv, None
         dq, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, d_out, lse2, delta, spec,
                                                 sinks)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
@@ -282,26 +278,10 @@ class CUDABackend:
         return heads_view(results[0]), (results[1] if sinks is not None else None)
 
     def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
-        if variant.fused_query:  # the dQ the kernel accumulates as well is dropped here
-            return self._backward_fused(variant, q, k, v, mask, d_out, lse2, delta, spec)[1:]
         shapes = [token_major_shape(k.shape), token_major_shape(v.shape)]
         dk, dv = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
                               heads=spec.kv_heads, output_shapes=shapes, output_dtypes=[spec.dtype, spec.dtype])
         return heads_view(dk), heads_view(dv)
-
-    def _backward_fused(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
-        """(dq, dk, dv) from the dK/dV kernel with fused dQ: it adds each key block's dQ part into a
-        zeroed fp32 accumulator [B, query blocks * T, Hq, D padded], in key-block order kept by a
-        zeroed count per (batch, query head, query block); dQ = scale * accumulator, rounded once."""
-        B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        blocks = -(-Nq // variant.traversal_block)
-        shapes = [token_major_shape(k.shape), token_major_shape(v.shape),
-                  (B, blocks * variant.traversal_block, Hq, variant.padded_dim), (B, Hq, blocks)]
-        dk, dv, dq_acc, _ = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
-                                         heads=spec.kv_heads, output_shapes=shapes,
-                                         output_dtypes=[spec.dtype, spec.dtype, mx.float32, mx.int32], init_value=0)
-        dq = (dq_acc[:, :Nq, :, :D] * spec.scale).astype(spec.dtype)
-        return heads_view(dq), heads_view(dk), heads_view(dv)
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -332,27 +312,25 @@ class CUDABackend:
         return len(self._kernels)
 
     def _launch(self, variant: KernelVariant, spec, arrays, mask, rows: int, heads: int, output_shapes,
-                output_dtypes, sinks=None, init_value=None):
+                output_dtypes, sinks=None):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
         of parallel_block rows and column slice; the mask, the sinks (fp32) and the parameter
         arrays go last. q, k, v and d_out are passed as they lie; the mask and the sinks are read
-        row-contiguous (made so: a copy only of a broadcast or strided one). init_value: every
-        output starts filled with it (None: uninitialized)."""
+        row-contiguous (made so: a copy only of a broadcast or strided one)."""
         blocks = -(-rows // variant.parallel_block)
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
         inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
             _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
-        initial = {} if init_value is None else {"init_value": init_value}
         if not variant.tensor_maps:
             return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                        grid=grid, threadgroup=group, **initial)
+                                        grid=grid, threadgroup=group)
         # TMA loads: the template in, a scratch output for every CTA's published maps (dropped).
         outputs = self.kernel(variant)(
             inputs=inputs + [tensor_map.panel_template(variant.traversal_block, variant.tensor_map_rank)],
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
-            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group, **initial)
+            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
         return outputs[:-1]
 
 

@@ -50,11 +50,6 @@ WGMMA_STAGES = 2  # STAGES in the wgmma templates (K / V or Q / dO buffers of th
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
-# ... and on the wgmma dK/dV rows: the kernel also accumulates dQ (5 products instead of the dQ
-# kernel's 3 plus its 4), adding each key block's part into an fp32 accumulator in a fixed order
-# (attention_backward_key_value_wgmma.cu, FUSED_DQ). Where all of D is one warpgroup's, without a
-# window or sinks, with whole 64-row query tiles.
-FUSED_DQ = "fused_dq"
 
 
 def _round_up(x: int, m: int) -> int:
@@ -138,8 +133,6 @@ class Tuning:
             consumer warpgroups to take turns issuing MMAs, or not.
         block_major: None = block-major CTA order under causal masks (head-major otherwise);
             True / False forces one order (see `block_major`).
-        fused_query: None = the table's options column; True / False forces the wgmma dK/dV
-            kernel to accumulate dQ itself (where it can: `fuses_query`), or not.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -149,7 +142,6 @@ class Tuning:
     wgmma_backward: Optional[bool] = None
     pingpong: Optional[bool] = None
     block_major: Optional[bool] = None
-    fused_query: Optional[bool] = None
     table: Optional[planner.Table] = None
 
     def __post_init__(self):
@@ -206,8 +198,6 @@ class KernelVariant:
         pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
-        fused_query: wgmma dK/dV: the kernel also accumulates dQ (fp32, in a fixed order), and the
-            dQ kernel does not run.
         tuning: the Tuning value it was planned with (part of the key).
     """
 
@@ -230,7 +220,6 @@ class KernelVariant:
     col_groups: int = 1
     pingpong: bool = False
     sinks: bool = False
-    fused_query: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -269,9 +258,7 @@ class KernelVariant:
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            # fused dQ: each warpgroup's dS tile and the fp32 dQ part handed between them
-            fused = (bm // 64) * bn * 128 + bn * self.padded_dim * 4 if self.fused_query else 0
-            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + fused + swap + 256 + stages * (8 * bn + 24)
+            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + 256 + stages * (8 * bn + 24)
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.head_block + 8)) * 2
@@ -296,7 +283,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -314,8 +301,7 @@ class KernelVariant:
             if self.kernel == "forward":
                 values["pingpong"] = self.pingpong
             if self.kernel == "backward_key_value":
-                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
-                              fused_query=self.fused_query)
+                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
             return values
         values.update(head_block=self.head_block, slices=self.slices, m_tiles=self.m_tiles,
                       row_groups=self.row_groups, col_groups=self.col_groups)
@@ -490,20 +476,10 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of 16 in [16, {most}].")
     slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and col_groups == 1 else 1
     pingpong = kernel == "forward" and (plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
-    fused = kernel == "backward_key_value" and (plan.is_cached(FUSED_DQ) if tuning.fused_query is None
-                                                 else tuning.fused_query)
-    fused = fused and fuses_query(spec, wide, keys)
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=WGMMA_SLICE_WIDTH if wide else padded, slices=slices, m_tiles=1,
-                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
-                         fused_query=fused, tuning=tuning, **features)
-
-
-def fuses_query(spec: AttentionSpec, wide: bool, traversal_block: int) -> bool:
-    """Whether the wgmma dK/dV kernel can accumulate dQ for this call: each warpgroup holds all of D
-    (not `wide`), whole 64-row query tiles per step, no window (its order of contributions counts
-    every key block before a contributor as one) and no sinks (their gradient is the dQ kernel's)."""
-    return not wide and traversal_block % 64 == 0 and spec.window is None and not spec.has_sinks
+                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong, tuning=tuning,
+                         **features)
 
 
 # ------------------------------------------------------------------------------------- source
@@ -519,19 +495,18 @@ def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
         parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
         suffix = ""
     inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks,
-                                       variant.tensor_maps, variant.fused_query)
+                                       variant.tensor_maps)
     return "\n".join(parts), body, inputs, outputs
 
 
 def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: bool = False,
-               tensor_maps: bool = False, fused_query: bool = False) -> Tuple[List[str], List[str], str]:
+               tensor_maps: bool = False) -> Tuple[List[str], List[str], str]:
     """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
 
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
     body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
     after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
-    without sinks). The wgmma dK/dV kernel writes dq_acc and dq_order after dv with fused_query
-    (null without). With tensor_maps (the wgmma kernels) the tensor-map template
+    without sinks). With tensor_maps (the wgmma kernels) the tensor-map template
     follows the parameters and a scratch output for the CTAs' maps comes last."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
@@ -547,9 +522,6 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     if kernel == "backward_query":
         outputs = outputs + (["d_sinks_part"] if sinks else [])
         args.append("d_sinks_part" if sinks else "(float*)nullptr")
-    if kernel == "backward_key_value" and suffix == "_wgmma":
-        outputs = outputs + (["dq_acc", "dq_order"] if fused_query else [])
-        args += ["dq_acc", "dq_order"] if fused_query else ["(float*)nullptr", "(int*)nullptr"]
     if tensor_maps:
         inputs.append("tensor_map")
         outputs = outputs + ["tensor_maps"]
