@@ -176,7 +176,7 @@ __device__ void attention_backward_key_value_wgmma(
     };
     load_stats(0);
     if (tma) {  // the first warp publishes the Q and dO maps, thread 0 issues the loads
-      unsigned char *q_global = tensor_maps + 256 * bid, *do_global = q_global + 128;
+      unsigned char *q_global = tensor_map_slots(tensor_maps, bid), *do_global = q_global + 128;
       if (ptid < 32)
         publish_tensor_maps(tensor_map, q_map, do_map, q_global, ptid, [&] {
           tensor_map_replace(q_map, head_rows(q, lq, b, hk * group).p, HEAD_DIM, Nq, lq.row * (i64)sizeof(T));

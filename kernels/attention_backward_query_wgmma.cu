@@ -93,7 +93,7 @@ __device__ void attention_backward_query_wgmma(
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
     produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
-                                                          {tensor_map, tensor_maps + 256 * bid},
+                                                          {tensor_map, tensor_map_slots(tensor_maps, bid)},
                                                           tid - 128 * CONSUMERS);
     return;
   }

@@ -117,7 +117,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
     produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
-                                                          {tensor_map, tensor_maps + 256 * bid},
+                                                          {tensor_map, tensor_map_slots(tensor_maps, bid)},
                                                           tid - 128 * CONSUMERS);
     return;
   }

@@ -96,6 +96,13 @@ __device__ __forceinline__ void tensor_map_publish(unsigned char* global, u32 ma
 __device__ __forceinline__ void tensor_map_acquire(const unsigned char* global) {
   asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;\n" ::"l"(global) : "memory");
 }
+// A CTA's two published maps in the scratch output: two 128-byte slots (mlx_flash/backends/
+// tensor_map.py's scratch_bytes sizes the output with the same SLOT_BYTES per CTA).
+constexpr int TENSOR_MAP_SLOT_BYTES = 2 * 128;
+__device__ __forceinline__ unsigned char* tensor_map_slots(unsigned char* scratch, i64 cta) {
+  return scratch + TENSOR_MAP_SLOT_BYTES * cta;
+}
+
 // A CTA's two tensor maps, by its producer's first warp (lane 0..31): the host's template (32
 // words) into both shared maps, which lane 0 then completes (`complete`: tensor_map_replace...);
 // the warp publishes them to `slots` (two 128-byte global slots) and lane 0, which issues the

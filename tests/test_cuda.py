@@ -327,6 +327,19 @@ def test_wgmma_ops_header_matches_its_generator():
 
 
 
+def test_tensor_map_slots_agree_with_the_scratch_size():
+    """The kernels publish each CTA's two maps at TENSOR_MAP_SLOT_BYTES * CTA in the scratch output
+    that the host sizes with tensor_map.scratch_bytes: one slot size on both sides."""
+    from mlx_flash.backends import tensor_map
+    from mlx_flash.render import template_text
+    assert "constexpr int TENSOR_MAP_SLOT_BYTES = 2 * 128;" in template_text("wgmma_common.cuh")
+    assert tensor_map.SLOT_BYTES == 2 * 128 and tensor_map.scratch_bytes(3) == 3 * tensor_map.SLOT_BYTES
+    for name in ("attention_forward_wgmma.cu", "attention_backward_query_wgmma.cu",
+                 "attention_backward_key_value_wgmma.cu"):
+        text = template_text(name)
+        assert "tensor_map_slots(tensor_maps, bid)" in text and "256 * bid" not in text, name
+
+
 SM90 = cuda_source.family_named("sm90")
 WGMMA = Tuning(wgmma_forward=True, wgmma_backward=True)
 MMA = Tuning(wgmma_forward=False, wgmma_backward=False)

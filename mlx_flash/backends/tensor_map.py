@@ -67,6 +67,10 @@ def panel_template(rows: int, rank: int = 2) -> mx.array:
     return mx.array(list(words), dtype=mx.uint32)
 
 
+# Two maps per CTA (K and V, or Q and dO): kernels/wgmma_common.cuh's TENSOR_MAP_SLOT_BYTES.
+SLOT_BYTES = 2 * _MAP_BYTES
+
+
 def scratch_bytes(ctas: int) -> int:
-    """Bytes of the global scratch the kernels publish their maps in: two maps per CTA (K and V, or Q and dO)."""
-    return 2 * _MAP_BYTES * ctas
+    """Bytes of the global scratch the kernels publish their maps in: SLOT_BYTES per CTA."""
+    return SLOT_BYTES * ctas
