@@ -2,16 +2,19 @@
 
 The forward returns (out, lse); the VJP reads lse from the saved outputs, so several
 attention layers in one model each carry their own statistics and nothing is kept
-between forward and backward outside the autograd graph.
+between forward and backward outside the autograd graph. What a call signature decides (the
+spec, the backend, the custom function) is kept by mlx_flash/call_cache.py for its next call.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Optional, Tuple, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple, Union
 
 import mlx.core as mx
 
-from .backends import select_backend
+from . import call_cache
+from .backends import Choice, choose_backend
 from .backends.common import heads_view
 from .fallback import record_fallback
 from .spec import FLOAT_DTYPES, check_inputs, mlx_argument_rules
@@ -120,35 +123,73 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     Returns:
         array: out [B, Hq, Nq, Dv] in q's dtype; or (out, lse) when return_lse is True.
     """
+    key = call_cache.call_key(q, k, v, scale, mask, window_size, softcap, sinks, return_lse, backend, stream)
+    now = call_cache.stamp()
+    decision = _DECISIONS.lookup(key, now)
+    if decision is None:
+        decision = _decide(q, k, v, scale, mask, window_size, softcap, sinks, return_lse, backend, stream)
+        _DECISIONS.store(key, now, decision)
+    return decision.run(q, k, v, mask, sinks, stream)
+
+
+@dataclass(frozen=True)
+class _Decision:
+    """What flash_attention decided for a call signature: the spec, the serving backend (with the
+    route or fallback that choosing it counts) and how it runs (whole, or the custom function)."""
+
+    spec: object
+    choice: Choice
+    attention: Optional[Callable]  # the custom function; None: the backend serves the call whole
+    return_lse: bool
+
+    def run(self, q, k, v, mask, sinks, stream):
+        self.choice.record()
+        spec, chosen = self.spec, self.choice.backend
+        mask_array = None
+        if spec.mask_shape is not None:
+            mask_array = mask if mask.ndim == 4 else mask.reshape(spec.mask_shape)
+        with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if self.attention is None:
+                # Differentiated by MLX itself: mx.fast (never with lse or sinks: the fallback rule), or
+                # the "mlx" backend's small unbanded calls (one score block, P kept for the backward).
+                if sinks is not None and sinks.dtype != q.dtype:
+                    sinks = sinks.astype(q.dtype)
+                out, lse = chosen.attention(q, k, v, mask_array, spec, sinks=sinks, return_lse=self.return_lse)
+                return (out, lse) if self.return_lse else out
+            if takes_row_contiguous(chosen):
+                # One copy of a strided q, k or v (none for a row-contiguous one), made before the
+                # custom function: the forward and both backward kernels read that copy, and it is what
+                # the backward keeps (the strided view's buffer is freed unless the caller holds it).
+                q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
+            inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
+            if sinks is not None:
+                # As MLX: the sinks join the softmax in the output dtype (astype carries the gradient back).
+                inputs += (sinks if sinks.dtype == q.dtype else sinks.astype(q.dtype),)
+            out, lse = self.attention(*inputs)
+            if writes_token_major(chosen):
+                out = heads_view(out)
+        return (out, lse) if self.return_lse else out
+
+
+_DECISIONS = call_cache.Kept()  # call_key -> _Decision
+
+
+def _decide(q, k, v, scale, mask, window_size, softcap, sinks, return_lse, backend, stream) -> _Decision:
+    """flash_attention's decisions for a call: its checks (raising on bad arguments), the backend
+    choice (with the first-contact guard) and the custom function."""
     spec, mask_array = check_inputs(q, k, v, scale=scale, mask=mask, window_size=window_size, softcap=softcap,
                                     sinks=sinks)
     if not isinstance(return_lse, bool):
         raise TypeError(f"[flash_attention] return_lse must be a bool, got {return_lse!r}.")
-    chosen = select_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype,
+    choice = choose_backend(backend, spec, stream, None if mask_array is None else mask_array.dtype,
                             lse_is_used=return_lse)
-    with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):
-        whole = getattr(chosen, "whole_function", None)
-        if whole is not None and whole(spec):
-            # Differentiated by MLX itself: mx.fast (never with lse or sinks: the fallback rule), or
-            # the "mlx" backend's small unbanded calls (one score block, P kept for the backward).
-            if sinks is not None and sinks.dtype != q.dtype:
-                sinks = sinks.astype(q.dtype)
-            out, lse = chosen.attention(q, k, v, mask_array, spec, sinks=sinks, return_lse=return_lse)
-            return (out, lse) if return_lse else out
-        attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
-        if takes_row_contiguous(chosen):
-            # One copy of a strided q, k or v (none for a row-contiguous one), made before the
-            # custom function: the forward and both backward kernels read that copy, and it is what
-            # the backward keeps (the strided view's buffer is freed unless the caller holds it).
-            q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
-        inputs = (q, k, v) if mask_array is None else (q, k, v, mask_array)
-        if sinks is not None:
-            # As MLX: the sinks join the softmax in the output dtype (astype carries the gradient back).
-            inputs += (sinks if sinks.dtype == q.dtype else sinks.astype(q.dtype),)
-        out, lse = attention(*inputs)
-        if writes_token_major(chosen):
-            out = heads_view(out)
-    return (out, lse) if return_lse else out
+    chosen = choice.backend
+    whole = getattr(chosen, "whole_function", None)
+    with (mx.stream(stream) if stream is not None else contextlib.nullcontext()):  # whole_function asks the device
+        attention = None
+        if whole is None or not whole(spec):
+            attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
+    return _Decision(spec, choice, attention, return_lse)
 
 
 def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,

@@ -21,7 +21,7 @@ import time
 import warnings
 from typing import Dict, List, Optional
 
-from . import benchmark as bm, planner, tune, tuned
+from . import benchmark as bm, call_cache, planner, tune, tuned
 from .fallback import record_fallback
 
 DEFAULT_BUDGET_S = 20.0
@@ -83,8 +83,10 @@ class FirstUse:
             return dict(self._seen)
 
     def forget(self) -> None:
+        """Drop what was tuned in this process, and the call decisions made after it (call_cache)."""
         with self._lock:
             self._seen.clear()
+        call_cache.forget()
 
     def _tune(self, target: str, spec, dtype: str) -> Optional[str]:
         from .backends import metal_simulated

@@ -31,7 +31,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from . import planner
+from . import call_cache, planner
 from .backends import metal_simulated
 from .fallback import record_fallback
 
@@ -158,8 +158,10 @@ RECHECK_S = 1.0
 
 
 def forget() -> None:
-    """Drop table_for's kept answers: the next call reads the environment and the file again."""
+    """Drop table_for's kept answers: the next call reads the environment and the file again
+    (and makes its decisions again: call_cache)."""
     _answers.clear()
+    call_cache.forget()
 
 
 @functools.lru_cache(maxsize=64)

@@ -25,3 +25,14 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(previous)
+
+
+@pytest.fixture(autouse=True)
+def fresh_call_decisions():
+    """Every test makes its calls' decisions anew: tests patch backend methods (unsupported_reason,
+    unavailable_reason, ...) that a decision kept from an earlier test (mlx_flash/call_cache.py)
+    would not see."""
+    from mlx_flash import call_cache
+
+    call_cache.forget()
+    yield

@@ -29,10 +29,12 @@ Modules are imported lazily so a missing Metal or CUDA toolchain never breaks `i
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import os
 from types import MappingProxyType
+from typing import Optional
 
 import mlx.core as mx
 
@@ -91,16 +93,41 @@ def _is_backend(value) -> bool:
         hasattr(value, a) for a in ("name", "unavailable_reason", "unsupported_reason", "forward", "backward"))
 
 
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The backend that serves a call and what choosing it counts: a dispatch route or a fallback
+    reason is recorded on every call it decides (`record`), also when the choice is reused
+    (mlx_flash/call_cache.py)."""
+
+    backend: object
+    route: Optional[str] = None  # record_route's reason
+    fallback: Optional[str] = None  # record_fallback's reason
+
+    def record(self) -> None:
+        if self.route is not None:
+            record_route(self.route)
+        if self.fallback is not None:
+            record_fallback(self.fallback)
+
+
 def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = False):
-    """Resolve the `backend` argument to a backend object for this call.
+    """Resolve the `backend` argument to a backend object for this call (choose_backend's
+    choice, its route or fallback counted)."""
+    choice = choose_backend(name, spec, stream, mask_dtype, lse_is_used)
+    choice.record()
+    return choice.backend
+
+
+def choose_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = False) -> Choice:
+    """Which backend serves this call (a `Choice`; nothing counted yet: its `record` does that).
 
     An unknown name or an explicitly requested backend that cannot run on the stream's
     device raises. Under "auto", a call that the dispatch table routes (dispatch_route) goes to
-    mx.fast, counted in mlx_flash.route_counts(); an explicit backend always runs itself.
-    Otherwise, when the chosen backend cannot serve the call (it is unavailable under "auto", or
-    its unsupported_reason -- an unsupported dtype, shape or architecture -- or the first-contact
-    guard (guard.py) names a reason), `fallback_backend` picks the path that serves it, warning
-    once per reason and counting every call.
+    mx.fast (the Choice's route: counted in mlx_flash.route_counts()); an explicit backend always
+    runs itself. Otherwise, when the chosen backend cannot serve the call (it is unavailable under
+    "auto", or its unsupported_reason -- an unsupported dtype, shape or architecture -- or the
+    first-contact guard (guard.py) names a reason), `fallback_backend` picks the path that serves
+    it (the Choice's fallback: warned once per reason, counted for every call).
 
     Args:
         name: the `backend` argument ("auto", "mlx", "metal" or "cuda"), or a backend object
@@ -128,9 +155,8 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
     if not explicit:
         row = dispatch_route(backend, spec, lse_is_used)
         if row is not None:  # a choice, not a fallback: counted, not warned
-            record_route(f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}; "
-                         f"using mx.fast.scaled_dot_product_attention")
-            return get_backend("fast")
+            return Choice(get_backend("fast"), route=f"{dispatch.TABLE_NAME} line {row.line}: {row.describe()}; "
+                                                     f"using mx.fast.scaled_dot_product_attention")
     reason = backend.unsupported_reason(spec)
     if reason is None and hasattr(backend, "variant_key"):
         from ..autotune import FIRST_USE  # MLX_FLASH_AUTOTUNE=1: tune this shape's rows once, first
@@ -141,7 +167,7 @@ def select_backend(name, spec, stream, mask_dtype=None, lse_is_used: bool = Fals
     if reason is not None:
         return fallback_backend(f"backend {name!r} cannot serve this call ({reason})", spec, device,
                                 lse_is_used)
-    return backend
+    return Choice(backend)
 
 
 def dispatch_route(backend, spec, lse_is_used: bool = False):
@@ -173,13 +199,14 @@ def dispatch_route(backend, spec, lse_is_used: bool = False):
     return row
 
 
-def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool):
+def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool) -> Choice:
     """The rule, in one place: which path serves a call that the chosen backend cannot.
 
     MLX's mx.fast.scaled_dot_product_attention ("fast") where it computes exactly our function
     (no window, softcap, sinks or lse; masks and rows that see no key are made equal, see fast.py)
     and, unless it runs fused forward and backward there, its unfused memory fits the budget;
-    otherwise the blocked "mlx" backend. Counted and warned once per (reason, destination).
+    otherwise the blocked "mlx" backend. The Choice's fallback reason names the destination: it is
+    warned once per (reason, destination) and counted for every call.
 
     Args:
         why: what the chosen backend could not do (the first part of the counted reason).
@@ -190,7 +217,5 @@ def fallback_backend(why: str, spec, device: mx.Device, lse_is_used: bool):
     fast = get_backend("fast")
     refused = fast.unsupported_reason(spec, lse_is_used, device)
     if refused is None:
-        record_fallback(f"{why}; using mx.fast.scaled_dot_product_attention")
-        return fast
-    record_fallback(f"{why}; using 'mlx' (mx.fast cannot: {refused})")
-    return get_backend("mlx")
+        return Choice(fast, fallback=f"{why}; using mx.fast.scaled_dot_product_attention")
+    return Choice(get_backend("mlx"), fallback=f"{why}; using 'mlx' (mx.fast cannot: {refused})")

@@ -28,7 +28,7 @@ from typing import Callable, Optional, Tuple
 
 import mlx.core as mx
 
-from .. import planner
+from .. import call_cache, planner
 from ..planner import KERNELS
 from ..spec import AttentionSpec
 from . import cuda_source, tensor_map
@@ -124,6 +124,7 @@ class CUDABackend:
         self._capability = capability
         # Compile cache: variant (or the preprocessing kernel's key) -> kernel object.
         self._kernels: dict = {}
+        self._variant_sets = call_cache.Kept()  # (features, mask dtype) -> VariantSet
 
     # -- the GPU --------------------------------------------------------------------------------
 
@@ -143,12 +144,18 @@ class CUDABackend:
 
     def variants(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> VariantSet:
         """The forward, dQ and dK/dV variants that serve this call on this backend's GPU family
-        (cuda_source.variant_set: made once per features, family, tuning and table)."""
+        (cuda_source.variant_set: made once per features, family, tuning and table; the answer is
+        kept per features and mask dtype while call_cache's stamp holds, as each launch asks)."""
+        key, now = (VariantFeatures.of(spec), mask_dtype), call_cache.stamp()
+        kept = self._variant_sets.lookup(key, now)
+        if kept is not None:
+            return kept
         family = self.family()
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
-        return variant_set(VariantFeatures.of(spec), mask_dtype, family, self.tuning, self.real_sm90(),
-                           self.table(family))
+        kept = variant_set(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
+        self._variant_sets.store(key, now, kept)
+        return kept
 
     def variant(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> KernelVariant:
         """The variant that serves `kernel` for this call on this backend's GPU family."""

@@ -44,7 +44,7 @@ from typing import Callable, Dict, Hashable, List, Optional, Tuple
 import mlx.core as mx
 import numpy as np
 
-from .. import reference
+from .. import call_cache, reference
 
 # The probe's problem: lengths that give several parallel and traversal blocks, partial last
 # blocks and (with Nq != Nk) an off-centre causal diagonal, at a fraction of a second per
@@ -165,12 +165,13 @@ class FirstContact:
                      "verdict": reason, "detail": self._details[key]} for key, reason in self._verdicts.items()]
 
     def forget(self) -> None:
-        """Drop every verdict (tests use this)."""
+        """Drop every verdict (tests use this), and the call decisions made from them (call_cache)."""
         with self._lock:
             self._verdicts.clear()
             self.probe_seconds.clear()
             self._labels.clear()
             self._details.clear()
+        call_cache.forget()
 
     def _probe(self, backend, spec, mask_dtype) -> Tuple[Optional[str], Optional[str]]:
         """(verdict, the failure's whole message or None)."""

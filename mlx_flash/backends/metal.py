@@ -25,7 +25,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from .. import planner
+from .. import call_cache, planner
 from ..spec import AttentionSpec
 from . import metal_simulated
 from . import common
@@ -115,6 +115,7 @@ class MetalBackend:
         # Compile cache: (variant, simulated) -> kernel object. Keyed only by compile-time
         # constants, so new lengths, batch sizes or scales reuse a compiled kernel.
         self._kernels: Dict[Tuple[KernelVariant, bool], object] = {}
+        self._variant_sets = call_cache.Kept()  # features -> VariantSet
 
     # -- protocol -----------------------------------------------------------------------------
 
@@ -139,9 +140,15 @@ class MetalBackend:
 
     def variants(self, spec: AttentionSpec) -> VariantSet:
         """The forward, dQ and dK/dV variants that serve this call (metal_source.variant_set: made
-        once per features, family and table)."""
-        family = self.family()
-        return variant_set(VariantFeatures.of(spec), family, self.table or planner.active_table("metal", family))
+        once per features, family and table; the answer is kept per features while call_cache's
+        stamp holds, as each launch asks)."""
+        features, now = VariantFeatures.of(spec), call_cache.stamp()
+        kept = self._variant_sets.lookup(features, now)
+        if kept is None:
+            family = self.family()
+            kept = variant_set(features, family, self.table or planner.active_table("metal", family))
+            self._variant_sets.store(features, now, kept)
+        return kept
 
     def variant_key(self, spec: AttentionSpec, mask_dtype=None):
         """The kernel variants a call runs (with the mask dtype, which the compiled signature has)."""
