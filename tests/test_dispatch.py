@@ -356,7 +356,7 @@ def test_gpu_auto_routes_and_cuda_runs_ours(monkeypatch):
     (no route), both equal to the float64 reference."""
     monkeypatch.delenv(cuda.CAPABILITY_VARIABLE, raising=False)
     family = cuda.CUDABackend().family().name
-    row = DispatchRow(family, "bfloat16", 64, "causal", 256, 256, 0.5, 0.5, line=1)
+    row = DispatchRow(family, "bfloat16", 64, "mha", "causal", 256, 256, 0.5, 0.5, line=1)
     monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (row,))
     rng = np.random.default_rng(1)
     q, k, v = (mx.array(rng.standard_normal((1, 4, 256, 64)).astype(np.float32)).astype(mx.bfloat16)

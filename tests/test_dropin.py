@@ -94,6 +94,7 @@ def test_errors_have_mlx_types(args, kwargs):
         scaled_dot_product_attention(*args, scale=0.25, **kwargs)
 
 
+@pytest.mark.usefixtures("on_cpu")  # MLX runs float64 on the CPU only (on a GPU both raise MLX's error)
 def test_float64_is_handed_to_mlx_and_counted():
     mlx_flash.reset_fallback_counts()
     with pytest.warns(mlx_flash.FallbackWarning):
