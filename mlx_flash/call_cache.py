@@ -3,11 +3,13 @@
 A call's path (argument checks, the backend choice with its dispatch route or fallback, the
 first-contact verdict, the custom function) depends only on what the signature names: the
 types, shapes and dtypes of the arrays, the scalar arguments, the backend argument and the
-device; and on the process state listed here. On an H100 machine's host, making them took
-0.2 ms of Python per forward call and 0.4 ms per forward + backward, against 0.013 / 0.065 ms for
-mx.fast's whole call; with the GPU idle meanwhile, that was the whole difference between our
-forward's wall time per call and MLX's at B=4 H=16 N=4096 D=128 (1.29 against 1.06 ms, the
-kernels 0.88 against 0.82 ms).
+device; and on the process state listed here. Making them again cost most of flash_attention's
+own Python per call: with kernels stubbed on the CI machine, a repeated forward took 62 us
+before and 27 us after (fwd+bwd 122 -> 77 us; mx.fast's whole forward 5 us). A decode loop's
+growing cache makes a new signature per step, shared by the step's layers (the first pays
+~9 us more than before: the key and the store). On the H100 machine's host the whole call's
+graph building right after a synchronize is dominated by MLX's own calls, and did not get faster
+(benchmarks/RESULTS.md, "Per-call host time on the H100").
 
 What a kept decision is checked against on every call (`stamp`), so it is never staler than the
 path it replaces:
