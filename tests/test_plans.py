@@ -88,6 +88,38 @@ def test_cuda_rows_past_the_limit_are_an_error():
         cuda_source.make_variant("forward", spec, None, cuda_source.family_named("sm86"), too_big)
 
 
+def test_cuda_masked_keys_option():
+    """A wgmma row's masked_t<N> gives calls with an array mask T = N; other calls keep the row's T."""
+    import dataclasses
+
+    import mlx.core as mx
+    from mlx_flash import planner
+
+    sm90 = cuda_source.family_named("sm90")
+
+    def keys(mask, table=None, head_dim=160):
+        mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
+        spec = inspect.make_spec(head_dim, "bfloat16", mask)
+        return cuda_source.make_variant("forward", spec, mask_dtype, sm90, Tuning(), True, table).traversal_block
+
+    assert [keys(m) for m in ("none", "causal", "window", "bool", "additive")] == [96, 96, 96, 64, 64]
+    assert keys("bool", head_dim=256) == keys("none", head_dim=256) == 64  # a row without the option
+    shipped = planner.shipped_table("cuda")
+
+    def with_options(options):
+        rows = tuple(dataclasses.replace(r, cached=frozenset(options))
+                     if (r.kernel, r.family, r.max_head_dim) == ("forward", "sm90_wgmma", 192) else r
+                     for r in shipped.rows)
+        return planner.Table("cuda", "test", rows)
+
+    assert keys("bool", with_options({"masked_t32"})) == 32 and keys("none", with_options({"masked_t32"})) == 96
+    for bad in ({"masked_tx"}, {"masked_t32", "masked_t48"}):
+        with pytest.raises(ValueError, match="masked_t"):
+            keys("bool", with_options(bad))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        keys("bool", with_options({"masked_t40"}))
+
+
 @pytest.mark.parametrize("family", ["m1", "m3"])
 def test_metal_family_plans_fit(family):
     for head_dim in range(1, 513, 7):

@@ -50,6 +50,21 @@ WGMMA_STAGES = 2  # STAGES in the wgmma templates (K / V or Q / dO buffers of th
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
+# ... and masked_t<N>: the row's T for calls with an array mask (bool or additive) on a wgmma row,
+# where the row's own T spills with the mask's loads (the forward at D = 129..192: blocks_cuda.txt).
+MASKED_KEYS = "masked_t"
+
+
+def masked_keys(options, where: str) -> Optional[int]:
+    """The T of a masked_t<N> option among a row's options, or None without one."""
+    found = [o for o in options if o.startswith(MASKED_KEYS)]
+    if not found:
+        return None
+    text = found[0][len(MASKED_KEYS):]
+    if len(found) > 1 or not text.isdigit():
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(options)}: at most one "
+                         f"{MASKED_KEYS}<N> with N a number of keys (e.g. {MASKED_KEYS}64).")
+    return int(text)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -450,6 +465,10 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows,
                         table or planner.active_table("cuda", family.name))
     block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
+    where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
+    masked = masked_keys(plan.cached, where)
+    if masked is not None and spec.mask_kind != "none":
+        keys = masked
     override = tuning.block_override(kernel + "_wgmma")
     if override is not None:
         block, keys, columns, *rest = override
@@ -458,7 +477,6 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     consumers = (8,) if kernel == "backward_key_value" else (8, 12)
     features = _features(spec, mask_dtype)
     padded = features["padded_dim"]
-    where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
     # dK/dV past the row's H columns: P = 128 keys (64 per warpgroup) splits D into 128-column
     # CTAs (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
     wide = kernel == "backward_key_value" and padded > _round_up(columns, 16)
