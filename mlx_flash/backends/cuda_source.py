@@ -47,6 +47,7 @@ WGMMA_MAX_COLUMNS = 256
 WGMMA_SLICE_WIDTH = 128
 WGMMA_WHOLE_MAX_COLUMNS = 160
 WGMMA_STAGES = 2  # STAGES in the wgmma templates (K / V or Q / dO buffers of the producer's ring)
+WGMMA_MAP_BYTES = 2 * 128  # a CTA's two tensor maps in shared memory (KeyValueRing; MAP_BYTES in dK/dV)
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
@@ -265,7 +266,7 @@ class KernelVariant:
         bm, bn, cg = self.parallel_block, self.traversal_block, self.col_groups
         if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
             row, stages = -(-self.padded_dim // 64) * 128, WGMMA_STAGES
-            ring = 256 + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
+            ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
             if self.kernel == "forward":  # Q; K and V rings
                 return 1024 + row * (bm + 2 * stages * bn) + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings
@@ -273,7 +274,8 @@ class KernelVariant:
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            return 1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + 256 + stages * (8 * bn + 24)
+            return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + WGMMA_MAP_BYTES
+                    + stages * (8 * bn + 24))
         if self.kernel == "forward":
             row = self.padded_dim + 8
             return (bm * row + 2 * bn * row + 2 * bn * (cg * self.head_block + 8)) * 2
