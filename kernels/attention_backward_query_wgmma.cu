@@ -39,7 +39,13 @@ constexpr int TILE_BYTES = PANELS * BN * 128;     // one K (or V) tile
 constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
-constexpr int PRODUCER_REGS = 48;  // the forward's (40 spills a few bytes at D = 8 and 64, nvcc 13.0)
+// The producer runs on 24 registers (32 with three consumers: the split then gives the consumers
+// 240 / 160, FlashAttention-3's numbers); its TMA path needs no more, its cp.async path (rows TMA
+// cannot name) spills a few words per tile (nvcc 13.0). The consumers' 160 against 152 (producer 48)
+// let D <= 64 take BN = 96 without spills (BN = 80 before). H100, dQ kernel time, B=4 H=16
+// N=4096, 3 interleaved rounds: D=64 0.963x at BN = 80 and 0.920x at BN = 96 (causal 1.000x /
+// 0.965x) against producer 48 at BN = 80; D=128, 192, 256 0.994-1.011x (neither way).
+constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : 24;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");

@@ -61,7 +61,10 @@ static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than
 // take, or their setmaxnreg.inc waits forever.
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 48 / 224 (two consumers): with 40 the producer's copy loop spills at D=256 (nvcc 13.0); the
-// consumers need at most 224 at D <= 256 with BN = 64 (D > 128) or 128 (no spills).
+// consumers need at most 224 at D <= 256 with BN = 64 (D > 128) or 128 (no spills). The dQ
+// kernel's 24 / 32 (its TMA path fits) lost here: H100, kernel time against 48, B=4 H=16 N=4096,
+// D=64 BN = 96 1.045x (causal 1.051x), BN = 128 (no longer spilling on 160) 0.953x (1.014x); D=256
+// 1.030x (1.002x).
 constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;

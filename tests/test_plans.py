@@ -103,7 +103,8 @@ def test_cuda_masked_keys_option():
         return cuda_source.make_variant("forward", spec, mask_dtype, sm90, Tuning(), True, table).traversal_block
 
     assert [keys(m) for m in ("none", "causal", "window", "bool", "additive")] == [96, 96, 96, 64, 64]
-    assert keys("bool", head_dim=256) == keys("none", head_dim=256) == 64  # a row without the option
+    assert [keys(m, head_dim=256) for m in ("none", "causal", "window", "bool", "additive")] == [80, 80, 80, 64, 64]
+    assert keys("bool", head_dim=128) == keys("none", head_dim=128) == 128  # a row without the option
     shipped = planner.shipped_table("cuda")
 
     def with_options(options):
