@@ -89,7 +89,8 @@ def test_cuda_rows_past_the_limit_are_an_error():
 
 
 def test_cuda_masked_keys_option():
-    """A wgmma row's masked_t<N> gives calls with an array mask T = N; other calls keep the row's T."""
+    """A wgmma row's masked_t<N> / window_t<N> give calls with an array mask / a window T = N (the
+    smaller with both); other calls keep the row's T."""
     import dataclasses
 
     import mlx.core as mx
@@ -97,13 +98,15 @@ def test_cuda_masked_keys_option():
 
     sm90 = cuda_source.family_named("sm90")
 
-    def keys(mask, table=None, head_dim=160):
+    def keys(mask, table=None, head_dim=160, window=None):
         mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
         spec = inspect.make_spec(head_dim, "bfloat16", mask)
+        if window is not None:  # an array mask and a window together
+            spec = dataclasses.replace(spec, window=window)
         return cuda_source.make_variant("forward", spec, mask_dtype, sm90, Tuning(), True, table).traversal_block
 
     assert [keys(m) for m in ("none", "causal", "window", "bool", "additive")] == [96, 96, 96, 64, 64]
-    assert [keys(m, head_dim=256) for m in ("none", "causal", "window", "bool", "additive")] == [80, 80, 80, 64, 64]
+    assert [keys(m, head_dim=256) for m in ("none", "causal", "window", "bool", "additive")] == [80, 80, 64, 64, 64]
     assert keys("bool", head_dim=128) == keys("none", head_dim=128) == 128  # a row without the option
     shipped = planner.shipped_table("cuda")
 
@@ -114,8 +117,11 @@ def test_cuda_masked_keys_option():
         return planner.Table("cuda", "test", rows)
 
     assert keys("bool", with_options({"masked_t32"})) == 32 and keys("none", with_options({"masked_t32"})) == 96
-    for bad in ({"masked_tx"}, {"masked_t32", "masked_t48"}):
-        with pytest.raises(ValueError, match="masked_t"):
+    both = with_options({"masked_t48", "window_t32"})
+    assert [keys(m, both) for m in ("none", "window", "bool")] == [96, 32, 48]
+    assert keys("bool", both, window=(8, 0)) == 32 and keys("bool", with_options({"masked_t48"}), window=(8, 0)) == 48
+    for bad, name in (({"masked_tx"}, "masked_t"), ({"masked_t32", "masked_t48"}, "masked_t"), ({"window_t"}, "window_t")):
+        with pytest.raises(ValueError, match=name):
             keys("bool", with_options(bad))
     with pytest.raises(ValueError, match="multiple of 16"):
         keys("bool", with_options({"masked_t40"}))

@@ -51,20 +51,22 @@ WGMMA_MAP_BYTES = 2 * 128  # a CTA's two tensor maps in shared memory (KeyValueR
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
-# ... and masked_t<N>: the row's T for calls with an array mask (bool or additive) on a wgmma row,
-# where the row's own T spills with the mask's loads (the forward at D = 129..192: blocks_cuda.txt).
+# ... and masked_t<N> / window_t<N>: the row's T for calls with an array mask (bool or additive) /
+# a sliding window on a wgmma row, where the row's own T spills with the mask's loads or the
+# window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
 MASKED_KEYS = "masked_t"
+WINDOW_KEYS = "window_t"
 
 
-def masked_keys(options, where: str) -> Optional[int]:
-    """The T of a masked_t<N> option among a row's options, or None without one."""
-    found = [o for o in options if o.startswith(MASKED_KEYS)]
+def option_keys(options, prefix: str, where: str) -> Optional[int]:
+    """The T of a <prefix><N> option (masked_t64, window_t64) among a row's options, None without one."""
+    found = [o for o in options if o.startswith(prefix)]
     if not found:
         return None
-    text = found[0][len(MASKED_KEYS):]
+    text = found[0][len(prefix):]
     if len(found) > 1 or not text.isdigit():
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(options)}: at most one "
-                         f"{MASKED_KEYS}<N> with N a number of keys (e.g. {MASKED_KEYS}64).")
+                         f"{prefix}<N> with N a number of keys (e.g. {prefix}64).")
     return int(text)
 
 
@@ -468,9 +470,9 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
                         table or planner.active_table("cuda", family.name))
     block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
     where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
-    masked = masked_keys(plan.cached, where)
-    if masked is not None and spec.mask_kind != "none":
-        keys = masked
+    masked, windowed = (option_keys(plan.cached, prefix, where) for prefix in (MASKED_KEYS, WINDOW_KEYS))
+    keys = min([t for t, applies in ((masked, spec.mask_kind != "none"), (windowed, spec.window is not None))
+                if applies and t is not None], default=keys)
     override = tuning.block_override(kernel + "_wgmma")
     if override is not None:
         block, keys, columns, *rest = override
