@@ -292,7 +292,8 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
                     call = bm.Call(run, prepare, torch_flash.finish)
                     items[implementation, pass_name] = (call, case, pass_name, torch_flash.memory_probe())
                 else:
-                    prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name)
+                    prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name,
+                                               compiled=args.compiled)
                     items[implementation, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
             except Exception as error:  # e.g. torch failing to allocate its inputs
                 row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
@@ -518,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "elsewhere")
     what.add_argument("--torch", action="store_true", help="add torch-fa2 (PyTorch FlashAttention-2 on CUDA)")
     what.add_argument("--passes", nargs="+", choices=bm.PASSES, default=list(bm.PASSES), help="passes")
+    what.add_argument("--compiled", action="store_true",
+                      help="time the MLX implementations' forward and forward+backward as mx.compile'd functions, "
+                           "as a compiled training step runs them (no per-call graph building; torch's unchanged)")
     timing = parser.add_argument_group("timing")
     timing.add_argument("--warmup", type=int, choices=range(0, 101), metavar="{0..100}", default=1,
                         help="untimed runs after the (untimed) peak-memory run, which is the first warm-up")
@@ -559,6 +563,8 @@ def parse_args(argv=None):
         args.impls.append("torch-fa2")
     if args.max_repeats < args.min_repeats:
         parser.error(f"--max-repeats ({args.max_repeats}) must be >= --min-repeats ({args.min_repeats})")
+    if args.compiled and "backward" in args.passes:
+        parser.error("--compiled times the forward and forward_backward passes; drop 'backward' from --passes")
     for kv in args.kv_heads or []:
         if args.heads % kv:
             parser.error(f"--kv-heads {kv} must divide --heads {args.heads}")
@@ -584,6 +590,7 @@ def main(argv=None) -> int:
         env[name] = torch_flash.unavailable or f"torch {torch_flash.version} on {torch_flash.device_name}"
     env["memory_budget_bytes"], env["memory_budget"] = budget, budget_reason
     env["cuda_capability_override"] = os.environ.get("MLX_FLASH_CUDA_CAPABILITY") or None  # the planned family
+    env["mlx_compiled"] = args.compiled  # MLX implementations timed as mx.compile'd functions
     payload = {"environment": env, "arguments": sys.argv[1:] if argv is None else list(argv), "rows": []}
     json_path = args.out / f"{args.name}.json"
     print(f"mlx-flash {env['mlx_flash_version']} ({(env['git_commit'] or 'unknown commit')[:10]}"

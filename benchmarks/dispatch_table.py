@@ -7,12 +7,18 @@
 The recording: one run per dtype, each bounded to under 5 minutes on an H100 (--time-budget-s
 240: cases not started in time are listed as skipped and route nothing). `--backend cuda` so the
 "mlx-flash" rows time our kernels: bench.py passes the backend by name, and an explicitly named
-backend is never routed (a routed or fallen-back row would not count as measured anyway):
+backend is never routed (a routed or fallen-back row would not count as measured anyway).
+`--compiled` (required): both sides run as mx.compile'd functions, as a compiled training step
+runs attention, so the table compares the GPU work and MLX's launches, not Python's per-call
+graph building. Timed call by call, synchronized, that building decided the routing: our ~0.2-0.5
+ms per call against mx.fast's ~0.02-0.09 routed every causal call up to N=4096 to mx.fast,
+although in mlx-lm's compiled Llama step at 2K tokens our kernels made the step 1.12x faster
+(benchmarks/RESULTS.md, "Training step").
 
     for dtype in bf16 fp16; do
       python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes $dtype \
         --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 --masks none causal --heads 16 \
-        --kv-heads 16 4 --batch 1 --passes forward forward_backward --warm-up-clocks-s 0.5 \
+        --kv-heads 16 4 --batch 1 --passes forward forward_backward --compiled --warm-up-clocks-s 0.5 \
         --warmup 2 --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --time-budget-s 240 \
         --no-plots --out $OUT --name dispatch_h100_$dtype
     done
@@ -68,6 +74,8 @@ HEADER = """\
 # (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
 # its family, dtype, head dim (exactly), head layout (mha: as many kv heads as query heads; gqa:
 # fewer), mask and N: Nq = Nk = N, min_n <= N <= max_n (only square problems are measured).
+# Timing: both sides as mx.compile'd calls (bench.py --compiled), as a compiled training step runs
+# them; Python's per-call graph building is not in it (benchmarks/dispatch_table.py says why).
 # Rule: every measured head layout of the row's class at that N had mx.fast's median below ours in
 # both the forward and the forward+backward pass, and below (1 - margin) x ours in at least one;
 # adjacent such N merge into a range;
@@ -235,6 +243,10 @@ def main(argv=None) -> int:
         if len(families) != 1:
             parser.error(f"the recorded runs are of different CUDA families {sorted(families)}: one family at a time")
         family = families.pop()
+    uncompiled = [str(path) for path, p in zip(args.recorded, payloads) if not p.get("environment", {}).get("mlx_compiled")]
+    if uncompiled:
+        parser.error(f"{', '.join(uncompiled)}: not recorded with bench.py --compiled (the table compares "
+                     f"compiled calls; see this tool's docstring)")
     if any(p.get("environment", {}).get("device_type") != "gpu" for p in payloads):
         print("warning: a recorded run was not on a GPU", file=sys.stderr)
     text = update(args.table.read_text() if args.table.exists() else "", family, payloads, args.margin)

@@ -1,6 +1,6 @@
 """Timing harness and metrics shared by `python -m mlx_flash` and benchmarks/bench.py.
 
-What is timed (every MLX implementation alike; nothing is mx.compile'd):
+What is timed (every MLX implementation alike; nothing is mx.compile'd unless `compiled`, below):
     forward           build the graph of out = attention(q, k, v) and evaluate it.
     forward_backward  out, (dq, dk, dv) = mx.vjp(attention, [q, k, v], [d_out]), all evaluated:
                       graph building, the forward and the backward. In MLX a VJP always runs
@@ -9,6 +9,11 @@ What is timed (every MLX implementation alike; nothing is mx.compile'd):
                       gradients depend on) is evaluated untimed first; the timed part is the
                       evaluation of (dq, dk, dv) only. Graph building is not in this number
                       (it is in the two above).
+    compiled          (mlx_pass(compiled=True), bench.py --compiled) forward and forward_backward
+                      as mx.compile'd functions of (q, k, v[, d_out]), as a compiled training step
+                      runs attention: after the first call (the trace, a warm-up) a call replays
+                      the traced graph, so Python's graph building is not in the time; MLX's own
+                      per-primitive work (building each kernel launch, the CUDA graph) still is.
 Each measured call: inputs already evaluated, mx.synchronize(), start clock, run, mx.eval of
 the results, mx.synchronize(), stop clock. Calls that are compared with each other (the
 implementations and passes of one size) are timed interleaved, round-robin, so that load from
@@ -335,16 +340,33 @@ def flash_attention_with(backend: str) -> Callable:
     return attention
 
 
-def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str):
-    """(prepare, run) of one pass of an MLX attention function (see the module docstring)."""
+def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str, compiled: bool = False):
+    """(prepare, run) of one pass of an MLX attention function (see the module docstring).
+
+    Args:
+        attention: (q, k, v, causal, scale) -> out.
+        case: the problem.
+        inputs: (q, k, v, d_out), evaluated.
+        pass_name: one of PASSES.
+        compiled: run the forward / forward_backward pass as an mx.compile'd function (the
+            backward pass is part of a compiled forward_backward and is not timed on its own).
+    """
     q, k, v, d_out = inputs
 
     def attend(q_, k_, v_):
         return attention(q_, k_, v_, case.causal, case.scale)
 
+    if compiled and pass_name not in ("forward", "forward_backward"):
+        raise ValueError(f"compiled timing covers the forward and forward_backward passes, got {pass_name!r}.")
     if pass_name == "forward":
+        if compiled:
+            forward = mx.compile(attend)
+            return None, lambda _: forward(q, k, v)
         return None, lambda _: attend(q, k, v)
     if pass_name == "forward_backward":
+        if compiled:
+            both = mx.compile(lambda q_, k_, v_, d_: mx.vjp(attend, [q_, k_, v_], [d_]))
+            return None, lambda _: both(q, k, v, d_out)
         return None, lambda _: mx.vjp(attend, [q, k, v], [d_out])
     if pass_name == "backward":
         def prepare():

@@ -151,6 +151,32 @@ def test_backward_pass_times_the_gradient_evaluation():
     assert rows["forward_backward"]["median_ms"] > rows["forward"]["median_ms"], rows
 
 
+def test_compiled_passes_compute_the_same_and_trace_once():
+    """mlx_pass(compiled=True): the forward and forward+backward give the uncompiled values, and
+    after the first call (the trace) a call no longer runs the Python attention function."""
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=64, kv_len=64, head_dim=16, causal=True)
+    inputs = bm.random_inputs(case)
+    traced = []
+
+    def attention(q, k, v, causal, scale):
+        traced.append(1)
+        return bm.unfused_attention(q, k, v, causal, scale)
+
+    for pass_name in ("forward", "forward_backward"):
+        _, eager = bm.mlx_pass(bm.unfused_attention, case, inputs, pass_name)
+        _, compiled = bm.mlx_pass(attention, case, inputs, pass_name, compiled=True)
+        expected, got = eager(None), compiled(None)
+        traced.clear()
+        again = compiled(None)
+        mx.eval(expected, got, again)
+        assert not traced, pass_name  # replayed, not traced again
+        flat = lambda x: [x] if isinstance(x, mx.array) else [a for y in x for a in flat(y)]
+        for e, g, a in zip(flat(expected), flat(got), flat(again)):
+            assert mx.allclose(e, g, atol=1e-5).item() and mx.array_equal(g, a).item(), pass_name
+    with pytest.raises(ValueError, match="compiled timing covers"):
+        bm.mlx_pass(attention, case, inputs, "backward", compiled=True)
+
+
 def test_interleaved_timing_and_failure_capture():
     order = []
 

@@ -107,11 +107,11 @@ def test_tool_keeps_the_head_layout_classes_apart():
     assert dispatch.heads_of(8, 8) == "mha" and dispatch.heads_of(8, 2) == "gqa" and dispatch.heads_of(8, 1) == "gqa"
 
 
-def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
+def test_tool_updates_one_family_and_keeps_the_others(tmp_path, capsys):
     payload = {"environment": {"device_name": "NVIDIA H100 80GB HBM3", "device_type": "gpu", "git_commit": "a" * 40,
                                "git_dirty": False, "date": "2026-11-23T00:00:00+00:00", "mlx_version": "0.32.4",
-                               "device_info": {"architecture": "sm_90a"}},
-               "arguments": ["--backend", "cuda", "--name", "dispatch h100"], "rows": synthetic()}
+                               "device_info": {"architecture": "sm_90a"}, "mlx_compiled": True},
+               "arguments": ["--backend", "cuda", "--compiled", "--name", "dispatch h100"], "rows": synthetic()}
     recorded = tmp_path / "dispatch_h100.json"
     recorded.write_text(json.dumps(payload))
     table = tmp_path / "dispatch_cuda.txt"
@@ -124,9 +124,16 @@ def test_tool_updates_one_family_and_keeps_the_others(tmp_path):
     assert "# recorded sm80: an A100 run" in text
     line = next(l for l in text.splitlines() if l.startswith("# recorded sm90:"))
     assert "NVIDIA H100" in line and "aaaaaaaaaaaa" in line and "2026-11-23" in line
-    assert "python3 benchmarks/bench.py --backend cuda --name 'dispatch h100'" in line
+    assert "python3 benchmarks/bench.py --backend cuda --compiled --name 'dispatch h100'" in line
     # Re-running replaces sm90's rows, never duplicates them.
     assert TOOL.main([str(recorded), "--table", str(table)]) == 0
+    assert table.read_text() == text
+    # A recording of calls timed one by one (graph building included) is refused, naming the file.
+    eager = tmp_path / "eager.json"
+    eager.write_text(json.dumps(dict(payload, environment=dict(payload["environment"], mlx_compiled=False))))
+    with pytest.raises(SystemExit):
+        TOOL.main([str(eager), "--table", str(table)])
+    assert "eager.json: not recorded with bench.py --compiled" in capsys.readouterr().err
     assert table.read_text() == text
 
 
@@ -326,7 +333,7 @@ def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
     for n in (1024, 2048):
         rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=1)
     assert [(r.min_n, r.max_n) for r in TOOL.table_rows("sm90", TOOL.decide(rows))] == [(1024, 2048)]
-    env = {"device_type": "gpu", "device_info": {"architecture": "sm_90a"}}
+    env = {"device_type": "gpu", "device_info": {"architecture": "sm_90a"}, "mlx_compiled": True}
     paths = []
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         path = tmp_path / f"{name}.json"
