@@ -11,9 +11,8 @@ backend is never routed (a routed or fallen-back row would not count as measured
 `--compiled` (required): both sides run as mx.compile'd functions, as a compiled training step
 runs attention, so the table compares the GPU work and MLX's launches, not Python's per-call
 graph building. Timed call by call, synchronized, that building decided the routing: our ~0.2-0.5
-ms per call against mx.fast's ~0.02-0.09 routed every causal call up to N=4096 to mx.fast,
-although in mlx-lm's compiled Llama step at 2K tokens our kernels made the step 1.12x faster
-(benchmarks/RESULTS.md, "Training step").
+ms per call against mx.fast's ~0.02-0.09 made our causal forward look 1.4-2.0x slower up to
+N=4096, where compiled it is 1.02-1.33x faster than cuDNN's from N=2048 (H100, bf16 / fp16).
 
     for dtype in bf16 fp16; do
       python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes $dtype \
