@@ -30,7 +30,7 @@ The rule (conservative: a call does not know whether a backward follows):
   (1 - margin) x ours in at least one of the forward and the forward+backward pass and at most
   (1 + margin) x ours in the other (a tie within the margin in one pass does not keep a clear
   loss in the other: with compiled calls our forward at D = 128 without a mask ties cuDNN's,
-  0.92-1.06x, while its forward+backward is 0.81-0.88x), MLX runs it through cuDNN
+  0.90-1.06x, while its forward+backward is 0.68-0.89x), MLX runs it through cuDNN
   (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend "cuda", no
   fallback);
 - a point with a missing, skipped or failed row does not route, nor one where a head layout
