@@ -24,6 +24,7 @@ import mlx.core as mx
 from .. import planner
 from ..render import render, template_text
 from ..spec import AttentionSpec
+from . import tensor_map
 from .common import MASK_KINDS, STRIDED_INPUTS, VariantFeatures, VariantSet, cached_hash as _cached_hash
 
 MAX_HEAD_DIM = 512
@@ -47,7 +48,8 @@ WGMMA_MAX_COLUMNS = 256
 WGMMA_SLICE_WIDTH = 128
 WGMMA_WHOLE_MAX_COLUMNS = 160
 WGMMA_STAGES = 2  # STAGES in the wgmma templates (K / V or Q / dO buffers of the producer's ring)
-WGMMA_MAP_BYTES = 2 * 128  # a CTA's two tensor maps in shared memory (KeyValueRing; MAP_BYTES in dK/dV)
+# A CTA's two tensor maps in shared memory (KeyValueRing; MAP_BYTES in dK/dV): the size of its global slot.
+WGMMA_MAP_BYTES = tensor_map.SLOT_BYTES
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
