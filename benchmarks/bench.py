@@ -289,12 +289,14 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
                     if implementation not in torch_passes:
                         torch_passes[implementation] = torch_flash.passes(case, seed)
                     prepare, run = torch_passes[implementation][pass_name]
-                    call = bm.Call(run, prepare, torch_flash.finish)
+                    call = bm.Call(run, prepare, torch_flash.finish, back_to_back=args.back_to_back,
+                                   launch=lambda result: None)  # torch launches as it goes
                     items[implementation, pass_name] = (call, case, pass_name, torch_flash.memory_probe())
                 else:
                     prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name,
                                                compiled=args.compiled)
-                    items[implementation, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
+                    items[implementation, pass_name] = (bm.Call(run, prepare, back_to_back=args.back_to_back),
+                                                        case, pass_name, None)
             except Exception as error:  # e.g. torch failing to allocate its inputs
                 row["status"] = f"error: {type(error).__name__}: {str(error)[:200]}"
     warm_up_clocks(args.warm_up_clocks_s)
@@ -363,6 +365,7 @@ def markdown(payload: Dict[str, Any]) -> str:
              f"{env.get('mlx_flash_version')} @ {(env.get('git_commit') or 'unknown')[:10]}, backend "
              f"{env.get('backend')!r}, {env.get('date')}, {env.get('platform')}, {env.get('cpu_count')} CPUs, "
              f"load average {env.get('load_average')} at start, {env.get('load_average_end')} at end"]
+    lines.append(f"timing: {timing_mode(env)}")
     cases: Dict[str, List[Dict[str, Any]]] = {}
     for row in payload["rows"]:
         label = bm.BenchCase(**{k: row[k] for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len",
@@ -386,6 +389,13 @@ def markdown(payload: Dict[str, Any]) -> str:
                          f"({bm.format_ms(r['q1_ms'])}-{bm.format_ms(r['q3_ms'])}) | {r['tflops']:.3g} | "
                          f"{r['ginstrs']:.3g} | {bm.format_bytes(r.get('peak_memory_bytes'))} | {speed} | {memory} |")
     return "\n".join(lines)
+
+
+def timing_mode(env: Dict[str, Any]) -> str:
+    """How a recording's calls were timed, in words (its environment's mlx_compiled and back_to_back)."""
+    k = env.get("back_to_back") or 1
+    each = "each call waited for alone" if k == 1 else f"{k} calls back to back per sample, waited for once"
+    return each + ("; MLX's passes mx.compile'd" if env.get("mlx_compiled") else "")
 
 
 def case_table(case: bm.BenchCase, rows: List[Dict[str, Any]]) -> str:
@@ -523,6 +533,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="time the MLX implementations' forward and forward+backward as mx.compile'd functions, "
                            "as a compiled training step runs them (no per-call graph building; torch's unchanged)")
     timing = parser.add_argument_group("timing")
+    timing.add_argument("--back-to-back", type=positive_int, default=1, metavar="K",
+                        help="calls per timed sample, issued back to back and waited for once (MLX: "
+                             "mx.async_eval per call); the sample is its time / K. 1 (default): every "
+                             "call waited for alone")
     timing.add_argument("--warmup", type=int, choices=range(0, 101), metavar="{0..100}", default=1,
                         help="untimed runs after the (untimed) peak-memory run, which is the first warm-up")
     timing.add_argument("--min-repeats", type=positive_int, default=3, help="timed runs at least")
@@ -565,6 +579,8 @@ def parse_args(argv=None):
         parser.error(f"--max-repeats ({args.max_repeats}) must be >= --min-repeats ({args.min_repeats})")
     if args.compiled and "backward" in args.passes:
         parser.error("--compiled times the forward and forward_backward passes; drop 'backward' from --passes")
+    if args.back_to_back > 1 and "backward" in args.passes:
+        parser.error("--back-to-back times the forward and forward_backward passes; drop 'backward' from --passes")
     for kv in args.kv_heads or []:
         if args.heads % kv:
             parser.error(f"--kv-heads {kv} must divide --heads {args.heads}")
@@ -591,6 +607,7 @@ def main(argv=None) -> int:
     env["memory_budget_bytes"], env["memory_budget"] = budget, budget_reason
     env["cuda_capability_override"] = os.environ.get("MLX_FLASH_CUDA_CAPABILITY") or None  # the planned family
     env["mlx_compiled"] = args.compiled  # MLX implementations timed as mx.compile'd functions
+    env["back_to_back"] = args.back_to_back  # calls per timed sample (1: each call synchronized)
     payload = {"environment": env, "arguments": sys.argv[1:] if argv is None else list(argv), "rows": []}
     json_path = args.out / f"{args.name}.json"
     print(f"mlx-flash {env['mlx_flash_version']} ({(env['git_commit'] or 'unknown commit')[:10]}"

@@ -138,6 +138,48 @@ def _eval_time(fn):
     return time.perf_counter() - start
 
 
+def test_back_to_back_launches_each_call_and_waits_once():
+    events = []
+    results = iter(range(100))
+
+    def run(_):
+        value = next(results)
+        events.append(("run", value))
+        return value
+
+    call = bm.Call(run, finish=lambda r: events.append(("finish", r)), back_to_back=3,
+                   launch=lambda r: events.append(("launch", r)))
+    seconds = call.timed_once()
+    assert events == [("finish", None), ("run", 0), ("launch", 0), ("run", 1), ("launch", 1), ("run", 2),
+                      ("launch", 2), ("finish", [0, 1, 2])]
+    assert seconds >= 0
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="back_to_back must be an int >= 1"):
+            bm.Call(run, back_to_back=bad)
+
+
+def test_back_to_back_sample_is_time_per_call():
+    # K calls of real MLX work waited for once: the per-call time stays that of one call (the
+    # samples are divided by K), not K times it; and each call's result is really computed.
+    a = mx.random.normal((256, 256))
+    mx.eval(a)
+    outputs = []
+
+    def chain(_):
+        x = a
+        for _ in range(10):
+            x = mx.tanh(x @ a) * 0.5
+        outputs.append(x)
+        return x
+
+    one = bm.time_calls({0: bm.Call(chain)}, warmup=1, min_repeats=5, max_repeats=5, target_seconds=0)[0]
+    four = bm.time_calls({0: bm.Call(chain, back_to_back=4)}, warmup=1, min_repeats=5, max_repeats=5,
+                         target_seconds=0)[0]
+    assert 0.3 * one.median < four.median < 2.0 * one.median, (one.median, four.median)
+    mx.eval(outputs[-1])
+    assert mx.allclose(outputs[-1], outputs[-2]).item()
+
+
 def test_backward_pass_times_the_gradient_evaluation():
     # The backward's graph is built and its forward evaluated untimed; what remains (dq, dk,
     # dv) must still be real work, comparable to the forward, not an already-evaluated no-op.
@@ -246,6 +288,20 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_back_to_back_recorded_and_named(tmp_path, capsys):
+    bench = load_bench()
+    bench.main(["--seq-lens", "32", "--heads", "2", "--masks", "causal", "--passes", "forward", "forward_backward",
+                "--warmup", "0", "--min-repeats", "1", "--max-repeats", "1", "--target-seconds", "0",
+                "--back-to-back", "3", "--compiled", "--out", str(tmp_path), "--name", "k", "--no-plots"])
+    payload = json.loads((tmp_path / "k.json").read_text())
+    assert payload["environment"]["back_to_back"] == 3 and payload["environment"]["mlx_compiled"] is True
+    assert all(r["status"] == "ok" and r["median_ms"] > 0 for r in payload["rows"])
+    capsys.readouterr()
+    bench.main(["--markdown", str(tmp_path / "k.json")])
+    assert ("timing: 3 calls back to back per sample, waited for once; MLX's passes mx.compile'd"
+            in capsys.readouterr().out)
+
+
 def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
     bench = load_bench()
     # 20 KB: the unfused N^2 arrays (4 B x 2 heads x 64^2 x 2-5 arrays) exceed it; mlx-flash does not.
@@ -275,6 +331,8 @@ def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
     (["--target-seconds", "nan"], "argument --target-seconds: must be a finite number >= 0"),
     (["--min-repeats", "5", "--max-repeats", "2"], "--max-repeats (2) must be >= --min-repeats (5)"),
     (["--backend", "rocm"], "argument --backend: invalid choice"),
+    (["--back-to-back", "0"], "argument --back-to-back: must be a positive integer, got 0"),
+    (["--back-to-back", "4", "--passes", "backward"], "--back-to-back times the forward and forward_backward"),
 ])
 def test_bench_bad_values_are_usage_errors(arguments, message, capsys):
     bench = load_bench()
