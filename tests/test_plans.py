@@ -107,7 +107,8 @@ def test_cuda_masked_keys_option():
 
     assert [keys(m) for m in ("none", "causal", "window", "bool", "additive")] == [96, 96, 96, 64, 64]
     assert [keys(m, head_dim=256) for m in ("none", "causal", "window", "bool", "additive")] == [80, 80, 64, 64, 64]
-    assert keys("bool", head_dim=128) == keys("none", head_dim=128) == 128  # a row without the option
+    assert [keys(m, head_dim=128) for m in ("none", "causal", "bool", "additive")] == [128, 128, 96, 96]
+    assert [keys(m, head_dim=64) for m in ("none", "causal", "bool", "additive")] == [96, 96, 64, 64]
     shipped = planner.shipped_table("cuda")
 
     def with_options(options):
@@ -116,6 +117,7 @@ def test_cuda_masked_keys_option():
                      for r in shipped.rows)
         return planner.Table("cuda", "test", rows)
 
+    assert keys("bool", with_options(())) == keys("none", with_options(())) == 96  # a row without the option
     assert keys("bool", with_options({"masked_t32"})) == 32 and keys("none", with_options({"masked_t32"})) == 96
     both = with_options({"masked_t48", "window_t32"})
     assert [keys(m, both) for m in ("none", "window", "bool")] == [96, 32, 48]
