@@ -159,25 +159,21 @@ def test_back_to_back_launches_each_call_and_waits_once():
 
 
 def test_back_to_back_sample_is_time_per_call():
-    # K calls of real MLX work waited for once: the per-call time stays that of one call (the
-    # samples are divided by K), not K times it; and each call's result is really computed.
+    # K calls of real MLX work waited for once: a sample reads as the time per call, not K times
+    # it (divided by K), and not a quarter of it (all K calls' work is inside the clock).
     a = mx.random.normal((256, 256))
     mx.eval(a)
-    outputs = []
 
     def chain(_):
         x = a
         for _ in range(10):
             x = mx.tanh(x @ a) * 0.5
-        outputs.append(x)
         return x
 
     one = bm.time_calls({0: bm.Call(chain)}, warmup=1, min_repeats=5, max_repeats=5, target_seconds=0)[0]
     four = bm.time_calls({0: bm.Call(chain, back_to_back=4)}, warmup=1, min_repeats=5, max_repeats=5,
                          target_seconds=0)[0]
     assert 0.3 * one.median < four.median < 2.0 * one.median, (one.median, four.median)
-    mx.eval(outputs[-1])
-    assert mx.allclose(outputs[-1], outputs[-2]).item()
 
 
 def test_backward_pass_times_the_gradient_evaluation():
