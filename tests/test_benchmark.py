@@ -112,16 +112,22 @@ def test_timer_finishes_every_result_inside_the_clock():
     assert finished == [None, 0, None, 1, None, 2, None, 3, None, 4]
 
 
-def test_timer_measures_lazy_mlx_work_not_graph_building():
-    a = mx.random.normal((192, 192))
+def _matmul_chain(size: int, steps: int):
+    """A run(state) that builds `steps` lazy matmul + tanh steps on an evaluated size x size array."""
+    a = mx.random.normal((size, size))
     mx.eval(a)
 
     def chain(_):
         x = a
-        for _ in range(12):
+        for _ in range(steps):
             x = mx.tanh(x @ a) * 0.5
         return x
 
+    return chain
+
+
+def test_timer_measures_lazy_mlx_work_not_graph_building():
+    chain = _matmul_chain(192, 12)
     start = time.perf_counter()
     for _ in range(5):
         chain(None)  # builds the graph, computes nothing
@@ -161,15 +167,7 @@ def test_back_to_back_launches_each_call_and_waits_once():
 def test_back_to_back_sample_is_time_per_call():
     # K calls of real MLX work waited for once: a sample reads as the time per call, not K times
     # it (divided by K), and not a quarter of it (all K calls' work is inside the clock).
-    a = mx.random.normal((256, 256))
-    mx.eval(a)
-
-    def chain(_):
-        x = a
-        for _ in range(10):
-            x = mx.tanh(x @ a) * 0.5
-        return x
-
+    chain = _matmul_chain(256, 10)
     one = bm.time_calls({0: bm.Call(chain)}, warmup=1, min_repeats=5, max_repeats=5, target_seconds=0)[0]
     four = bm.time_calls({0: bm.Call(chain, back_to_back=4)}, warmup=1, min_repeats=5, max_repeats=5,
                          target_seconds=0)[0]
