@@ -86,6 +86,8 @@ class TorchFlash:
             return f"{self.name} needs head_dim <= 256"
         if case.causal and case.q_len != case.kv_len:
             return "torch's is_causal is top-left aligned; only Nq == Nk compares"
+        if case.array_mask != "none":
+            return f"{self.name} is compared without array masks"
         return None
 
     def finish(self, result) -> None:
@@ -201,6 +203,11 @@ def estimated_bytes(implementation: str, case: bm.BenchCase, pass_name: str) -> 
     return 0.0
 
 
+def mask_fields(mask: str) -> Dict[str, Any]:
+    """BenchCase's fields for one of --masks."""
+    return {"causal": mask == "causal", "array_mask": mask if mask in ("bool", "additive") else "none"}
+
+
 def build_cases(args) -> List[bm.BenchCase]:
     """The cartesian sweep, or the preset's explicit (B, H, N, D) shapes times dtypes and masks."""
     cases = []
@@ -209,7 +216,7 @@ def build_cases(args) -> List[bm.BenchCase]:
             for batch, heads, length, head_dim in args.cases:
                 for mask in args.masks:
                     cases.append(bm.BenchCase(batch=batch, q_heads=heads, kv_heads=heads, q_len=length,
-                                              kv_len=length, head_dim=head_dim, dtype=dtype, causal=mask == "causal"))
+                                              kv_len=length, head_dim=head_dim, dtype=dtype, **mask_fields(mask)))
         return cases
     for dtype in args.dtypes:
         for head_dim in args.head_dims:
@@ -219,7 +226,7 @@ def build_cases(args) -> List[bm.BenchCase]:
                         batch = max(1, args.tokens // length) if args.tokens else args.batch
                         cases.append(bm.BenchCase(batch=batch, q_heads=args.heads, kv_heads=kv_heads,
                                                   q_len=length, kv_len=length, head_dim=head_dim,
-                                                  dtype=dtype, causal=mask == "causal"))
+                                                  dtype=dtype, **mask_fields(mask)))
     return cases
 
 
@@ -259,6 +266,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
         torch_impls: the PyTorch implementations asked for, by name ("torch-fa2", "torch-cudnn").
     """
     inputs = bm.random_inputs(case, seed=seed)
+    mask = bm.random_mask(case, seed=seed)
     settings = bm.Settings(warmup=args.warmup, min_repeats=args.min_repeats, max_repeats=args.max_repeats,
                            target_seconds=args.target_seconds)
     attention: Dict[str, Callable] = {"mlx-flash": bm.flash_attention_with(flash.name),
@@ -294,7 +302,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
                     items[implementation, pass_name] = (call, case, pass_name, torch_flash.memory_probe())
                 else:
                     prepare, run = bm.mlx_pass(attention[implementation], case, inputs, pass_name,
-                                               compiled=args.compiled)
+                                               compiled=args.compiled, mask=mask)
                     items[implementation, pass_name] = (bm.Call(run, prepare, back_to_back=args.back_to_back),
                                                         case, pass_name, None)
             except Exception as error:  # e.g. torch failing to allocate its inputs
@@ -314,7 +322,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
         row.update(result, status="ok")
         if fallbacks and key[0] == "mlx-flash":  # only mlx-flash calls can fall back
             row["fallbacks"] = fallbacks
-    del inputs, items, torch_passes
+    del inputs, mask, items, torch_passes
     mx.clear_cache()  # MLX's buffer cache would otherwise keep this case's blocks from the next
     for torch_flash in torch_impls.values():
         if torch_flash.device == "cuda" and not torch_flash.unavailable:
@@ -368,8 +376,7 @@ def markdown(payload: Dict[str, Any]) -> str:
     lines.append(f"timing: {timing_mode(env)}")
     cases: Dict[str, List[Dict[str, Any]]] = {}
     for row in payload["rows"]:
-        label = bm.BenchCase(**{k: row[k] for k in ("batch", "q_heads", "kv_heads", "q_len", "kv_len",
-                                                     "head_dim", "dtype", "causal")}).label()
+        label = bm.case_of(row).label()
         cases.setdefault(label, []).append(row)
     for label, rows in cases.items():
         base = {r["pass"]: r for r in rows if r["implementation"] == BASELINE and r.get("status") == "ok"}
@@ -429,12 +436,12 @@ def plot(payload: Dict[str, Any], out_dir: Path, name: str) -> List[Path]:
     paths = []
     for head_dim, dtype in sorted({(r["head_dim"], r["dtype"]) for r in rows}):
         group = [r for r in rows if r["head_dim"] == head_dim and r["dtype"] == dtype]
-        # Non-causal before causal, full heads before GQA.
-        panels = sorted({(r["causal"], r["q_heads"], r["kv_heads"]) for r in group},
-                        key=lambda p: (p[0], -p[2], p[1]))
+        # By mask (none, causal, bool, additive), full heads before GQA.
+        panels = sorted({(bm.case_of(r).mask, r["q_heads"], r["kv_heads"]) for r in group},
+                        key=lambda p: (bm.MASKS.index(p[0]), -p[2], p[1]))
         figure, axes = plt.subplots(len(panels), 2, figsize=(12, 4.2 * len(panels)), squeeze=False)
-        for (causal, q_heads, kv_heads), (ax_speed, ax_memory) in zip(panels, axes):
-            panel = [r for r in group if (r["causal"], r["q_heads"], r["kv_heads"]) == (causal, q_heads, kv_heads)]
+        for (mask, q_heads, kv_heads), (ax_speed, ax_memory) in zip(panels, axes):
+            panel = [r for r in group if (bm.case_of(r).mask, r["q_heads"], r["kv_heads"]) == (mask, q_heads, kv_heads)]
             for implementation in IMPLEMENTATIONS:
                 for pass_name in bm.PASSES:
                     line = sorted((r for r in panel if r["implementation"] == implementation
@@ -450,7 +457,7 @@ def plot(payload: Dict[str, Any], out_dir: Path, name: str) -> List[Path]:
                     if all(r["peak_memory_bytes"] is not None for r in line):
                         ax_memory.plot(x, [r["peak_memory_bytes"] / (1 << 20) for r in line], **style)
             heads = f"H={q_heads}" if q_heads == kv_heads else f"H={q_heads}/{kv_heads} (GQA)"
-            title = f"D={head_dim} {dtype} {heads} {'causal' if causal else 'non-causal'}"
+            title = f"D={head_dim} {dtype} {heads} " + {"none": "non-causal", "causal": "causal"}.get(mask, f"{mask} mask")
             lengths = sorted({r["q_len"] for r in panel})
             for ax, ylabel in ((ax_speed, "TFLOP/s"), (ax_memory, "peak memory above inputs (MiB)")):
                 ax.set_xscale("log", base=2)
@@ -515,7 +522,9 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("--head-dims", type=positive_int, nargs="+", default=[64], help="head dims D")
     sweep.add_argument("--dtypes", type=dtype_argument, nargs="+", default=["float32"],
                        help="float32/fp32, float16/fp16, bfloat16/bf16")
-    sweep.add_argument("--masks", nargs="+", choices=["none", "causal"], default=["none", "causal"], help="masks")
+    sweep.add_argument("--masks", nargs="+", choices=list(bm.MASKS), default=["none", "causal"],
+                       help="masks: none, causal, or a random array mask [1, 1, N, N] (bool / additive, "
+                            f"{bm.MASK_KEEP * 100:.0f}%% of keys kept; mlx_flash.benchmark.random_mask)")
     sweep.add_argument("--heads", type=positive_int, default=8, help="query heads Hq")
     sweep.add_argument("--kv-heads", type=positive_int, nargs="+", default=None,
                        help="kv heads Hkv values (GQA when < --heads); None: --heads")

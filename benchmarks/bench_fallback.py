@@ -60,8 +60,7 @@ def route(inputs, case):
 
 def implementation(name):
     if name == "mlx":
-        return lambda q, k, v, causal, scale: flash_attention(
-            q, k, v, scale=scale, mask="causal" if causal else None, backend="mlx")
+        return lambda q, k, v, mask, scale: flash_attention(q, k, v, scale=scale, mask=mask, backend="mlx")
     return {"unfused": bm.unfused_attention,
             "mx.fast": bm.fast_attention}[name]
 

@@ -24,7 +24,7 @@ N=4096, where compiled it is 1.02-1.33x faster than cuDNN's from N=2048 (H100, b
     python3 benchmarks/dispatch_table.py $OUT/dispatch_h100_bf16.json $OUT/dispatch_h100_fp16.json
 
 The rule (conservative: a call does not know whether a backward follows):
-- a measured point is (dtype, head dim, head layout class, causal, N) with Nq = Nk = N, the
+- a measured point is (dtype, head dim, head layout class, mask, N) with Nq = Nk = N, the
   class "mha" (as many kv heads as query heads) or "gqa" (fewer); it routes only when, for
   every head layout and batch of its class measured at that point, mx.fast's median is below
   (1 - margin) x ours in at least one of the forward and the forward+backward pass and at most
@@ -34,7 +34,7 @@ The rule (conservative: a call does not know whether a backward follows):
   (mlx_flash.backends.fast.cudnn_fuses), and our row ran our kernels (backend "cuda", no
   fallback);
 - a point with a missing, skipped or failed row does not route, nor one where a head layout
-  measured at other N of its (dtype, head dim, class, causal) is missing;
+  measured at other N of its (dtype, head dim, class, mask) is missing;
 - adjacent routed points (in the measured N order) merge into one range [min_n, max_n]: a call
   routes only inside such a range, never between a routed and a not-routed point, never past
   the largest measured N.
@@ -70,11 +70,13 @@ HEADER = """\
 # (counted in mlx_flash.route_counts(), never warned: a choice, not a fallback). backend="cuda"
 # always runs our kernels. Written by benchmarks/dispatch_table.py from a recorded
 # benchmarks/bench.py JSON, never by hand; a family without rows routes nothing.
-# A call routes only if mx.fast serves it exactly (no array mask, window, softcap, sinks, lse or
-# shifted diagonal: mlx_flash/backends/fast.py), MLX runs it through cuDNN forward and backward
+# A call routes only if mx.fast serves it exactly (no window, softcap, sinks, lse or shifted
+# diagonal: mlx_flash/backends/fast.py), MLX runs it through cuDNN forward and backward
 # (fp16 / bf16, D multiple of 8 up to 128, query rows a multiple of 128) and a row below covers
 # its family, dtype, head dim (exactly), head layout (mha: as many kv heads as query heads; gqa:
-# fewer), mask and N: Nq = Nk = N, min_n <= N <= max_n (only square problems are measured).
+# fewer), mask (none, causal, or an array mask of that kind shaped [1, 1, N, N]: bench.py's
+# random mask, the only shape measured) and N: Nq = Nk = N, min_n <= N <= max_n (only square
+# problems are measured).
 # Timing: both sides as mx.compile'd calls (bench.py --compiled), as a compiled training step runs
 # them; Python's per-call graph building is not in it (benchmarks/dispatch_table.py says why).
 # Rule: every measured head layout of the row's class at that N had mx.fast's median below
@@ -84,20 +86,20 @@ HEADER = """\
 # nothing routes outside a measured range. forward / fwd_bwd: the range's largest mx.fast / ours
 # median-time ratio (lower = mx.fast faster).
 # Columns (each followed by at least one space; mlx_flash/backends/dispatch.py parses them):
-# family   dtype     head_dim heads mask   min_n  max_n  forward fwd_bwd
+# family   dtype     head_dim heads mask     min_n  max_n  forward fwd_bwd
 """
 
 
-Point = Tuple[str, int, str, bool, int]  # (dtype, head dim, head layout class, causal, N)
+Point = Tuple[str, int, str, str, int]  # (dtype, head dim, head layout class, mask, N)
 
 
 def point_of(row: Dict) -> Point:
-    return (row["dtype"], row["head_dim"], dispatch.heads_of(row["q_heads"], row["kv_heads"]), bool(row["causal"]),
-            row["q_len"])
+    mask = "causal" if row["causal"] else row.get("array_mask", "none")
+    return (row["dtype"], row["head_dim"], dispatch.heads_of(row["q_heads"], row["kv_heads"]), mask, row["q_len"])
 
 
 def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, Optional[Tuple[float, float]]]:
-    """Per measured point (dtype, head dim, head layout class, causal, N): (forward, fwd+bwd) worst
+    """Per measured point (dtype, head dim, head layout class, mask, N): (forward, fwd+bwd) worst
     mx.fast / ours ratios over the class's layouts where the point routes, else None.
 
     Args:
@@ -117,7 +119,7 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
             usable = False  # not our kernels: nothing to compare
         layout = (row["batch"], row["q_heads"], row["kv_heads"])
         table[point_of(row)][layout][row["implementation"], row["pass"]] = row["median_ms"] if usable else None
-    # Every layout measured anywhere in a (dtype, head dim, class, causal) group must be measured at
+    # Every layout measured anywhere in a (dtype, head dim, class, mask) group must be measured at
     # each of its points: a run cut short by its time budget may have timed a layout at one N only.
     group_layouts = defaultdict(set)
     for point, layouts in table.items():
@@ -126,9 +128,11 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
     for point, layouts in table.items():
         for missing in group_layouts[point[:4]] - set(layouts):
             layouts[missing] = {}
-        dtype, head_dim, _, causal, n = point
+        dtype, head_dim, _, mask, n = point
+        array_mask = mask in ("bool", "additive")
         spec = AttentionSpec(batch=1, q_heads=1, kv_heads=1, q_len=n, kv_len=n, head_dim=head_dim, value_dim=head_dim,
-                             dtype=dispatch.DTYPES[dtype], scale=1.0, causal=causal)
+                             dtype=dispatch.DTYPES[dtype], scale=1.0, causal=mask == "causal",
+                             mask_kind=mask if array_mask else "none", mask_shape=(1, 1, n, n) if array_mask else None)
         worst = [0.0, 0.0]
         routes = cudnn_fuses(spec)
         for times in layouts.values():
@@ -148,17 +152,17 @@ def decide(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> Dict[Point, 
 def table_rows(family: str, verdicts: Dict) -> List[DispatchRow]:
     """The verdicts as ranges of adjacent routed N, one row each, sorted."""
     groups = defaultdict(list)
-    for (dtype, head_dim, heads, causal, n), verdict in verdicts.items():
-        groups[dtype, head_dim, heads, causal].append((n, verdict))
+    for (dtype, head_dim, heads, mask, n), verdict in verdicts.items():
+        groups[dtype, head_dim, heads, mask].append((n, verdict))
     result = []
-    for (dtype, head_dim, heads, causal), points in sorted(groups.items()):
+    for (dtype, head_dim, heads, mask), points in sorted(groups.items()):
         run: List[Tuple[int, Tuple[float, float]]] = []
         for n, verdict in sorted(points) + [(None, None)]:  # a sentinel closes the last range
             if verdict is not None:
                 run.append((n, verdict))
                 continue
             if run:
-                result.append(DispatchRow(family, dtype, head_dim, heads, "causal" if causal else "none", run[0][0],
+                result.append(DispatchRow(family, dtype, head_dim, heads, mask, run[0][0],
                                           run[-1][0], max(v[0] for _, v in run), max(v[1] for _, v in run)))
             run = []
     return result

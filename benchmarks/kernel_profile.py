@@ -61,7 +61,7 @@ def step(impl, backend, N, D, causal, heads, dtype, kv_heads=None, layout="row")
         def attend(q, k, v):
             if kv_heads != heads:
                 k, v = (mx.repeat(x, heads // kv_heads, axis=1) for x in (k, v))
-            return bm.unfused_attention(q, k, v, causal, D ** -0.5)
+            return bm.unfused_attention(q, k, v, "causal" if causal else None, D ** -0.5)
     if layout == "row":
         f = attend
     else:

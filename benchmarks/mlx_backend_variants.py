@@ -67,8 +67,8 @@ def new_backend(fraction, device_fraction=None):
                                     device_fractions=mlx_ops.DEVICE_FRACTIONS if device_fraction is None
                                     else (("cpu", device_fraction), ("gpu", device_fraction)))
 
-    def attend(q, k, v, causal, scale):
-        return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
+    def attend(q, k, v, mask, scale):
+        return flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
     return attend
 
 
@@ -79,8 +79,8 @@ def old_backend(old):
     if not backend.__class__.__module__.startswith(old.__name__):
         raise SystemExit(f"--old-tree: its mlx backend resolved to {backend.__class__.__module__}, not the old tree")
 
-    def attend(q, k, v, causal, scale):
-        return old.flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
+    def attend(q, k, v, mask, scale):
+        return old.flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
     return attend
 
 

@@ -68,6 +68,14 @@ _FLOP_FACTOR = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5,
 _INSTRUCTION_COEFFICIENTS = {"forward": (2, 5), "backward_query": (3, 5), "backward_key_value": (4, 5),
                              "backward": (7, 10), "forward_backward": (9, 15)}
 
+# Kinds of array mask a case may take (BenchCase.array_mask); "none" = no array mask.
+ARRAY_MASKS = ("none", "bool", "additive")
+# A case's masks: none, causal or an array mask (bench.py --masks).
+MASKS = ("none", "causal", "bool", "additive")
+# random_mask: the share of keys a query sees, and the additive mask's value for the others.
+MASK_KEEP = 0.9
+MASK_HIDDEN = -1e4
+
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 _DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "fp16": "float16", "f16": "float16",
                   "half": "float16", "bf16": "bfloat16"}
@@ -90,6 +98,8 @@ class BenchCase:
             k/v [B, Hkv, Nk, D]); kv_heads < q_heads is GQA.
         dtype: "float32", "float16" or "bfloat16".
         causal: bottom-right aligned causal mask.
+        array_mask: "none", or "bool" / "additive": an array mask of shape [1, 1, Nq, Nk]
+            (random_mask), shared by every batch and head; not with causal.
     """
 
     batch: int
@@ -100,6 +110,7 @@ class BenchCase:
     head_dim: int
     dtype: str = "float32"
     causal: bool = False
+    array_mask: str = "none"
 
     def __post_init__(self):
         for field in ("batch", "q_heads", "kv_heads", "q_len", "kv_len", "head_dim"):
@@ -109,6 +120,15 @@ class BenchCase:
         if self.q_heads % self.kv_heads:
             raise ValueError(f"BenchCase.q_heads ({self.q_heads}) must be a multiple of kv_heads ({self.kv_heads}).")
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
+        if self.array_mask not in ARRAY_MASKS:
+            raise ValueError(f"BenchCase.array_mask must be one of {ARRAY_MASKS}, got {self.array_mask!r}.")
+        if self.causal and self.array_mask != "none":
+            raise ValueError(f"BenchCase takes causal or an array mask, not both (array_mask={self.array_mask!r}).")
+
+    @property
+    def mask(self) -> str:
+        """The case's mask: "none", "causal", "bool" or "additive" (bench.py's --masks)."""
+        return "causal" if self.causal else self.array_mask
 
     @property
     def scale(self) -> float:
@@ -118,7 +138,7 @@ class BenchCase:
         heads = f"H={self.q_heads}" if self.kv_heads == self.q_heads else f"H={self.q_heads}/{self.kv_heads}"
         length = f"N={self.q_len}" if self.q_len == self.kv_len else f"Nq={self.q_len} Nk={self.kv_len}"
         return (f"B={self.batch} {heads} {length} D={self.head_dim} {self.dtype}"
-                f"{' causal' if self.causal else ''}")
+                f"{'' if self.mask == 'none' else ' ' + self.mask}{' mask' if self.array_mask != 'none' else ''}")
 
 
 def attention_flops(case: BenchCase, kernel: str) -> float:
@@ -340,9 +360,24 @@ def random_inputs(case: BenchCase, seed: int = 0):
     return arrays
 
 
-def unfused_attention(q, k, v, causal: bool, scale: float):
+def random_mask(case: BenchCase, seed: int = 0) -> Optional[mx.array]:
+    """The case's evaluated array mask [1, 1, Nq, Nk] (None without one): each key kept with
+    probability MASK_KEEP, independently; bool (True = keep) or additive (0 kept, MASK_HIDDEN
+    hidden) in the case's dtype. Our kernels and cuDNN read every element of a mask whatever it
+    holds (neither skips masked tiles), so its pattern does not change their time."""
+    if case.array_mask == "none":
+        return None
+    keep = mx.random.uniform(shape=(1, 1, case.q_len, case.kv_len), key=mx.random.key(seed + 1)) < MASK_KEEP
+    mask = keep if case.array_mask == "bool" else mx.where(keep, 0.0, MASK_HIDDEN).astype(DTYPES[case.dtype])
+    mx.eval(mask)
+    return mask
+
+
+def unfused_attention(q, k, v, mask, scale: float):
     """softmax(q k^T * scale + mask) v with plain MLX ops: the N^2 score matrix is materialized.
 
+    `mask`: None, "causal" (bottom-right aligned) or an array mask broadcastable to the scores
+    (bool: True = keep; else added to the scaled scores), as mx.fast takes it.
     GQA shares each kv head by broadcasting (q viewed as [B, Hkv, G, N, D]), not by tiling k/v.
     The softmax runs in fp32 (precise=True) like mx.fast's.
     """
@@ -351,59 +386,78 @@ def unfused_attention(q, k, v, causal: bool, scale: float):
     group = Hq // Hkv
     q5 = q.reshape(B, Hkv, group, Nq, D)
     scores = (q5 * scale) @ mx.swapaxes(mx.expand_dims(k, 2), -1, -2)
-    if causal:
-        keep = mx.arange(Nk)[None, :] <= mx.arange(Nq)[:, None] + (Nk - Nq)
-        scores = mx.where(keep, scores, mx.array(-math.inf, scores.dtype))
+    if isinstance(mask, str):
+        if mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an array, got {mask!r}.")
+        mask = mx.arange(Nk)[None, :] <= mx.arange(Nq)[:, None] + (Nk - Nq)
+    if mask is not None:
+        if mask.ndim == 4:  # [B or 1, Hq or 1, ., .] -> [B or 1, Hkv or 1, G or 1, ., .]
+            heads = (Hkv, group) if mask.shape[1] == Hq else (1, 1)
+            mask = mask.reshape(mask.shape[0], *heads, *mask.shape[2:])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(mask, scores, mx.array(-math.inf, scores.dtype))
+        else:
+            scores = scores + mask.astype(scores.dtype)
     probabilities = mx.softmax(scores, axis=-1, precise=True)
     return (probabilities @ mx.expand_dims(v, 2)).reshape(B, Hq, Nq, v.shape[3])
 
 
-def fast_attention(q, k, v, causal: bool, scale: float):
-    """MLX's own attention, mx.fast.scaled_dot_product_attention."""
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal" if causal else None)
+def fast_attention(q, k, v, mask, scale: float):
+    """MLX's own attention, mx.fast.scaled_dot_product_attention (`mask` as unfused_attention's)."""
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 def flash_attention_with(backend: str) -> Callable:
-    """mlx_flash.flash_attention on a given backend, in the (q, k, v, causal, scale) form."""
+    """mlx_flash.flash_attention on a given backend, in the (q, k, v, mask, scale) form."""
     from .api import flash_attention
 
-    def attention(q, k, v, causal: bool, scale: float):
-        return flash_attention(q, k, v, scale=scale, mask="causal" if causal else None, backend=backend)
+    def attention(q, k, v, mask, scale: float):
+        return flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
 
     return attention
 
 
-def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str, compiled: bool = False):
+def mlx_pass(attention: Callable, case: BenchCase, inputs, pass_name: str, compiled: bool = False,
+             mask: Optional[mx.array] = None):
     """(prepare, run) of one pass of an MLX attention function (see the module docstring).
 
     Args:
-        attention: (q, k, v, causal, scale) -> out.
+        attention: (q, k, v, mask, scale) -> out, where mask is None, "causal" or an array.
         case: the problem.
         inputs: (q, k, v, d_out), evaluated.
         pass_name: one of PASSES.
         compiled: run the forward / forward_backward pass as an mx.compile'd function (the
             backward pass is part of a compiled forward_backward and is not timed on its own).
+        mask: the case's array mask (random_mask), required exactly when case.array_mask is not
+            "none"; an input of the compiled function, never differentiated.
     """
     q, k, v, d_out = inputs
+    if (mask is None) != (case.array_mask == "none"):
+        raise ValueError(f"mask must be given exactly when the case has an array mask (array_mask="
+                         f"{case.array_mask!r}, mask {'given' if mask is not None else 'None'}).")
+    extra = [] if mask is None else [mask]
 
-    def attend(q_, k_, v_):
-        return attention(q_, k_, v_, case.causal, case.scale)
+    def attend(q_, k_, v_, *mask_):
+        return attention(q_, k_, v_, mask_[0] if mask_ else ("causal" if case.causal else None), case.scale)
+
+    def both(q_, k_, v_, d_, *mask_):
+        return mx.vjp(lambda a, b, c: attend(a, b, c, *mask_), [q_, k_, v_], [d_])
 
     if compiled and pass_name not in ("forward", "forward_backward"):
         raise ValueError(f"compiled timing covers the forward and forward_backward passes, got {pass_name!r}.")
     if pass_name == "forward":
         if compiled:
             forward = mx.compile(attend)
-            return None, lambda _: forward(q, k, v)
-        return None, lambda _: attend(q, k, v)
+            return None, lambda _: forward(q, k, v, *extra)
+        return None, lambda _: attend(q, k, v, *extra)
     if pass_name == "forward_backward":
         if compiled:
-            both = mx.compile(lambda q_, k_, v_, d_: mx.vjp(attend, [q_, k_, v_], [d_]))
-            return None, lambda _: both(q, k, v, d_out)
-        return None, lambda _: mx.vjp(attend, [q, k, v], [d_out])
+            both_compiled = mx.compile(both)
+            return None, lambda _: both_compiled(q, k, v, d_out, *extra)
+        return None, lambda _: both(q, k, v, d_out, *extra)
     if pass_name == "backward":
         def prepare():
-            outputs, gradients = mx.vjp(attend, [q, k, v], [d_out])
+            outputs, gradients = both(q, k, v, d_out, *extra)
             mx.eval(outputs)  # the forward and everything the gradients read from it
             return gradients
         return prepare, lambda gradients: gradients
@@ -596,3 +650,8 @@ def _numeric(text: str) -> bool:
 
 def as_dict(case: BenchCase) -> Dict[str, Any]:
     return dataclasses.asdict(case)
+
+
+def case_of(row: Dict[str, Any]) -> BenchCase:
+    """The BenchCase of a recorded row (as_dict's keys; rows recorded before array masks have none)."""
+    return BenchCase(**{f.name: row[f.name] for f in dataclasses.fields(BenchCase) if f.name in row})

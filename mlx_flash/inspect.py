@@ -77,7 +77,7 @@ def make_spec(head_dim: int, dtype: str = "bfloat16", mask: str = "none", q_len:
     return AttentionSpec(batch=1, q_heads=group, kv_heads=1, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                          value_dim=head_dim, dtype=DTYPES[dtype], scale=1.0, causal=mask == "causal",
                          window=(16, 0) if mask == "window" else None, mask_kind=mask_kind,
-                         mask_shape=(1, 1, 1, 1) if mask_kind != "none" else None)
+                         mask_shape=(1, 1, q_len, kv_len) if mask_kind != "none" else None)
 
 
 def _fallback(kernel: str, reason: str, family: Optional[str] = None) -> KernelPlan:

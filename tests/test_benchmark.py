@@ -1,6 +1,7 @@
 """The benchmark harness, benchmarks/bench.py and `python -m mlx_flash` (fast: a few seconds)."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -194,9 +195,9 @@ def test_compiled_passes_compute_the_same_and_trace_once():
     inputs = bm.random_inputs(case)
     traced = []
 
-    def attention(q, k, v, causal, scale):
+    def attention(q, k, v, mask, scale):
         traced.append(1)
-        return bm.unfused_attention(q, k, v, causal, scale)
+        return bm.unfused_attention(q, k, v, mask, scale)
 
     for pass_name in ("forward", "forward_backward"):
         _, eager = bm.mlx_pass(bm.unfused_attention, case, inputs, pass_name)
@@ -240,6 +241,36 @@ def test_peak_memory_counts_the_call_not_what_was_resident():
     del resident
 
 
+def test_cases_take_one_mask_and_array_masks_are_inputs():
+    """BenchCase.array_mask: a random [1, 1, Nq, Nk] mask (about MASK_KEEP of it kept), labelled and
+    recorded; mlx_pass needs it exactly for such cases, and every pass runs with it."""
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=1, q_len=64, kv_len=96, head_dim=16, array_mask="bool")
+    assert case.mask == "bool" and case.label().endswith("float32 bool mask")
+    assert bm.case_of(bm.as_dict(case)) == case
+    legacy = {k: v for k, v in bm.as_dict(case).items() if k != "array_mask"}
+    assert bm.case_of(legacy).mask == "none"  # rows recorded before array masks
+    with pytest.raises(ValueError, match="causal or an array mask, not both"):
+        bm.BenchCase(batch=1, q_heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=8, causal=True, array_mask="bool")
+    with pytest.raises(ValueError, match="array_mask must be one of"):
+        bm.BenchCase(batch=1, q_heads=1, kv_heads=1, q_len=8, kv_len=8, head_dim=8, array_mask="window")
+    mask = bm.random_mask(case, seed=1)
+    assert mask.shape == (1, 1, 64, 96) and mask.dtype == mx.bool_
+    assert 0.85 < mask.astype(mx.float32).mean().item() < 0.95
+    additive = bm.random_mask(dataclasses.replace(case, array_mask="additive", dtype="bfloat16"), seed=1)
+    assert additive.dtype == mx.bfloat16 and mx.array_equal(additive == 0, mask).item()
+    assert bm.random_mask(dataclasses.replace(case, array_mask="none")) is None
+    inputs = bm.random_inputs(case)
+    with pytest.raises(ValueError, match="mask must be given exactly"):
+        bm.mlx_pass(bm.unfused_attention, case, inputs, "forward")
+    for compiled in (False, True):
+        _, run = bm.mlx_pass(bm.fast_attention, case, inputs, "forward", compiled=compiled, mask=mask)
+        expected = bm.unfused_attention(*inputs[:3], mask, case.scale)
+        assert mx.allclose(run(None), expected, atol=1e-5).item()
+    _, run = bm.mlx_pass(bm.unfused_attention, case, inputs, "forward_backward", mask=additive.astype(mx.float32))
+    (out,), grads = run(None)
+    assert mx.allclose(out, expected, atol=1e-5).item() and all(mx.all(mx.isfinite(g)).item() for g in grads)
+
+
 def test_unfused_attention_matches_the_reference():
     import numpy as np
 
@@ -250,8 +281,13 @@ def test_unfused_attention_matches_the_reference():
     q, k, v, _ = bm.random_inputs(case, seed=3)
     spec, _ = check_inputs(q, k, v, mask="causal")
     expected, _ = reference.attention_forward(np.array(q), np.array(k), np.array(v), spec)
-    out = bm.unfused_attention(q, k, v, True, case.scale)
+    out = bm.unfused_attention(q, k, v, "causal", case.scale)
     assert np.allclose(np.array(out), expected, atol=1e-5)
+    # Array masks broadcast over the GQA heads as mx.fast does: per head [1, Hq, Nq, Nk], additive.
+    bias = np.random.default_rng(0).standard_normal((1, 4, 24, 40)).astype(np.float32)
+    spec, _ = check_inputs(q, k, v, mask=mx.array(bias))
+    expected, _ = reference.attention_forward(np.array(q), np.array(k), np.array(v), spec, bias)
+    assert np.allclose(np.array(bm.unfused_attention(q, k, v, mx.array(bias), case.scale)), expected, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,6 +316,21 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
     assert torch_rows and all(r["status"].startswith("skipped: torch") for r in torch_rows)
     png = tmp_path / "t_d64_float32.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_array_masks_recorded_plotted_and_named(tmp_path, capsys):
+    bench = load_bench()
+    bench.main(["--seq-lens", "32", "--heads", "2", "--masks", "bool", "additive", "--head-dims", "16",
+                "--passes", "forward", "forward_backward", "--warmup", "0", "--min-repeats", "1", "--max-repeats",
+                "1", "--target-seconds", "0", "--compiled", "--out", str(tmp_path), "--name", "m"])
+    payload = json.loads((tmp_path / "m.json").read_text())
+    assert sorted({r["array_mask"] for r in payload["rows"]}) == ["additive", "bool"]
+    assert all(r["status"] == "ok" and not r["causal"] for r in payload["rows"])
+    assert (tmp_path / "m_d16_float32.png").read_bytes()[:4] == b"\x89PNG"
+    capsys.readouterr()
+    bench.main(["--markdown", str(tmp_path / "m.json")])
+    out = capsys.readouterr().out
+    assert "D=16 float32 bool mask**" in out and "D=16 float32 additive mask**" in out
 
 
 def test_bench_back_to_back_recorded_and_named(tmp_path, capsys):
@@ -456,4 +507,4 @@ def test_variants_tool_old_column_runs_the_old_trees_own_backend(tmp_path):
     backend = next(c.cell_contents for c in attend.__closure__ if hasattr(c.cell_contents, "forward"))
     assert type(backend).__module__ == "mlx_flash_old.backends.mlx_ops"
     q = mx.random.normal((1, 2, 64, 16))
-    assert mx.allclose(attend(q, q, q, True, 0.25), tool.new_backend(4)(q, q, q, True, 0.25), atol=1e-5)
+    assert mx.allclose(attend(q, q, q, "causal", 0.25), tool.new_backend(4)(q, q, q, "causal", 0.25), atol=1e-5)

@@ -40,10 +40,11 @@ TOOL = _tool()
 # The tool: bench.py JSON -> rows
 
 
-def bench_rows(dtype, head_dim, causal, n, ours, theirs, kv_heads=4, **extra):
-    """bench.py rows of one case: `ours` / `theirs` = (forward, forward_backward) median ms."""
+def bench_rows(dtype, head_dim, mask, n, ours, theirs, kv_heads=4, **extra):
+    """bench.py rows of one case: `ours` / `theirs` = (forward, forward_backward) median ms; mask
+    one of none, causal, bool, additive."""
     case = dict(batch=1, q_heads=4, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim, dtype=dtype,
-                causal=causal)
+                causal=mask == "causal", array_mask=mask if mask in ("bool", "additive") else "none")
     rows = []
     for implementation, times in (("mlx-flash", ours), ("mx.fast", theirs)):
         for pass_name, ms in zip(("forward", "forward_backward"), times):
@@ -63,15 +64,15 @@ def synthetic():
     for n, ours, theirs in ((1024, (1.0, 3.0), (0.8, 2.0)), (2048, (2.0, 6.0), (1.97, 4.0)),
                             (4096, (4.0, 12.0), (3.0, 9.0)), (8192, (8.0, 24.0), (7.0, 30.0)),
                             (16384, (16.0, 48.0), (20.0, 60.0))):
-        rows += bench_rows("bfloat16", 128, True, n, ours, theirs)
-    rows += bench_rows("bfloat16", 128, True, 512, (1.0, 2.0), (0.5, 1.0))  # measured after, sorted by N
+        rows += bench_rows("bfloat16", 128, "causal", n, ours, theirs)
+    rows += bench_rows("bfloat16", 128, "causal", 512, (1.0, 2.0), (0.5, 1.0))  # measured after, sorted by N
     for n in (512, 1024, 2048):
-        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.5), kv_heads=4)
-        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.6, 1.2) if n < 2048 else (1.2, 1.0), kv_heads=1)
-    rows += bench_rows("float16", 256, False, 4096, (2.0, 4.0), (1.0, 2.0))
-    rows += bench_rows("float16", 64, True, 4096, (2.0, 4.0), (1.0, 2.0), fallbacks={"x": 1})
-    rows += [dict(r, status="skipped: budget") for r in bench_rows("float16", 64, False, 4096, (2.0, 4.0), (1.0, 2.0))]
-    rows += bench_rows("float32", 64, False, 4096, (2.0, 4.0), (1.0, 2.0))  # fp32: no cuDNN
+        rows += bench_rows("bfloat16", 64, "none", n, (1.0, 2.0), (0.5, 1.5), kv_heads=4)
+        rows += bench_rows("bfloat16", 64, "none", n, (1.0, 2.0), (0.6, 1.2) if n < 2048 else (1.2, 1.0), kv_heads=1)
+    rows += bench_rows("float16", 256, "none", 4096, (2.0, 4.0), (1.0, 2.0))
+    rows += bench_rows("float16", 64, "causal", 4096, (2.0, 4.0), (1.0, 2.0), fallbacks={"x": 1})
+    rows += [dict(r, status="skipped: budget") for r in bench_rows("float16", 64, "none", 4096, (2.0, 4.0), (1.0, 2.0))]
+    rows += bench_rows("float32", 64, "none", 4096, (2.0, 4.0), (1.0, 2.0))  # fp32: no cuDNN
     return rows
 
 
@@ -86,20 +87,35 @@ def test_tool_rows_from_a_synthetic_recording():
     assert all(r.family == "sm90" for r in rows)
 
 
+def test_tool_rows_for_array_masks():
+    """Bool and additive points are their own rows beside none / causal at the same N: here the
+    bool mask routes (fwd+bwd a clear win, forward within the margin), the additive one does not
+    (our forward 1.4x faster), the unmasked point neither."""
+    rows = (bench_rows("bfloat16", 128, "bool", 4096, (2.0, 8.0), (2.08, 5.0))
+            + bench_rows("bfloat16", 128, "additive", 4096, (2.0, 8.0), (2.8, 5.0))
+            + bench_rows("bfloat16", 128, "none", 4096, (1.0, 4.0), (1.0, 4.0)))
+    verdicts = TOOL.decide(rows)
+    assert verdicts == {("bfloat16", 128, "mha", "bool", 4096): (1.04, 0.625),
+                        ("bfloat16", 128, "mha", "additive", 4096): None,
+                        ("bfloat16", 128, "mha", "none", 4096): None}
+    assert [(r.mask, r.min_n) for r in TOOL.table_rows("sm90", verdicts)] == [("bool", 4096)]
+    assert parse_dispatch(format_dispatch_row(TOOL.table_rows("sm90", verdicts)[0]))[0].mask == "bool"
+
+
 def test_tool_does_not_route_a_tie_in_both_passes():
-    rows = bench_rows("bfloat16", 64, True, 4096, (2.0, 4.0), (1.98, 3.96))  # 1% faster in both
-    assert TOOL.decide(rows, margin=0.05) == {("bfloat16", 64, "mha", True, 4096): None}
-    assert TOOL.decide(rows, margin=0.0)[("bfloat16", 64, "mha", True, 4096)] is not None
+    rows = bench_rows("bfloat16", 64, "causal", 4096, (2.0, 4.0), (1.98, 3.96))  # 1% faster in both
+    assert TOOL.decide(rows, margin=0.05) == {("bfloat16", 64, "mha", "causal", 4096): None}
+    assert TOOL.decide(rows, margin=0.0)[("bfloat16", 64, "mha", "causal", 4096)] is not None
 
 
 def test_tool_routes_a_clear_win_beside_a_tie_within_the_margin():
     """mx.fast 3 % slower in the forward and 15 % faster in the forward+backward routes; 8 % slower
     does not (margin 0.05); and with the roles swapped the same."""
-    point = ("bfloat16", 128, "mha", False, 4096)
-    assert TOOL.decide(bench_rows("bfloat16", 128, False, 4096, (2.0, 4.0), (2.06, 3.4)))[point] == (1.03, 0.85)
-    assert TOOL.decide(bench_rows("bfloat16", 128, False, 4096, (2.0, 4.0), (2.16, 3.4)))[point] is None
-    assert TOOL.decide(bench_rows("bfloat16", 128, False, 4096, (2.0, 4.0), (1.7, 4.12)))[point] is not None
-    assert TOOL.decide(bench_rows("bfloat16", 128, False, 4096, (2.0, 4.0), (1.7, 4.4)))[point] is None
+    point = ("bfloat16", 128, "mha", "none", 4096)
+    assert TOOL.decide(bench_rows("bfloat16", 128, "none", 4096, (2.0, 4.0), (2.06, 3.4)))[point] == (1.03, 0.85)
+    assert TOOL.decide(bench_rows("bfloat16", 128, "none", 4096, (2.0, 4.0), (2.16, 3.4)))[point] is None
+    assert TOOL.decide(bench_rows("bfloat16", 128, "none", 4096, (2.0, 4.0), (1.7, 4.12)))[point] is not None
+    assert TOOL.decide(bench_rows("bfloat16", 128, "none", 4096, (2.0, 4.0), (1.7, 4.4)))[point] is None
 
 
 def test_tool_margin_zero_joins_the_noise_level_point():
@@ -110,8 +126,8 @@ def test_tool_margin_zero_joins_the_noise_level_point():
 def test_tool_keeps_the_head_layout_classes_apart():
     """MHA measured faster under mx.fast and GQA slower at one point: only the MHA row routes, and
     a call routes by its own class (dispatch.heads_of)."""
-    rows = (bench_rows("bfloat16", 128, True, 4096, (2.0, 4.0), (1.5, 3.9), kv_heads=4)
-            + bench_rows("bfloat16", 128, True, 4096, (2.0, 4.0), (1.5, 4.4), kv_heads=1))
+    rows = (bench_rows("bfloat16", 128, "causal", 4096, (2.0, 4.0), (1.5, 3.9), kv_heads=4)
+            + bench_rows("bfloat16", 128, "causal", 4096, (2.0, 4.0), (1.5, 4.4), kv_heads=1))
     table = TOOL.table_rows("sm90", TOOL.decide(rows))
     assert [(r.heads, r.min_n, r.max_n) for r in table] == [("mha", 4096, 4096)]
     assert dispatch.heads_of(8, 8) == "mha" and dispatch.heads_of(8, 2) == "gqa" and dispatch.heads_of(8, 1) == "gqa"
@@ -185,6 +201,7 @@ def test_bad_lines_are_named(line, message):
 ROW = DispatchRow("sm90", "bfloat16", 16, "mha", "causal", 128, 256, 0.8, 0.9, line=17)
 ROW_NONE = DispatchRow("sm90", "float16", 16, "mha", "none", 128, 128, 0.8, 0.9, line=18)
 ROW_GQA = DispatchRow("sm90", "bfloat16", 16, "gqa", "causal", 256, 256, 0.8, 0.9, line=19)
+ROW_BOOL = DispatchRow("sm90", "float16", 16, "mha", "bool", 128, 128, 1.02, 0.6, line=20)
 
 
 @pytest.fixture
@@ -195,7 +212,7 @@ def cuda_auto(monkeypatch):
     real = backends.get_backend
     monkeypatch.setattr(backends, "auto_backend_name", lambda device: "cuda")
     monkeypatch.setattr(backends, "get_backend", lambda name: backend if name == "cuda" else real(name))
-    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE, ROW_GQA))
+    monkeypatch.setattr(dispatch, "shipped_dispatch", lambda: (ROW, ROW_NONE, ROW_GQA, ROW_BOOL))
     monkeypatch.setenv(cuda.CAPABILITY_VARIABLE, "90")
     # A call that is not routed would build our kernels: the guard's verdict says "serve it".
     monkeypatch.setattr(guard.GUARD, "verdict", lambda *args: None)
@@ -230,6 +247,17 @@ def test_matching_call_routes_under_auto_only(cuda_auto):
     assert any("line 19" in r and "D=16 gqa causal N=256..256" in r for r in counts)
 
 
+def test_array_masked_call_routes_by_its_mask_kind_and_shape(cuda_auto):
+    """A bool mask shaped [1, 1, N, N] (given as [N, N] too: it broadcasts) routes by the bool row;
+    an additive one, or one per head, does not (ROW_BOOL only)."""
+    for mask in (mx.ones((1, 1, 128, 128), mx.bool_), mx.ones((128, 128), mx.bool_)):
+        assert selected(dtype=mx.float16, kv_heads=2, mask=mask) == "fast"
+    assert selected(dtype=mx.float16, kv_heads=2, mask=mx.zeros((1, 1, 128, 128), mx.float16)) == "cuda"
+    assert selected(dtype=mx.float16, kv_heads=1, mask=mx.ones((1, 1, 128, 128), mx.bool_)) == "cuda"  # gqa
+    counts = mlx_flash.route_counts()
+    assert sum(counts.values()) == 2 and all("line 20" in r and "mha bool N=128..128" in r for r in counts)
+
+
 @pytest.mark.parametrize("kwargs", [
     dict(q_len=384),                        # past the range's max_n
     dict(q_len=128, kv_len=512),            # Nk past it
@@ -242,7 +270,10 @@ def test_matching_call_routes_under_auto_only(cuda_auto):
     dict(window_size=(8, 0)),
     dict(softcap=5.0),
     dict(lse=True),
-    dict(mask=mx.ones((1, 1, 128, 128), mx.bool_)),  # array masks: never measured
+    dict(mask=mx.ones((1, 1, 128, 128), mx.bool_)),      # the bool row is float16
+    dict(mask=mx.zeros((1, 1, 128, 128), mx.bfloat16)),  # no additive row
+    dict(dtype=mx.float16, mask=mx.ones((1, 2, 128, 128), mx.bool_)),  # per-head masks: never measured
+    dict(dtype=mx.float16, mask=mx.ones((256, 256), mx.bool_), q_len=256),  # bool row: N = 128 only
 ], ids=lambda k: ",".join(f"{a}={v if not isinstance(v, mx.array) else 'array'}" for a, v in k.items()))
 def test_no_route_where_the_table_or_exactness_says_no(cuda_auto, kwargs):
     assert selected(**kwargs) == "cuda"
@@ -263,16 +294,26 @@ def test_other_families_route_nothing(cuda_auto, monkeypatch, capability):
     assert selected() == "cuda" and mlx_flash.route_counts() == {}
 
 
-def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto):
+@pytest.mark.parametrize("masked", [False, True], ids=["causal", "bool mask"])
+def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto, masked):
     """value_and_grad through a routed call: one count, no warning, out and gradients within the
-    bf16 tolerance of the float64 reference."""
+    tolerance of the float64 reference (causal bf16 GQA; an fp16 bool mask [1, 1, N, N] with an
+    empty row, which mx.fast alone would not give as ours: output and gradients 0 there)."""
     rng = np.random.default_rng(0)
-    q, k, v, d_out = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(mx.bfloat16)
-                      for s in ((1, 2, 256, 16), (1, 1, 256, 16), (1, 1, 256, 16), (1, 2, 256, 16)))
-    spec, _ = check_inputs(q, k, v, mask="causal")
+    dtype = mx.float16 if masked else mx.bfloat16
+    n, kv_heads = (128, 2) if masked else (256, 1)
+    q, k, v, d_out = (mx.array(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+                      for s in ((1, 2, n, 16), (1, kv_heads, n, 16), (1, kv_heads, n, 16), (1, 2, n, 16)))
+    if masked:
+        keep = rng.random((1, 1, n, n)) < 0.9
+        keep[0, 0, 5] = False
+        mask = mx.array(keep)
+    else:
+        mask = "causal"
+    spec, _ = check_inputs(q, k, v, mask=mask)
 
     def loss(q_, k_, v_):
-        o = flash_attention(q_, k_, v_, mask="causal")
+        o = flash_attention(q_, k_, v_, mask=mask)
         return (o.astype(mx.float32) * d_out.astype(mx.float32)).sum(), o
 
     with warnings.catch_warnings():
@@ -280,11 +321,15 @@ def test_routed_call_counted_once_and_equal_to_the_reference(cuda_auto):
         (_, out), grads = mx.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
     assert sum(mlx_flash.route_counts().values()) == 1 and mlx_flash.fallback_counts() == {}
     arrays = [to_numpy(x) for x in (q, k, v, d_out)]
-    ref_out, _ = reference.attention_forward(*arrays[:3], spec)
-    ref_grads = reference.attention_backward(*arrays, spec)
-    assert relative_error(to_numpy(out), ref_out) <= FORWARD_TOLERANCE["bfloat16"]
+    ref_mask = keep if masked else None
+    ref_out, _ = reference.attention_forward(*arrays[:3], spec, ref_mask)
+    ref_grads = reference.attention_backward(*arrays, spec, ref_mask)
+    name = "float16" if masked else "bfloat16"
+    assert relative_error(to_numpy(out), ref_out) <= FORWARD_TOLERANCE[name]
     for got, want in zip(grads, ref_grads):
-        assert relative_error(to_numpy(got), want) <= GRADIENT_TOLERANCE["bfloat16"]
+        assert relative_error(to_numpy(got), want) <= GRADIENT_TOLERANCE[name]
+    if masked:
+        assert not np.any(to_numpy(out)[0, :, 5])  # the empty row: 0, as ours
 
 
 # ---------------------------------------------------------------------------------------------
@@ -340,16 +385,16 @@ def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
     (bf16 and fp16) give one table; runs of two families are refused."""
     rows = []
     for n in (1024, 2048, 4096):
-        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=2)
+        rows += bench_rows("bfloat16", 64, "none", n, (1.0, 2.0), (0.5, 1.0), kv_heads=2)
     for n in (1024, 2048):
-        rows += bench_rows("bfloat16", 64, False, n, (1.0, 2.0), (0.5, 1.0), kv_heads=1)
+        rows += bench_rows("bfloat16", 64, "none", n, (1.0, 2.0), (0.5, 1.0), kv_heads=1)
     assert [(r.min_n, r.max_n) for r in TOOL.table_rows("sm90", TOOL.decide(rows))] == [(1024, 2048)]
     env = {"device_type": "gpu", "device_info": {"architecture": "sm_90a"}, "mlx_compiled": True}
     paths = []
     for name, dtype in (("bf16", "bfloat16"), ("fp16", "float16")):
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"environment": env, "arguments": ["--dtypes", name],
-                                    "rows": bench_rows(dtype, 128, True, 4096, (2.0, 4.0), (1.0, 2.0))}))
+                                    "rows": bench_rows(dtype, 128, "causal", 4096, (2.0, 4.0), (1.0, 2.0))}))
         paths.append(str(path))
     table = tmp_path / "t.txt"
     assert TOOL.main([*paths, "--table", str(table)]) == 0

@@ -15,7 +15,8 @@ Columns (each followed by at least one space; '#' starts a comment):
     heads    mha (as many kv heads as query heads) or gqa (fewer: grouped or multi-query); the
              two differ (our dK / dV kernel sums a group's heads inside one CTA), so each has
              its own rows, from the layouts the recording measured in that class
-    mask     none or causal (array masks never route: not measured)
+    mask     none, causal, bool or additive: an array mask of that kind, shaped [1, 1, Nq, Nk]
+             (shared by every batch and head, as recorded; other mask shapes never route)
     min_n    smallest N of the range; a call routes when Nq = Nk = N and min_n <= N <= max_n
              (only square problems are measured: MLX may take another path for Nq != Nk)
     max_n    largest measured N of the range (beyond it nothing routes)
@@ -37,13 +38,23 @@ from ..spec import AttentionSpec
 
 TABLE_NAME = "dispatch_cuda.txt"
 DTYPES = MappingProxyType({"float16": mx.float16, "bfloat16": mx.bfloat16})
-MASKS = ("none", "causal")
+MASKS = ("none", "causal", "bool", "additive")
 HEADS = ("mha", "gqa")
 
 
 def heads_of(q_heads: int, kv_heads: int) -> str:
     """The head-layout class of a call or a measured case (the table's heads column)."""
     return "mha" if q_heads == kv_heads else "gqa"
+
+
+def mask_of(spec: AttentionSpec) -> Optional[str]:
+    """A call's mask column: none, causal, bool or additive; None for masks no row can cover
+    (causal with an array mask, or an array mask not shaped [1, 1, Nq, Nk])."""
+    if spec.mask_kind == "none":
+        return "causal" if spec.causal else "none"
+    if spec.causal or spec.mask_shape != (1, 1, spec.q_len, spec.kv_len):
+        return None
+    return spec.mask_kind
 
 
 @dataclass(frozen=True)
@@ -65,11 +76,9 @@ class DispatchRow:
     def matches(self, family: str, spec: AttentionSpec) -> bool:
         """Whether this row covers a call of `spec` on `family` (mask and N checked; exactness is
         the "fast" backend's rule, not this table's)."""
-        mask = "causal" if spec.causal else "none"
         return (self.family == family and DTYPES[self.dtype] == spec.dtype and self.head_dim == spec.head_dim
                 and self.head_dim == spec.value_dim and self.heads == heads_of(spec.q_heads, spec.kv_heads)
-                and self.mask == mask and spec.mask_kind == "none"
-                and spec.q_len == spec.kv_len and self.min_n <= spec.q_len <= self.max_n)
+                and self.mask == mask_of(spec) and spec.q_len == spec.kv_len and self.min_n <= spec.q_len <= self.max_n)
 
     def describe(self) -> str:
         return (f"{self.family} {self.dtype} D={self.head_dim} {self.heads} {self.mask} N={self.min_n}..{self.max_n} "
@@ -116,7 +125,7 @@ def parse_dispatch(text: str, name: str = TABLE_NAME) -> Tuple[DispatchRow, ...]
 
 def format_dispatch_row(row: DispatchRow) -> str:
     """One table line (parse_dispatch reads it back); every column is followed by a space."""
-    return (f"{row.family:<10} {row.dtype:<9} {row.head_dim:<8} {row.heads:<5} {row.mask:<6} {row.min_n:<6} "
+    return (f"{row.family:<10} {row.dtype:<9} {row.head_dim:<8} {row.heads:<5} {row.mask:<8} {row.min_n:<6} "
             f"{row.max_n:<6} "
             f"{row.forward:<7.3f} {row.forward_backward:.3f}")
 
