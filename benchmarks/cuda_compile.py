@@ -72,6 +72,8 @@ def main(argv=None) -> int:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 192, 256, 512])
     parser.add_argument("--masks", nargs="+", default=["causal"], choices=inspect.MASKS)
     parser.add_argument("--mma-only", action="store_true", help="sm90: the mma.sync kernels instead of wgmma")
+    parser.add_argument("--seq-len", type=int, default=4096,
+                        help="N of the call (an array mask's pairing depends on whether N is even)")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
             family = cuda_source.family_named(name)
             for head_dim in args.head_dims:
                 for mask in args.masks:
-                    spec = inspect.make_spec(head_dim, "bfloat16", mask)
+                    spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len)
                     mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
                     for kernel in KERNELS:
                         variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90=True)

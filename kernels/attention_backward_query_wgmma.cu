@@ -30,6 +30,8 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+// The mask's columns are contiguous and even in number: entries are read in pairs (MaskRegs).
+constexpr bool MASK_PAIRS = {{mask_pairs}};
 constexpr bool SINKS = {{sinks}};
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
@@ -137,6 +139,8 @@ __device__ void attention_backward_query_wgmma(
       if (MASK_KIND != 0) mrow[hf] = mask + (i64)b * ip[P_MSB] + (i64)h * ip[P_MSH] + (i64)min(i, Nq - 1) * ip[P_MSQ];
     }
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+    const bool mask_aligned = MASK_KIND != 0 && MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS>::aligned(mask);
+    MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS> masks;  // the step's mask entries, loaded while S and dP are computed
 
     // This warpgroup's Q and dO rows (rows past Nq zero-filled; the address stays in bounds).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
@@ -165,6 +169,7 @@ __device__ void attention_backward_query_wgmma(
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
       wgmma_commit();
+      masks.load(mrow, key0, Nk, msk, mask_aligned, tq);
       wgmma_wait<0>();
       fence_registers(s_flat);
       fence_registers(dp_flat);
@@ -191,8 +196,8 @@ __device__ void attention_backward_query_wgmma(
               const int i = row0 + 8 * hf, j = key0 + n * 8 + 2 * tq + e;
               float t = 0.f;
               const bool visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-              const MaskT* mp = MASK_KIND != 0 ? mrow[hf] + (i64)min(j, Nk - 1) * msk : nullptr;
-              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, masks.value(hf, n, e), scale,
+                                                              scale_log2, cap, t);
               const float p = fast_exp2(s2 - row_l2[hf]);
               float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
               if (SOFTCAP) ds *= 1.f - t * t;

@@ -361,10 +361,16 @@ namespace mlxflash {
 
 // One element's final score in log2 units (scores * log2(e)), -inf where masked.
 // raw = q . k; `t` receives tanh(raw * scale / cap) when SOFTCAP (the backward needs 1 - t^2).
-// MASK_KIND: 0 none, 1 bool (True = keep), 2 additive; `m` points at the element's mask value.
-template <bool SOFTCAP, int MASK_KIND, typename MaskT>
-__device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT* m, float scale,
-                                            float scale_log2, float cap, float& t) {
+// MASK_KIND: 0 none, 1 bool (nonzero = keep), 2 additive; `m` is the element's mask value as a
+// float (MaskRegs::value) or a pointer to it, read only for a visible element (where the entry is
+// read at use, reading it for every element cost ptxas 64-272 more spilled bytes in dK/dV).
+__device__ __forceinline__ float mask_value(float m) { return m; }
+template <typename MaskT>
+__device__ __forceinline__ float mask_value(const MaskT* m) { return to_float(*m); }
+
+template <bool SOFTCAP, int MASK_KIND, typename M>
+__device__ __forceinline__ float score_log2(float raw, bool visible, M m, float scale, float scale_log2, float cap,
+                                            float& t) {
   constexpr float LOG2E = 1.4426950408889634f;
   if (!visible) return -INFINITY;
   if (!SOFTCAP && MASK_KIND == 0) return raw * scale_log2;
@@ -374,12 +380,74 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, const MaskT
     s = cap * t;
   }
   if (MASK_KIND == 1) {
-    if (!to_float(*m)) return -INFINITY;
+    if (mask_value(m) == 0.f) return -INFINITY;
   } else if (MASK_KIND == 2) {
-    s += to_float(*m);
+    s += mask_value(m);
   }
   return s * LOG2E;
 }
+
+// An array mask's entries for one thread's scores of a tile, in the MMA accumulator layout: two
+// rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e.
+// PAIRS (the mask's columns contiguous and even in number: the variant's mask_pairs): load()
+// reads each pair of columns with one load into registers, issued beside the tile's MMAs, and
+// value() reads the registers in the softmax, so the loads' latency overlaps the MMAs. Read
+// element by element after the MMA's wait, they left the tensor cores idle for a global load's
+// latency every step (a bool-masked wgmma forward took 3.8x, its fwd+bwd 4.2x the unmasked time,
+// H100 D=128 N=4096). Without PAIRS (and in the dK/dV kernels, whose columns are queries, a
+// mask row apart) value() reads the entry where it is used: holding every entry of a tile in
+// registers made ptxas spill (nvcc 13.0, sm_90a: dK/dV D=64 24 -> 304 bytes).
+template <int MASK_KIND, int NS, typename MaskT, bool PAIRS>
+struct MaskRegs {
+  struct alignas(2 * sizeof(MaskT)) Pair {
+    MaskT e[2];
+  };
+  static constexpr bool HELD = MASK_KIND != 0 && PAIRS;
+  Pair m[2][HELD ? NS : 1];  // PAIRS: the entries
+  const MaskT* rows[2];      // otherwise: where they are read
+  int c0, climit;
+  i64 cstride;
+
+  // rows_[hf]: the mask entry of this thread's row hf at column 0 (a row past the problem clamped
+  // to its last); columns at or past climit read a column before it (their scores are not
+  // visible). aligned (PAIRS): rows_ are aligned to a pair (else two loads per pair).
+  __device__ __forceinline__ void load(const MaskT* const (&rows_)[2], int c0_, int climit_, i64 cstride_,
+                                       bool aligned, int tq) {
+    if (MASK_KIND == 0) return;
+    if (!PAIRS) {
+      rows[0] = rows_[0];
+      rows[1] = rows_[1];
+      c0 = c0_ + 2 * tq;
+      climit = climit_;
+      cstride = cstride_;
+      return;
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int n = 0; n < NS; ++n) {
+        const MaskT* p = rows_[hf] + min(c0_ + 8 * n + 2 * tq, climit_ - 2);  // climit_ even: in bounds
+        if (aligned) {
+          m[hf][n] = *reinterpret_cast<const Pair*>(p);
+        } else {
+          m[hf][n].e[0] = p[0];
+          m[hf][n].e[1] = p[1];
+        }
+      }
+  }
+
+  __device__ __forceinline__ float value(int hf, int n, int e) const {
+    if (MASK_KIND == 0) return 0.f;
+    if (HELD) return to_float(m[hf][n].e[e]);
+    return to_float(rows[hf][(i64)min(c0 + 8 * n + e, climit - 1) * cstride]);
+  }
+
+  // Whether a mask at `base` (every row of it starts an even number of elements after it) is
+  // aligned to a pair.
+  __device__ __forceinline__ static bool aligned(const MaskT* base) {
+    return reinterpret_cast<uintptr_t>(base) % sizeof(Pair) == 0;
+  }
+};
 
 // Lazy rescaling (LAZY): the running max of a softmax row moves only when a block's maximum
 // exceeds it by more than MAX_SLACK (log2 units). Below that, P = exp2(S - running max) <= 2^8:
@@ -401,11 +469,13 @@ constexpr float MAX_SLACK = 8.f;
 // exp2(old max - new max) that O must be scaled by (rescale_output) before P V is added: exactly
 // 1 where the running max stays (LAZY: MAX_SLACK).
 // full_block: every element is visible (skips the index tests).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, int NS, typename MaskT>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, int NS, typename MaskT,
+          bool PAIRS>
 __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&corr)[2], float (&row_max)[2],
-                                                    float (&row_sum)[2], const MaskT* const (&mrow)[2], int row0,
-                                                    int key0, bool full_block, int Nq, int Nk, int diag, int wleft,
-                                                    int wright, i64 msk, float scale, float scale_log2, float cap,
+                                                    float (&row_sum)[2],
+                                                    const MaskRegs<MASK_KIND, NS, MaskT, PAIRS>& masks,
+                                                    int row0, int key0, bool full_block, int Nq, int Nk, int diag,
+                                                    int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {
   float mx[2] = {row_max[0], row_max[1]};  // the two rows' running maxima
   if (MASK_KIND == 0 && !SOFTCAP && full_block) {
@@ -431,8 +501,8 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
           bool visible = true;
           if (!full_block || MASK_KIND != 0)
             visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-          const MaskT* mp = MASK_KIND != 0 ? mrow[hf] + (i64)min(j, Nk - 1) * msk : nullptr;
-          const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+          const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, masks.value(hf, n, e), scale,
+                                                          scale_log2, cap, t);
           s[n][2 * hf + e] = v2;
           mx[hf] = fmaxf(mx[hf], v2);
         }
@@ -475,15 +545,16 @@ __device__ __forceinline__ void rescale_output(float (&o)[NO][4], const float (&
 }
 
 // softmax_scores_tile and rescale_output together (when O is not being accumulated meanwhile).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT, bool PAIRS>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o)[NO][4], float (&row_max)[2],
-                                                    float (&row_sum)[2], const MaskT* const (&mrow)[2], int row0,
-                                                    int key0, bool full_block, int Nq, int Nk, int diag, int wleft,
-                                                    int wright, i64 msk, float scale, float scale_log2, float cap,
+                                                    float (&row_sum)[2],
+                                                    const MaskRegs<MASK_KIND, NS, MaskT, PAIRS>& masks,
+                                                    int row0, int key0, bool full_block, int Nq, int Nk, int diag,
+                                                    int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {
   float corr[2];
-  softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s, corr, row_max, row_sum, mrow, row0, key0, full_block,
-                                                          Nq, Nk, diag, wleft, wright, msk, scale, scale_log2, cap, tq);
+  softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(s, corr, row_max, row_sum, masks, row0, key0, full_block,
+                                                          Nq, Nk, diag, wleft, wright, scale, scale_log2, cap, tq);
   rescale_output(o, corr);
 }
 

@@ -42,6 +42,8 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+// The mask's columns are contiguous and even in number: entries are read in pairs (MaskRegs).
+constexpr bool MASK_PAIRS = {{mask_pairs}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
@@ -148,6 +150,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       for (int hf = 0; hf < 2; ++hf) mrow[hf] = mask + mbase + (i64)min(row0 + 8 * hf, Nq - 1) * ip[P_MSQ];
     }
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
+    const bool mask_aligned = MASK_KIND != 0 && MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS>::aligned(mask);
+    MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS> masks;  // step j's mask entries, loaded while S_j is computed
+    auto load_masks = [&](int it) { masks.load(mrow, (kb_begin + it) * BN, Nk, msk, mask_aligned, tq); };
 
     // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
@@ -184,9 +189,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       const int key0 = (kb_begin + it) * BN;
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE>(s, corr, row_max, row_sum, mrow, row0, key0,
-                                                                            full_block, Nq, Nk, diag, wleft, wright,
-                                                                            msk, scale, scale_log2, cap, tq);
+      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE>(s, corr, row_max, row_sum, masks, row0,
+                                                                            key0, full_block, Nq, Nk, diag, wleft,
+                                                                            wright, scale, scale_log2, cap, tq);
     };
     // P_j to the A fragments of O += P_j V_j: only once O += P_{j-1} V_{j-1} is done reading them.
     auto convert = [&]() {
@@ -209,6 +214,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     turns.take();
     issue_scores(0);
     turns.pass();
+    load_masks(0);
     wgmma_wait<0>();
     fence_registers(s_flat);
     release(ring.empty_keys(0));
@@ -221,6 +227,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       issue_scores(it + 1);
       issue_values(it);
       turns.pass();
+      load_masks(it + 1);
       wgmma_wait<1>();  // S_{j+1}; O += P_j V_j still running
       fence_registers(s_flat);
       release(ring.empty_keys((it + 1) % STAGES));
