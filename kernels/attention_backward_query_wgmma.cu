@@ -178,12 +178,13 @@ __device__ void attention_backward_query_wgmma(
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+      if ((MASK_KIND == 0 || masks.HELD) && !SOFTCAP && full_block) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const float p = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
+            const float s2 = masked_log2(s[n][r] * scale_log2, masks.value(r / 2, n, r % 2), MASK_KIND);
+            const float p = fast_exp2(s2 - row_l2[r / 2]);
             s[n][r] = p * (dp[n][r] - row_d[r / 2]);
           }
       } else {

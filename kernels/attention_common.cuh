@@ -387,6 +387,15 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, M m, float 
   return s * LOG2E;
 }
 
+// A visible score in log2 units (s2 = raw * scale * log2(e)) with its mask entry m applied:
+// bool kind 1 (m = 0: hidden), additive kind 2 (m added); branch-free selects.
+__device__ __forceinline__ float masked_log2(float s2, float m, int mask_kind) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  if (mask_kind == 1) return m != 0.f ? s2 : -INFINITY;
+  if (mask_kind == 2) return fmaf(m, LOG2E, s2);
+  return s2;
+}
+
 // An array mask's entries for one thread's scores of a tile, in the MMA accumulator layout: two
 // rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e.
 // PAIRS (the mask's columns contiguous and even in number: the variant's mask_pairs): load()
@@ -478,14 +487,15 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
                                                     int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {
   float mx[2] = {row_max[0], row_max[1]};  // the two rows' running maxima
-  if (MASK_KIND == 0 && !SOFTCAP && full_block) {
-    // Interior tile, no mask: no index arithmetic. (The general loop below, for every tile, made
-    // the wgmma forward issue ~25 instructions per score on H100, most of them integer ones.)
+  if ((MASK_KIND == 0 || masks.HELD) && !SOFTCAP && full_block) {
+    // Interior tile: no index arithmetic, a held mask applied without branches. (The general loop
+    // below, for every tile, made the wgmma forward issue ~25 instructions per score on H100,
+    // most of them integer ones.)
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[n][e] *= scale_log2;
+        s[n][e] = masked_log2(s[n][e] * scale_log2, masks.value(e / 2, n, e % 2), MASK_KIND);
         mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
       }
   } else {
