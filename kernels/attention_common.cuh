@@ -406,13 +406,34 @@ __device__ __forceinline__ float masked_log2(float s2, float m, int mask_kind) {
 // H100 D=128 N=4096). Without PAIRS (and in the dK/dV kernels, whose columns are queries, a
 // mask row apart) value() reads the entry where it is used: holding every entry of a tile in
 // registers made ptxas spill (nvcc 13.0, sm_90a: dK/dV D=64 24 -> 304 bytes).
+// The unsigned integer types of one mask entry and of a pair of them, by the entry's size.
+template <int BYTES>
+struct MaskBits;
+template <>
+struct MaskBits<1> {
+  using Element = unsigned char;
+  using Pair = unsigned short;
+};
+template <>
+struct MaskBits<2> {
+  using Element = unsigned short;
+  using Pair = unsigned int;
+};
+template <>
+struct MaskBits<4> {
+  using Element = unsigned int;
+  using Pair = unsigned long long;
+};
+
 template <int MASK_KIND, int NS, typename MaskT, bool PAIRS>
 struct MaskRegs {
-  struct alignas(2 * sizeof(MaskT)) Pair {
-    MaskT e[2];
-  };
+  // A pair of entries as one word (one load; a pair of bools read as two bytes compiled to two
+  // byte loads when copied as a struct).
+  static constexpr int BITS = 8 * sizeof(MaskT);
+  using Bits = typename MaskBits<sizeof(MaskT)>::Element;
+  using Word = typename MaskBits<sizeof(MaskT)>::Pair;
   static constexpr bool HELD = MASK_KIND != 0 && PAIRS;
-  Pair m[2][HELD ? NS : 1];  // PAIRS: the entries
+  Word m[2][HELD ? NS : 1];  // PAIRS: the entries
   const MaskT* rows[2];      // otherwise: where they are read
   int c0, climit;
   i64 cstride;
@@ -437,24 +458,28 @@ struct MaskRegs {
       for (int n = 0; n < NS; ++n) {
         const MaskT* p = rows_[hf] + min(c0_ + 8 * n + 2 * tq, climit_ - 2);  // climit_ even: in bounds
         if (aligned) {
-          m[hf][n] = *reinterpret_cast<const Pair*>(p);
+          m[hf][n] = *reinterpret_cast<const Word*>(p);
         } else {
-          m[hf][n].e[0] = p[0];
-          m[hf][n].e[1] = p[1];
+          const Bits* q = reinterpret_cast<const Bits*>(p);
+          m[hf][n] = Word(q[0]) | (Word(q[1]) << BITS);
         }
       }
   }
 
   __device__ __forceinline__ float value(int hf, int n, int e) const {
     if (MASK_KIND == 0) return 0.f;
-    if (HELD) return to_float(m[hf][n].e[e]);
+    if (HELD) {
+      const Bits bits = Bits(m[hf][n] >> (BITS * e));  // little-endian: entry e's bytes
+      if (MASK_KIND == 1) return bits != 0 ? 1.f : 0.f;  // a bool's byte
+      return to_float(*reinterpret_cast<const MaskT*>(&bits));
+    }
     return to_float(rows[hf][(i64)min(c0 + 8 * n + e, climit - 1) * cstride]);
   }
 
   // Whether a mask at `base` (every row of it starts an even number of elements after it) is
   // aligned to a pair.
   __device__ __forceinline__ static bool aligned(const MaskT* base) {
-    return reinterpret_cast<uintptr_t>(base) % sizeof(Pair) == 0;
+    return reinterpret_cast<uintptr_t>(base) % sizeof(Word) == 0;
   }
 };
 
