@@ -347,12 +347,22 @@ def test_bench_back_to_back_recorded_and_named(tmp_path, capsys):
             in capsys.readouterr().out)
 
 
-def test_bench_memory_guard_and_time_budget(tmp_path, capsys):
+def test_bench_memory_guard_and_time_budget(tmp_path, capsys, monkeypatch):
     bench = load_bench()
+
+    class Clock:  # bench.py's clock moves 1 s per reading: the first case always spends the budget
+        now = 0.0
+
+        @classmethod
+        def perf_counter(cls):
+            cls.now += 1.0
+            return cls.now
+
+    monkeypatch.setattr(bench, "time", Clock)
     # 20 KB: the unfused N^2 arrays (4 B x 2 heads x 64^2 x 2-5 arrays) exceed it; mlx-flash does not.
     bench.main(["--seq-lens", "64", "128", "--heads", "2", "--masks", "none", "--warmup", "0",
                 "--min-repeats", "1", "--max-repeats", "1", "--max-memory-gb", str(20e3 / 2**30),
-                "--time-budget-s", "0.01", "--out", str(tmp_path), "--name", "g", "--no-plots"])
+                "--time-budget-s", "1.5", "--out", str(tmp_path), "--name", "g", "--no-plots"])
     out = capsys.readouterr().out
     payload = json.loads((tmp_path / "g.json").read_text())
     by_impl = {}
