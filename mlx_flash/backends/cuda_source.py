@@ -450,7 +450,9 @@ def _features(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], kernel: str, 
                 causal=spec.causal, window=spec.window is not None, softcap=spec.softcap is not None,
                 mask_kind=MASK_KINDS[spec.mask_kind],
                 mask_type=CUDA_TYPES[mask_dtype] if mask_dtype is not None else CUDA_TYPES[spec.dtype],
-                mask_pairs=pairs_mask_entries(kernel, instruction) and mask_pairs(spec))
+                # Off: VariantFeatures (the variant-set key) carries no mask shape, so the paired
+                # path never ran on a GPU (the measured masked runs used the per-entry reads).
+                mask_pairs=False)
 
 
 def mask_pairs(spec: AttentionSpec) -> bool:
