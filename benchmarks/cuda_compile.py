@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--masks", nargs="+", default=["causal"], choices=inspect.MASKS)
     parser.add_argument("--mma-only", action="store_true", help="sm90: the mma.sync kernels instead of wgmma")
     parser.add_argument("--seq-len", type=int, default=4096,
-                        help="N of the call (an array mask's pairing depends on whether N is even)")
+                        help="N of the call (an array mask is shaped [1, 1, N, N])")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:

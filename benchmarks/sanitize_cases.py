@@ -31,9 +31,8 @@ from mlx_flash.backends.cuda import CAPABILITY_VARIABLE, CUDABackend
 # (head dim, mask, N): head dims in every row range of blocks_cuda.txt (<= 64, <= 128, <= 192,
 # <= 256, <= 448, <= 512); N not a multiple of any block.
 # 224 without a mask: the D = 193..256 forward's T = 80 (array masks take T = 64 there); 48 with a
-# bool mask: the D <= 64 forward's T = 64 for array masks (96 otherwise). Keys are n + 3: an even
-# count (48, 200) has the forward and the wgmma dQ read mask entries in pairs (mask_pairs), an
-# odd one (96) one by one.
+# bool mask: the D <= 64 forward's T = 64 for array masks (96 otherwise). Keys are n + 3: even
+# for 48 and 200, odd for 96.
 CASES = ((64, "causal", 100), (48, "bool", 81), (96, "bool", 70), (160, "causal", 50), (200, "additive", 41),
          (224, None, 90), (320, "window", 40), (512, "causal", 33))
 

@@ -30,8 +30,6 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
-// The mask's columns are contiguous and even in number: entries are read in pairs (MaskRegs).
-constexpr bool MASK_PAIRS = {{mask_pairs}};
 constexpr bool SINKS = {{sinks}};
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
@@ -139,8 +137,7 @@ __device__ void attention_backward_query_wgmma(
       if (MASK_KIND != 0) mrow[hf] = mask + (i64)b * ip[P_MSB] + (i64)h * ip[P_MSH] + (i64)min(i, Nq - 1) * ip[P_MSQ];
     }
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
-    const bool mask_aligned = MASK_KIND != 0 && MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS>::aligned(mask);
-    MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS> masks;  // the step's mask entries, loaded while S and dP are computed
+    MaskRegs<MASK_KIND, BN / 8, MaskT> masks;  // where the step's mask entries lie, set while S and dP are computed
 
     // This warpgroup's Q and dO rows (rows past Nq zero-filled; the address stays in bounds).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
@@ -169,7 +166,7 @@ __device__ void attention_backward_query_wgmma(
       wgmma_fence();
       wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
       wgmma_commit();
-      masks.load(mrow, key0, Nk, msk, mask_aligned, tq);
+      masks.load(mrow, key0, Nk, msk, tq);
       wgmma_wait<0>();
       fence_registers(s_flat);
       fence_registers(dp_flat);
@@ -178,13 +175,12 @@ __device__ void attention_backward_query_wgmma(
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      if ((MASK_KIND == 0 || masks.HELD) && !SOFTCAP && full_block) {
+      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            const float s2 = masked_log2(s[n][r] * scale_log2, masks.value(r / 2, n, r % 2), MASK_KIND);
-            const float p = fast_exp2(s2 - row_l2[r / 2]);
+            const float p = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
             s[n][r] = p * (dp[n][r] - row_d[r / 2]);
           }
       } else {

@@ -387,99 +387,33 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, M m, float 
   return s * LOG2E;
 }
 
-// A visible score in log2 units (s2 = raw * scale * log2(e)) with its mask entry m applied:
-// bool kind 1 (m = 0: hidden), additive kind 2 (m added); branch-free selects.
-__device__ __forceinline__ float masked_log2(float s2, float m, int mask_kind) {
-  constexpr float LOG2E = 1.4426950408889634f;
-  if (mask_kind == 1) return m != 0.f ? s2 : -INFINITY;
-  if (mask_kind == 2) return fmaf(m, LOG2E, s2);
-  return s2;
-}
-
 // An array mask's entries for one thread's scores of a tile, in the MMA accumulator layout: two
-// rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e.
-// PAIRS (the mask's columns contiguous and even in number: the variant's mask_pairs): load()
-// reads each pair of columns with one load into registers, issued beside the tile's MMAs, and
-// value() reads the registers in the softmax, so the loads' latency overlaps the MMAs. Read
-// element by element after the MMA's wait, they left the tensor cores idle for a global load's
-// latency every step (a bool-masked wgmma forward took 3.8x, its fwd+bwd 4.2x the unmasked time,
-// H100 D=128 N=4096). Without PAIRS (and in the dK/dV kernels, whose columns are queries, a
-// mask row apart) value() reads the entry where it is used: holding every entry of a tile in
-// registers made ptxas spill (nvcc 13.0, sm_90a: dK/dV D=64 24 -> 304 bytes).
-// The unsigned integer types of one mask entry and of a pair of them, by the entry's size.
-template <int BYTES>
-struct MaskBits;
-template <>
-struct MaskBits<1> {
-  using Element = unsigned char;
-  using Pair = unsigned short;
-};
-template <>
-struct MaskBits<2> {
-  using Element = unsigned short;
-  using Pair = unsigned int;
-};
-template <>
-struct MaskBits<4> {
-  using Element = unsigned int;
-  using Pair = unsigned long long;
-};
-
-template <int MASK_KIND, int NS, typename MaskT, bool PAIRS>
+// rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e. load() sets
+// where they lie (beside the tile's MMAs); value() reads an entry where the softmax uses it.
+// Against reading through a pointer built per element in the softmax loop: additive-masked wgmma
+// forward at D=128 0.80x its time, fwd+bwd 0.90x; bool unchanged (H100, N=4096,
+// benchmarks/RESULTS.md). Holding a tile's entries in registers instead (two per integer load,
+// issued beside the MMAs) made ptxas spill in dK/dV and was never measured on a GPU: not kept.
+template <int MASK_KIND, int NS, typename MaskT>
 struct MaskRegs {
-  // A pair of entries as one word (one load; a pair of bools read as two bytes compiled to two
-  // byte loads when copied as a struct).
-  static constexpr int BITS = 8 * sizeof(MaskT);
-  using Bits = typename MaskBits<sizeof(MaskT)>::Element;
-  using Word = typename MaskBits<sizeof(MaskT)>::Pair;
-  static constexpr bool HELD = MASK_KIND != 0 && PAIRS;
-  Word m[2][HELD ? NS : 1];  // PAIRS: the entries
-  const MaskT* rows[2];      // otherwise: where they are read
+  const MaskT* rows[2];
   int c0, climit;
   i64 cstride;
 
   // rows_[hf]: the mask entry of this thread's row hf at column 0 (a row past the problem clamped
-  // to its last); columns at or past climit read a column before it (their scores are not
-  // visible). aligned (PAIRS): rows_ are aligned to a pair (else two loads per pair).
-  __device__ __forceinline__ void load(const MaskT* const (&rows_)[2], int c0_, int climit_, i64 cstride_,
-                                       bool aligned, int tq) {
+  // to its last); columns at or past climit read column climit - 1 (their scores are not visible).
+  __device__ __forceinline__ void load(const MaskT* const (&rows_)[2], int c0_, int climit_, i64 cstride_, int tq) {
     if (MASK_KIND == 0) return;
-    if (!PAIRS) {
-      rows[0] = rows_[0];
-      rows[1] = rows_[1];
-      c0 = c0_ + 2 * tq;
-      climit = climit_;
-      cstride = cstride_;
-      return;
-    }
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-      for (int n = 0; n < NS; ++n) {
-        const MaskT* p = rows_[hf] + min(c0_ + 8 * n + 2 * tq, climit_ - 2);  // climit_ even: in bounds
-        if (aligned) {
-          m[hf][n] = *reinterpret_cast<const Word*>(p);
-        } else {
-          const Bits* q = reinterpret_cast<const Bits*>(p);
-          m[hf][n] = Word(q[0]) | (Word(q[1]) << BITS);
-        }
-      }
+    rows[0] = rows_[0];
+    rows[1] = rows_[1];
+    c0 = c0_ + 2 * tq;
+    climit = climit_;
+    cstride = cstride_;
   }
 
   __device__ __forceinline__ float value(int hf, int n, int e) const {
     if (MASK_KIND == 0) return 0.f;
-    if (HELD) {
-      const Bits bits = Bits(m[hf][n] >> (BITS * e));  // little-endian: entry e's bytes
-      if (MASK_KIND == 1) return bits != 0 ? 1.f : 0.f;  // a bool's byte
-      return to_float(*reinterpret_cast<const MaskT*>(&bits));
-    }
     return to_float(rows[hf][(i64)min(c0 + 8 * n + e, climit - 1) * cstride]);
-  }
-
-  // Whether a mask at `base` (every row of it starts an even number of elements after it) is
-  // aligned to a pair.
-  __device__ __forceinline__ static bool aligned(const MaskT* base) {
-    return reinterpret_cast<uintptr_t>(base) % sizeof(Word) == 0;
   }
 };
 
@@ -503,24 +437,21 @@ constexpr float MAX_SLACK = 8.f;
 // exp2(old max - new max) that O must be scaled by (rescale_output) before P V is added: exactly
 // 1 where the running max stays (LAZY: MAX_SLACK).
 // full_block: every element is visible (skips the index tests).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, int NS, typename MaskT,
-          bool PAIRS>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, int NS, typename MaskT>
 __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&corr)[2], float (&row_max)[2],
-                                                    float (&row_sum)[2],
-                                                    const MaskRegs<MASK_KIND, NS, MaskT, PAIRS>& masks,
+                                                    float (&row_sum)[2], const MaskRegs<MASK_KIND, NS, MaskT>& masks,
                                                     int row0, int key0, bool full_block, int Nq, int Nk, int diag,
                                                     int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {
   float mx[2] = {row_max[0], row_max[1]};  // the two rows' running maxima
-  if ((MASK_KIND == 0 || masks.HELD) && !SOFTCAP && full_block) {
-    // Interior tile: no index arithmetic, a held mask applied without branches. (The general loop
-    // below, for every tile, made the wgmma forward issue ~25 instructions per score on H100,
-    // most of them integer ones.)
+  if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+    // Interior tile, no mask: no index arithmetic. (The general loop below, for every tile, made
+    // the wgmma forward issue ~25 instructions per score on H100, most of them integer ones.)
 #pragma unroll
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[n][e] = masked_log2(s[n][e] * scale_log2, masks.value(e / 2, n, e % 2), MASK_KIND);
+        s[n][e] *= scale_log2;
         mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
       }
   } else {
@@ -580,10 +511,9 @@ __device__ __forceinline__ void rescale_output(float (&o)[NO][4], const float (&
 }
 
 // softmax_scores_tile and rescale_output together (when O is not being accumulated meanwhile).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT, bool PAIRS>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, int NS, int NO, typename MaskT>
 __device__ __forceinline__ void online_softmax_tile(float (&s)[NS][4], float (&o)[NO][4], float (&row_max)[2],
-                                                    float (&row_sum)[2],
-                                                    const MaskRegs<MASK_KIND, NS, MaskT, PAIRS>& masks,
+                                                    float (&row_sum)[2], const MaskRegs<MASK_KIND, NS, MaskT>& masks,
                                                     int row0, int key0, bool full_block, int Nq, int Nk, int diag,
                                                     int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {

@@ -25,8 +25,6 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
-// The mask's columns are contiguous and even in number: entries are read in pairs (MaskRegs).
-constexpr bool MASK_PAIRS = {{mask_pairs}};
 constexpr bool SINKS = {{sinks}};       // attention sinks: sinks [Hq] fp32 start each row's softmax
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int VC = CG * HB;             // V columns staged per CTA
@@ -99,8 +97,6 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
       }
   }
   const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
-  using Masks = MaskRegs<MASK_KIND, BN / 8, fwd::MaskT, MASK_PAIRS>;
-  const bool mask_aligned = MASK_KIND != 0 && Masks::aligned(mask);
 
   if (kb_begin < kb_end) {
     load_tile<BM, DP, QROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
@@ -154,8 +150,8 @@ __device__ void attention_forward(const fwd::T* __restrict__ q, const fwd::T* __
         key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
 #pragma unroll
     for (int mt = 0; mt < WM; ++mt) {
-      Masks masks;
-      masks.load(mrow[mt], key0, Nk, msk, mask_aligned, tq);
+      MaskRegs<MASK_KIND, BN / 8, fwd::MaskT> masks;
+      masks.load(mrow[mt], key0, Nk, msk, tq);
       online_softmax_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND>(
           s[mt], o[mt], row_max[mt], row_sum[mt], masks, q0 + wrow + mt * 16 + g, key0, full_block,
           Nq, Nk, diag, wleft, wright, scale, scale_log2, cap, tq);

@@ -42,8 +42,6 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
-// The mask's columns are contiguous and even in number: entries are read in pairs (MaskRegs).
-constexpr bool MASK_PAIRS = {{mask_pairs}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
@@ -150,9 +148,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       for (int hf = 0; hf < 2; ++hf) mrow[hf] = mask + mbase + (i64)min(row0 + 8 * hf, Nq - 1) * ip[P_MSQ];
     }
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0;
-    const bool mask_aligned = MASK_KIND != 0 && MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS>::aligned(mask);
-    MaskRegs<MASK_KIND, BN / 8, MaskT, MASK_PAIRS> masks;  // step j's mask entries, loaded while S_j is computed
-    auto load_masks = [&](int it) { masks.load(mrow, (kb_begin + it) * BN, Nk, msk, mask_aligned, tq); };
+    MaskRegs<MASK_KIND, BN / 8, MaskT> masks;  // where step j's mask entries lie, set while S_j is computed
+    auto load_masks = [&](int it) { masks.load(mrow, (kb_begin + it) * BN, Nk, msk, tq); };
 
     // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
     unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;

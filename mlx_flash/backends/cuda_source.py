@@ -215,9 +215,6 @@ class KernelVariant:
         traversal_block: keys (forward, dQ) or queries (dK/dV) streamed per step.
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
-        mask_pairs: the mask's key columns are contiguous and even in number (Nk even, no key
-            broadcast): the forward and the wgmma dQ read two keys' entries per load, ahead of the
-            softmax (kernels/attention_common.cuh, MaskRegs).
         pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
@@ -239,7 +236,6 @@ class KernelVariant:
     softcap: bool
     mask_kind: int
     mask_type: str
-    mask_pairs: bool = False
     warps: int = DEFAULT_WARPS
     col_groups: int = 1
     pingpong: bool = False
@@ -308,7 +304,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("p", self.pingpong), ("k", self.sinks), ("a", self.mask_pairs)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -321,8 +317,6 @@ class KernelVariant:
                       window=self.window, softcap=self.softcap, mask_kind=self.mask_kind)
         if self.kernel != "backward_key_value":
             values["sinks"] = self.sinks
-        if pairs_mask_entries(self.kernel, self.instruction):
-            values["mask_pairs"] = self.mask_pairs
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
@@ -439,28 +433,11 @@ def check_limits(variant: KernelVariant, family: Family) -> None:
                          f"family {family.name}'s {family.threads}.")
 
 
-def pairs_mask_entries(kernel: str, instruction: str) -> bool:
-    """Whether the kernel reads an array mask's entries in pairs ahead of the softmax where it can
-    (mask_pairs): the forward kernels and the wgmma dQ; the others read each entry where it is used."""
-    return kernel == "forward" or (kernel == "backward_query" and instruction == "wgmma")
-
-
-def _features(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], kernel: str, instruction: str) -> dict:
+def _features(spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> dict:
     return dict(input_type=CUDA_TYPES[spec.dtype], head_dim=spec.head_dim, padded_dim=_round_up(spec.head_dim, 16),
                 causal=spec.causal, window=spec.window is not None, softcap=spec.softcap is not None,
                 mask_kind=MASK_KINDS[spec.mask_kind],
-                mask_type=CUDA_TYPES[mask_dtype] if mask_dtype is not None else CUDA_TYPES[spec.dtype],
-                # Off: VariantFeatures (the variant-set key) carries no mask shape, so the paired
-                # path never ran on a GPU (the measured masked runs used the per-entry reads).
-                mask_pairs=False)
-
-
-def mask_pairs(spec: AttentionSpec) -> bool:
-    """Whether the call's array mask has contiguous key columns, even in number (KernelVariant's
-    mask_pairs): the mask reaches the kernels row-contiguous in its shape (common.mask_strides),
-    so every row starts an even number of elements after the first."""
-    return (spec.mask_kind != "none" and spec.mask_shape is not None and spec.mask_shape[3] == spec.kv_len
-            and spec.kv_len % 2 == 0)
+                mask_type=CUDA_TYPES[mask_dtype] if mask_dtype is not None else CUDA_TYPES[spec.dtype])
 
 
 def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table=None) -> KernelVariant:
@@ -471,7 +448,7 @@ def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table
         block, keys, columns, *rest = override
         warps = rest[0] if rest else warps
     warps = warps or DEFAULT_WARPS
-    features = _features(spec, mask_dtype, kernel, "mma.sync")
+    features = _features(spec, mask_dtype)
     padded = features["padded_dim"]
     width, col_groups, cta_slices = column_slices(spec.head_dim, min(_round_up(columns, 16), padded), warps)
     row_groups = warps // col_groups
@@ -504,7 +481,7 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
         warps = rest[0] if rest else block // 16
     # Consumer warps (4 per warpgroup): the dK/dV kernel's register split needs exactly two.
     consumers = (8,) if kernel == "backward_key_value" else (8, 12)
-    features = _features(spec, mask_dtype, kernel, "wgmma")
+    features = _features(spec, mask_dtype)
     padded = features["padded_dim"]
     # dK/dV past the row's H columns: P = 128 keys (64 per warpgroup) splits D into 128-column
     # CTAs (slices), P = 64 has both warpgroups share the keys and split the columns (column groups).
