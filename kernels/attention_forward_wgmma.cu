@@ -6,9 +6,14 @@
 //     each tile one TMA load per 64-column panel issued by one thread, which the hardware
 //     counts on the tile's mbarrier ("full") as it lands (rows TMA cannot name: all 128 threads
 //     with cp.async); it runs on 48 registers (setmaxnreg) since it holds no tiles;
-//   - CONSUMERS consumer warpgroups (64 query rows each, all DP output columns) run the MMAs
-//     and the online softmax on 224 registers (152 with three, the D <= 64 table row), and
-//     hand each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
+//   - CONSUMERS consumer warpgroups (64 query rows each, DV output columns) run the MMAs and
+//     the online softmax on 224 registers (152 with three, the D <= 64 table row), and hand
+//     each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
+// Past D = 256 (wgmma's N) NSLICE CTAs share a query block, each computing O for DV of its
+// columns: every slice computes S over all of D (Q and K whole, V only its columns), so S is
+// computed NSLICE times (at D = 512, 6 products' work for 4: the accumulator of O's 512
+// columns would take 256 registers a thread, and the dK/dV kernel's column groups, which share
+// S through shared memory, leave no room for the Q tile here).
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
 // the tensor cores idled (H100: 247 TFLOP/s at D=128 against 251 for the mma.sync forward).
@@ -34,8 +39,10 @@ namespace mlxflash {
 namespace fwdwg {
 typedef {{input_type}} T;
 typedef {{mask_type}} MaskT;
-constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 256)
-constexpr int DP = {{padded_dim}};              // D padded to 16: the QK^T contraction and the PV width
+constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
+constexpr int DP = {{padded_dim}};              // D padded to 16: the QK^T contraction
+constexpr int NSLICE = {{slices}};      // CTAs per query block, each computing DV columns of O
+constexpr int DV = {{head_block}};      // O (and V) columns per CTA: DP, or DP / NSLICE rounded up to 16
 constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each)
 constexpr int BN = {{traversal_block}};              // keys per step (the S tile width)
 constexpr bool CAUSAL = {{causal}};
@@ -46,13 +53,14 @@ constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
 // time against rescaling every step, D=256 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower.
-constexpr bool LAZY_RESCALE = DP > 128;
+constexpr bool LAZY_RESCALE = DV > 128;
 constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
 // Two buffers: three measured slower on an H100 (TFLOP/s per call 2 / 3 stages: D=64 250 / 233,
 // D=128 412 / 388; the hardware announces each copy, so the producer never waits on its own).
 constexpr int STAGES = 2;  // K and V buffers each (a ring)
-constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per tile row
-constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
+constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per Q / K tile row
+constexpr int V_PANELS = (DV + 63) / 64;      // ... per V tile row
+constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = V_PANELS * BN * 128;
 constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
@@ -70,7 +78,8 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups (the register split)");
-static_assert(DP % 16 == 0 && DP <= 256, "wgmma N is at most 256");
+static_assert(DV % 16 == 0 && DV <= 256 && DV * NSLICE >= DP, "wgmma N is at most 256: O in slices past it");
+static_assert(DV * (NSLICE - 1) < HEAD_DIM, "every slice has columns of D");
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
 }  // namespace fwdwg
 
@@ -94,9 +103,11 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   if (bid >= ip[P_TOTAL]) return;
   MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nqb);
 
+  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0;
+  const int vcol0 = cslice * DV;  // this CTA's first column of V and O
   int qb;
   i64 bh;
-  query_block_of<CAUSAL>(bid, nqb, ip, Hq, qb, bh);
+  query_block_of<CAUSAL>(NSLICE > 1 ? bid / NSLICE : bid, nqb, ip, Hq, qb, bh);
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   // The warpgroup index broadcast from lane 0 (uniform registers for the Q descriptors): the
   // forward 1.1 % faster at D=128 and 3.4 % at D=256 than with tid / 128 (H100); with three
@@ -119,9 +130,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
-                                                          {tensor_map, tensor_map_slots(tensor_maps, bid)},
-                                                          tid - 128 * CONSUMERS);
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES, V_PANELS>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
+                                                                    tma, {tensor_map, tensor_map_slots(tensor_maps, bid)},
+                                                                    tid - 128 * CONSUMERS, vcol0);
     return;
   }
 
@@ -131,14 +142,14 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const int g = lane / 4, tq = lane % 4;
   const int row0 = q0 + warpgroup * 64 + warp * 16 + g;  // this thread's first query row
 
-  float o[DP / 8][4];
+  float o[DV / 8][4];
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   if (SINKS) {
     sink_row_state(sinks[h], tq, row_max[0], row_sum[0]);
     sink_row_state(sinks[h], tq, row_max[1], row_sum[1]);
   }
 #pragma unroll
-  for (int n = 0; n < DP / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
 
   if (steps > 0) {
     const MaskT* mrow[2] = {nullptr, nullptr};
@@ -159,26 +170,31 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile);
-    // V as the B operand (16 keys x DP columns, MN-major): 64-column panels are BN * 128 bytes
+    // V as the B operand (16 keys x DV columns, MN-major): 64-column panels are BN * 128 bytes
     // apart (along N: the leading byte offset), 8-key row groups 1024 bytes apart (along K: the
     // stride byte offset), per the canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)).
     const u32 v_leading = BN * 128, v_stride = 1024;
     float s[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
-    float(&o_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&o[0][0]);
+    float(&o_flat)[DV / 2] = *reinterpret_cast<float(*)[DV / 2]>(&o[0][0]);
     u32 p[BN / 16][4];  // P_j as bf16 / fp16 A fragments: two n8 accumulator tiles = one k16 fragment
 
     // S = Q K_j^T from K buffer j % STAGES.
     auto issue_scores = [&](int it) {
+      // Past D = 256 the Q address is made opaque each step: else the compiler hoists the Q
+      // descriptors of all DP / 16 k-steps out of the loop (64 registers at D = 512) and the
+      // consumers spill (nvcc 13.0, D = 512: 206 bytes spilled against 34).
+      u32 q_at = q_addr;
+      if (DP > 256) asm volatile("" : "+r"(q_at));
       wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, smem_u32(Ks + (it % STAGES) * K_BYTES));
+      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_at, smem_u32(Ks + (it % STAGES) * K_BYTES));
       wgmma_commit();
     };
     // O += P_j V_j from V buffer j % STAGES.
     auto issue_values = [&](int it) {
       fence_registers(o_flat);
       wgmma_fence();
-      wgmma_registers_shared<DP, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES), v_leading, v_stride);
+      wgmma_registers_shared<DV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES), v_leading, v_stride);
       wgmma_commit();
     };
     // Scores of step j -> P_j in fp32 (masks, log2 units, online softmax); corr rescales O.
@@ -243,8 +259,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, 0, head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
-                              lse + bh * Nq, tq);
+  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, vcol0,
+                              head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h), cslice == 0 ? lse + bh * Nq : nullptr,
+                              tq);
 }
 
 }  // namespace mlxflash

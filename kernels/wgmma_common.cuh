@@ -213,8 +213,9 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
   for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], b.at(kk * 16 * 128), 1);
 }
 
-// Copies rows [0, rows_valid) x columns [0, head_dim) of g (rows through their strides) into a
-// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
+// Copies rows [0, rows_valid) x columns [0, cols) of g (rows through their strides; cols <=
+// HEAD_DIM, a multiple of 8 with vec: a column slice of V) into a ROWS x (64 PANELS) swizzled
+// tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
 // 16-byte cp.async chunks (vector_rows), else element by element.
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
 // its shared and global offsets then advance by constants, so each copy costs a few instructions
@@ -225,13 +226,13 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 // (H100, B=1 H=16 N=4096: D=192 266 against 361 TFLOP/s; ncu: the producer's copy loop).
 template <int ROWS, int PANELS, int THREADS, int HEAD_DIM, typename T>
 __device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<const T>& g, int rows_valid, bool vec,
-                                              int tid) {
+                                              int tid, int cols = HEAD_DIM) {
   constexpr int CHUNKS = PANELS * 8;  // 16-byte chunks per row
   static_assert((ROWS * CHUNKS) % THREADS == 0, "whole copies per thread");
   if (vec && CHUNKS <= THREADS) {
     constexpr int ROW_STEP = THREADS / CHUNKS, ACTIVE = ROW_STEP * CHUNKS;
     const int r0 = (ACTIVE == THREADS || tid < ACTIVE) ? tid / CHUNKS : ROWS, c = (tid % CHUNKS) * 8;
-    const int rows = c < HEAD_DIM ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
+    const int rows = c < cols ? rows_valid : 0;  // rows to copy (the rest are zero-filled)
     const T* src = g.p + r0 * g.row + c;
     const i64 step = ROW_STEP * g.row;
     // Partly unrolled: the producer runs on PRODUCER_REGS (fully unrolled, its addresses spill).
@@ -244,13 +245,13 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<co
 #pragma unroll 2
     for (int i = 0; i < ROWS * CHUNKS / THREADS; ++i) {
       const int idx = tid + i * THREADS, r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
-      const bool ok = r < rows_valid && c < HEAD_DIM;
+      const bool ok = r < rows_valid && c < cols;
       cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g.p + r * g.row + c : g.p, ok);
     }
   } else {
     for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
       const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
-      const bool ok = r < rows_valid && c < HEAD_DIM;
+      const bool ok = r < rows_valid && c < cols;
       *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g(r, c) : T(0.0f);
     }
   }
@@ -385,16 +386,18 @@ struct TensorMapSource {
 
 // The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
 // kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
-// once the consumers released it (it runs up to STAGES tiles ahead).
+// once the consumers released it (it runs up to STAGES tiles ahead). V tiles hold V_PANELS
+// panels from column v_col0 (a forward's column slice; columns past D are zero-filled).
 // tma (tma_rows for K and V; the ring's "full" barriers then count one arrival): the first warp
 // publishes the two tensor maps and one thread issues a TMA load per 64-column panel; the
 // hardware counts the bytes on "full". Else all 128 threads copy with cp.async (load_swizzled).
-template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
+template <int BN, int PANELS, int HEAD_DIM, int STAGES, int V_PANELS = PANELS, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
                                                         unsigned char* Vs, const Rows<const T>& kg,
                                                         const Rows<const T>& vg, int kb_begin, int steps, int Nk,
-                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid) {
-  constexpr int TILE_BYTES = PANELS * BN * 128;
+                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid,
+                                                        int v_col0 = 0) {
+  constexpr int TILE_BYTES = PANELS * BN * 128, V_TILE_BYTES = V_PANELS * BN * 128;
   if (tma) {
     if (ptid >= 32) return;
     unsigned char *key_map = maps.slots, *value_map = maps.slots + 128;
@@ -412,14 +415,15 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
       for (int p = 0; p < PANELS; ++p)
         tma_load_2d(smem_u32(Ks + stage * TILE_BYTES + p * BN * 128), key_map, 64 * p, k0, ring.full_keys(stage));
       mbarrier_wait(ring.empty_values(stage), parity);
-      mbarrier_arrive_expect_bytes(ring.full_values(stage), TILE_BYTES);
+      mbarrier_arrive_expect_bytes(ring.full_values(stage), V_TILE_BYTES);
 #pragma unroll
-      for (int p = 0; p < PANELS; ++p)
-        tma_load_2d(smem_u32(Vs + stage * TILE_BYTES + p * BN * 128), value_map, 64 * p, k0,
+      for (int p = 0; p < V_PANELS; ++p)
+        tma_load_2d(smem_u32(Vs + stage * V_TILE_BYTES + p * BN * 128), value_map, v_col0 + 64 * p, k0,
                     ring.full_values(stage));
     }
     return;
   }
+  const Rows<const T> v_slice{vg.p + v_col0 * vg.col, vg.row, vg.col};
   for (int j = 0; j < steps; ++j) {
     const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
     const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
@@ -427,7 +431,8 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
     load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg.from(k0), Nk - k0, vec, ptid);
     announce_tile(ring.full_keys(stage), vec);
     mbarrier_wait(ring.empty_values(stage), parity);
-    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg.from(k0), Nk - k0, vec, ptid);
+    load_swizzled<BN, V_PANELS, 128, HEAD_DIM>(Vs + stage * V_TILE_BYTES, v_slice.from(k0), Nk - k0, vec, ptid,
+                                               HEAD_DIM - v_col0);
     announce_tile(ring.full_values(stage), vec);
   }
   cp_async_wait_all();  // no copy outlives the thread

@@ -344,7 +344,7 @@ SM90 = cuda_source.family_named("sm90")
 WGMMA = Tuning(wgmma_forward=True, wgmma_backward=True)
 MMA = Tuning(wgmma_forward=False, wgmma_backward=False)
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
-    ("forward", [1, 37, 64, 80, 128, 160, 200, 256]),
+    ("forward", [1, 37, 64, 80, 128, 160, 200, 256, 257, 300, 448, 500, 512]),
     ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
     ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256])) for head_dim in dims]
 
@@ -375,6 +375,14 @@ def test_wgmma_variant_renders(kernel, head_dim):
     # the forward's consumer warpgroups take turns where the table row says pingpong
     row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, "sm90_wgmma")
     assert variant.pingpong == (kernel == "forward" and row.is_cached("pingpong"))
+    if kernel == "forward":  # past the row's H (256: wgmma's N) O in column slices, one CTA each
+        sliced = variant.padded_dim > cuda_source._round_up(row.head_block, 16)
+        assert variant.col_groups == 1 and variant.slices == (-(-variant.padded_dim // 256) if sliced else 1)
+        assert variant.head_block <= 256 and variant.head_block % 16 == 0
+        assert variant.head_block == (variant.padded_dim if not sliced else
+                                      cuda_source._round_up(-(-variant.padded_dim // variant.slices), 16))
+        assert (variant.slices - 1) * variant.head_block < head_dim  # every slice has columns of D
+        return
     # dK/dV past the table row's H (<= 160): 128-column CTAs (slices, P = 128) or both consumer
     # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
     # other kernels hold all of D in each warpgroup
@@ -406,10 +414,12 @@ def test_wgmma_variant_renders(kernel, head_dim):
 
 
 def test_wgmma_only_on_a_real_sm90(monkeypatch):
-    """wgmma: family sm90 at D <= 256 on a real sm_90; never on another family, never where the
-    capability is only an override (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
+    """wgmma: family sm90 on a real sm_90 (the dQ and dK/dV kernels at D <= 256, the forward at
+    every D: column slices past 256); never on another family, never where the capability is only
+    an override (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
     for kernel in planner.KERNELS:
-        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, False), (512, False)):
+        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, kernel == "forward"),
+                                   (512, kernel == "forward")):
             assert _variant(kernel, head_dim, Tuning(), real_sm90=True).instruction == \
                 ("wgmma" if expected else "mma.sync"), (kernel, head_dim)
         assert _variant(kernel, 128, Tuning(), real_sm90=False).instruction == "mma.sync"
@@ -521,6 +531,12 @@ def test_empty_calls_with_sinks_match_the_mlx_backend():
     Case(head_dim=176, q_len=270, kv_len=333, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=150, q_len=90, kv_len=130, dtype="float16", mask="additive"),
     Case(head_dim=128, q_len=300, kv_len=120, dtype="bfloat16", mask="causal", group=2, sinks=True),
+    # Past D = 256: O in column slices, a CTA each (D = 512: two of 256; D = 300: two of 160, the
+    # second with 140 columns of D; D = 200 + 248 = 448 three panels and a half of zeros).
+    Case(head_dim=512, q_len=200, kv_len=333, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=300, q_len=150, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
+    Case(head_dim=448, q_len=130, kv_len=170, dtype="bfloat16", mask="bool", sinks=True),
+    Case(head_dim=500, q_len=70, kv_len=260, dtype="float16", mask="causal_window", window=(40, -1)),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else ""))
 def test_wgmma_forward_matches_reference_and_mma(case):
     check_case(case, backend="cuda", gradients=False)
@@ -538,7 +554,8 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 @sm90_only
 @pytest.mark.parametrize("head_dim,kv_len,dtype,mask", [
     (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
-    (176, 333, "bfloat16", "causal"), (256, 150, "float16", None)])
+    (176, 333, "bfloat16", "causal"), (256, 150, "float16", None), (512, 333, "bfloat16", "causal"),
+    (296, 150, "float16", None)])
 def test_wgmma_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
     """The wgmma kernels load their streamed tiles with TMA where the rows allow (row-contiguous,
     mlx-lm's token-major views), else with per-element stores (rows at an odd offset): K and V in
@@ -694,6 +711,6 @@ def test_wgmma_kernels_compile_with_nvcc():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with tempfile.TemporaryDirectory() as tmp:
-        for kernel in planner.KERNELS:
-            line = module.compile_variant(_variant(kernel, 128, Tuning(), real_sm90=True), "sm_90a", tmp)
+        for kernel, head_dim in [(kernel, 128) for kernel in planner.KERNELS] + [("forward", 512)]:
+            line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line

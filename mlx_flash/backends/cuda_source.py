@@ -39,7 +39,9 @@ WGMMA_TEMPLATES = MappingProxyType({"forward": "attention_forward_wgmma.cu",
                                     "backward_query": "attention_backward_query_wgmma.cu",
                                     "backward_key_value": "attention_backward_key_value_wgmma.cu"})
 # wgmma kernels: P = 64 rows per consumer warpgroup of 4 warps, plus a producer warpgroup. The O /
-# dQ / dK / dV tile is wgmma's N, at most 256 columns. dK/dV: the dK and dV accumulators of a
+# dQ / dK / dV tile is wgmma's N, at most 256 columns: the forward past that splits O into
+# column slices of the row's H, a CTA each (the dQ and dK/dV kernels stop at 256, where their
+# rows end; mma.sync serves past it). dK/dV: the dK and dV accumulators of a
 # 64-row warpgroup hold D / 2 floats each per thread, which beside the score tiles fit the
 # consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); past the row's H the kernel
 # splits D into 128-column parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each
@@ -271,8 +273,8 @@ class KernelVariant:
         if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
             row, stages = -(-self.padded_dim // 64) * 128, WGMMA_STAGES
             ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
-            if self.kernel == "forward":  # Q; K and V rings
-                return 1024 + row * (bm + 2 * stages * bn) + ring
+            if self.kernel == "forward":  # Q, K ring: all of D; V ring: the slice's columns
+                return 1024 + row * (bm + stages * bn) + -(-self.head_block // 64) * 128 * stages * bn + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings
                 return 1024 + row * (2 * bm + 2 * stages * bn) + ring
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
@@ -320,7 +322,7 @@ class KernelVariant:
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
-                values["pingpong"] = self.pingpong
+                values.update(pingpong=self.pingpong, slices=self.slices, head_block=self.head_block)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
             return values
@@ -349,11 +351,13 @@ def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int,
 
 
 def wgmma_covers(kernel: str, head_dim: int, family: Family) -> bool:
-    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d; wgmma's N)."""
+    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d; for the dQ and
+    dK/dV kernels at most wgmma's N, for the forward any D: it splits O into column slices)."""
     if not family.wgmma:
         return False
     rows = [r for r in planner.load_table("cuda") if r.kernel == kernel and r.family == family.name + "_wgmma"]
-    return bool(rows) and head_dim <= min(WGMMA_MAX_COLUMNS, max(r.max_head_dim for r in rows))
+    limit = MAX_HEAD_DIM if kernel == "forward" else WGMMA_MAX_COLUMNS
+    return bool(rows) and head_dim <= min(limit, max(r.max_head_dim for r in rows))
 
 
 def uses_wgmma(kernel: str, head_dim: int, family: Family, tuning: Tuning, real_sm90: bool) -> bool:
@@ -499,9 +503,16 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     if keys % 16 or not 16 <= keys <= most:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of 16 in [16, {most}].")
     slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and col_groups == 1 else 1
+    width = WGMMA_SLICE_WIDTH if wide else padded
+    if kernel == "forward" and padded > _round_up(columns, 16):  # O in column slices of at most H, a CTA each
+        if columns % 16 or not 16 <= columns <= WGMMA_MAX_COLUMNS:
+            raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: O's column slices must be a "
+                             f"multiple of 16 in [16, {WGMMA_MAX_COLUMNS}] (wgmma's N).")
+        slices = -(-padded // columns)
+        width = _round_up(-(-padded // slices), 16)
     pingpong = kernel == "forward" and (plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
-                         head_block=WGMMA_SLICE_WIDTH if wide else padded, slices=slices, m_tiles=1,
+                         head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong, tuning=tuning,
                          **features)
 
