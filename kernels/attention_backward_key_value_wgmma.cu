@@ -32,6 +32,9 @@
 // - NSLICE > 1 (P = 128, slices): NSLICE CTAs share a key block, each computing dK and dV for
 //   its 128 columns and recomputing S^T and dP^T over all of D; the Q / dO tiles carry 2 NSLICE
 //   panels (columns past D zero-filled).
+// - Both past D = 256 (P = 64, CG = 2, NSLICE = D / 256 rounded up): each CTA's column groups
+//   cover 256 columns, and each CTA recomputes S^T and dP^T (at D = 512, 6 products' work for
+//   4). K and V (64 rows of all of D, 128 KB) leave room for BN = 16 only.
 // H100, B=1 H=16 N=4096, interleaved rounds, TFLOP/s column groups / slices: D=160 158 / 164,
 // D=192 174 / 189, D=256 237 / 196 (causal 160 / 146). Issuing the next step's S^T / dP^T
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
@@ -45,7 +48,7 @@ namespace mlxflash {
 namespace bwdkvwg {
 typedef {{input_type}} T;
 typedef {{mask_type}} MaskT;
-constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 256)
+constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
 constexpr int DP = {{padded_dim}};              // D padded to 16: the S^T / dP^T contraction
 constexpr int NSLICE = {{slices}};      // CTAs per key block (column slices)
 constexpr int DS = {{head_block}};              // dK / dV columns per warpgroup (DP <= 160 if NSLICE == CG == 1, else 128)
@@ -60,7 +63,7 @@ constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forw
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
 // Q / dO tile panels: whole 128-column slices or column groups, columns past D zero-filled.
-constexpr int TILE_PANELS = NSLICE > 1 ? 2 * NSLICE : CG == 2 ? 2 * CG : PANELS;
+constexpr int TILE_PANELS = NSLICE > 1 || CG == 2 ? 2 * NSLICE * CG : PANELS;
 constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;       // 64 rows of K (or V)
 constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 // CG = 2: S^T and dP^T swapped between the warpgroups through shared memory: double-buffered
@@ -83,10 +86,10 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_RE
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
 static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : DS == 128 && 128 * NSLICE * CG >= DP),
               "dK and dV accumulators: all of D up to 160 columns per warpgroup, or 128-column slices / groups");
-static_assert(CG == 1 || (CG == 2 && NSLICE == 1 && PANELS > 2),
-              "column groups: two warpgroups, one slice, more than 128 columns");
+static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
+              "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
-static_assert(DP <= 256, "D <= 256");
+static_assert(DP <= 512, "D <= 512");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
 
@@ -123,7 +126,7 @@ __device__ void attention_backward_key_value_wgmma(
   block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = warpgroup_index();
-  const int col0 = CG == 2 ? (warpgroup % CG) * DS : cslice * 128;  // this warpgroup's dK / dV columns
+  const int col0 = (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
@@ -308,7 +311,11 @@ __device__ void attention_backward_key_value_wgmma(
         // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
         acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity, true);
         wgmma_fence();
-        wgmma_shared_shared<BN, DP, 64, T>(s_flat, scores_side ? k_addr : v_addr, scores_side ? q_addr : do_addr);
+        // Past D = 256 the resident tile's address is made opaque each step (as the forward's Q):
+        // else the compiler hoists all DP / 16 of its descriptors out of the loop and spills.
+        u32 resident = scores_side ? k_addr : v_addr;
+        if (DP > 256) asm volatile("" : "+r"(resident));
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, resident, scores_side ? q_addr : do_addr);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s_flat);

@@ -346,7 +346,7 @@ MMA = Tuning(wgmma_forward=False, wgmma_backward=False)
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
     ("forward", [1, 37, 64, 80, 128, 160, 200, 256, 257, 300, 448, 500, 512]),
     ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
-    ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256])) for head_dim in dims]
+    ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256, 257, 300, 448, 512])) for head_dim in dims]
 
 
 def _variant(kernel, head_dim, tuning=WGMMA, family=SM90, real_sm90=False):
@@ -394,9 +394,14 @@ def test_wgmma_variant_renders(kernel, head_dim):
         assert variant.slices == variant.col_groups == 1 and variant.head_block == variant.padded_dim
         assert variant.padded_dim <= (cuda_source.WGMMA_WHOLE_MAX_COLUMNS if kernel == "backward_key_value" else 256)
         return
-    for block, slices, col_groups in ((128, -(-variant.padded_dim // 128), 1), (64, 1, 2)):
-        scheme = _variant(kernel, head_dim, Tuning(blocks={kernel + "_wgmma": (block, 32, 128, 8)},
-                                                   wgmma_backward=True))
+    # Past D = 256 only column groups fit (64 rows of K and V over all of D), in CTA slices of 256
+    # columns, at T = 16.
+    schemes = [(64, -(-variant.padded_dim // 256), 2)] + (
+        [(128, -(-variant.padded_dim // 128), 1)] if variant.padded_dim <= 256 else [])
+    assert (variant.parallel_block, variant.slices, variant.col_groups) in schemes
+    for block, slices, col_groups in schemes:
+        scheme = _variant(kernel, head_dim, Tuning(blocks={kernel + "_wgmma": (block, 32 if head_dim <= 256 else 16,
+                                                                               128, 8)}, wgmma_backward=True))
         assert (scheme.parallel_block, scheme.slices, scheme.col_groups) == (block, slices, col_groups)
         assert scheme.shared_memory <= SM90.shared_memory
         assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda_source.source(scheme)[0]
@@ -414,12 +419,12 @@ def test_wgmma_variant_renders(kernel, head_dim):
 
 
 def test_wgmma_only_on_a_real_sm90(monkeypatch):
-    """wgmma: family sm90 on a real sm_90 (the dQ and dK/dV kernels at D <= 256, the forward at
+    """wgmma: family sm90 on a real sm_90 (the dQ kernel at D <= 256, the forward and dK/dV at
     every D: column slices past 256); never on another family, never where the capability is only
     an override (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
     for kernel in planner.KERNELS:
-        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, kernel == "forward"),
-                                   (512, kernel == "forward")):
+        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, kernel != "backward_query"),
+                                   (512, kernel != "backward_query")):
             assert _variant(kernel, head_dim, Tuning(), real_sm90=True).instruction == \
                 ("wgmma" if expected else "mma.sync"), (kernel, head_dim)
         assert _variant(kernel, 128, Tuning(), real_sm90=False).instruction == "mma.sync"
@@ -599,6 +604,11 @@ def test_wgmma_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
     # Sinks: the dQ kernel's per-warp parts of d_sink (3 consumer warpgroups at D <= 64), rows with no key.
     Case(head_dim=64, q_len=333, kv_len=100, dtype="bfloat16", mask="causal", group=2, sinks=True, lse_gradient=True),
     Case(head_dim=128, q_len=200, kv_len=260, dtype="float16", mask="bool", softcap=10.0, sinks=True),
+    # Past D = 256: dK/dV column groups in CTA slices of 256 columns, T = 16 (D = 300: the second
+    # slice's second warpgroup has no column of D; dQ on mma.sync).
+    Case(head_dim=512, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=300, q_len=90, kv_len=133, dtype="float16", mask="additive", softcap=10.0),
+    Case(head_dim=448, q_len=70, kv_len=100, dtype="bfloat16", mask="bool", sinks=True),
 ], ids=lambda c: f"d{c.head_dim}" + ("-sinks" if c.sinks else ""))
 def test_wgmma_backward_matches_reference_and_mma(case):
     """The wgmma dQ and dK/dV kernels against float64, and against the mma.sync kernels."""

@@ -40,8 +40,8 @@ WGMMA_TEMPLATES = MappingProxyType({"forward": "attention_forward_wgmma.cu",
                                     "backward_key_value": "attention_backward_key_value_wgmma.cu"})
 # wgmma kernels: P = 64 rows per consumer warpgroup of 4 warps, plus a producer warpgroup. The O /
 # dQ / dK / dV tile is wgmma's N, at most 256 columns: the forward past that splits O into
-# column slices of the row's H, a CTA each (the dQ and dK/dV kernels stop at 256, where their
-# rows end; mma.sync serves past it). dK/dV: the dK and dV accumulators of a
+# column slices of the row's H, a CTA each; the dK/dV kernel's column groups (below) too; the dQ
+# kernel stops at 256 (mma.sync serves past it). dK/dV: the dK and dV accumulators of a
 # 64-row warpgroup hold D / 2 floats each per thread, which beside the score tiles fit the
 # consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); past the row's H the kernel
 # splits D into 128-column parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each
@@ -351,13 +351,12 @@ def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int,
 
 
 def wgmma_covers(kernel: str, head_dim: int, family: Family) -> bool:
-    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d; for the dQ and
-    dK/dV kernels at most wgmma's N, for the forward any D: it splits O into column slices)."""
+    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d: the forward and
+    dK/dV kernels split their outputs into column slices past wgmma's N, the dQ kernel stops there)."""
     if not family.wgmma:
         return False
     rows = [r for r in planner.load_table("cuda") if r.kernel == kernel and r.family == family.name + "_wgmma"]
-    limit = MAX_HEAD_DIM if kernel == "forward" else WGMMA_MAX_COLUMNS
-    return bool(rows) and head_dim <= min(limit, max(r.max_head_dim for r in rows))
+    return bool(rows) and head_dim <= max(r.max_head_dim for r in rows)
 
 
 def uses_wgmma(kernel: str, head_dim: int, family: Family, tuning: Tuning, real_sm90: bool) -> bool:
@@ -502,8 +501,12 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     most = 256 if kernel == "forward" else 128
     if keys % 16 or not 16 <= keys <= most:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of 16 in [16, {most}].")
-    slices = -(-padded // WGMMA_SLICE_WIDTH) if wide and col_groups == 1 else 1
+    # Column groups cover 2 x 128 columns a CTA: past 256, CTA slices of them as well.
+    slices = -(-padded // (WGMMA_SLICE_WIDTH * col_groups)) if wide else 1
     width = WGMMA_SLICE_WIDTH if wide else padded
+    if kernel == "backward_query" and padded > WGMMA_MAX_COLUMNS:
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where}: the wgmma dQ kernel holds all of D (at most "
+                         f"{WGMMA_MAX_COLUMNS} columns, wgmma's N); end its rows at 256.")
     if kernel == "forward" and padded > _round_up(columns, 16):  # O in column slices of at most H, a CTA each
         if columns % 16 or not 16 <= columns <= WGMMA_MAX_COLUMNS:
             raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: O's column slices must be a "
