@@ -6,9 +6,10 @@ compile-time features and the `Tuning` value make a `KernelVariant` (frozen: the
 key); `source(variant)` renders kernels/attention_*.cu with the variant's constants.
 
 Kernels: forward (O, L), a per-row preprocessing step for the backward (delta = rowsum(dO * O)
-- dL, L in base 2), dQ, and dK/dV. On sm_90 the forward, dQ and dK/dV for head_dim <= 256 are
-warp-specialized warpgroup-MMA kernels (kernels/attention_*_wgmma.cu, rows of family
-"sm90_wgmma"); elsewhere, and past 256, mma.sync kernels (the family's own rows).
+- dL, L in base 2), dQ, and dK/dV. On sm_90 the forward and dK/dV (any head_dim: past 256 in
+column slices) and dQ (head_dim <= 256) are warp-specialized warpgroup-MMA kernels
+(kernels/attention_*_wgmma.cu, rows of family "sm90_wgmma"); elsewhere, and the dQ past 256,
+mma.sync kernels (the family's own rows).
 A plan that breaks its family's limits is an error, never shrunk at run time: each family's rows
 are chosen for its shared memory (tests/test_plans.py checks every head dim 1..512).
 """
