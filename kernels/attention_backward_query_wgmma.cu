@@ -1,7 +1,7 @@
 // Attention backward, dQ, for Hopper (sm_90a): the algorithm of attention_backward_query.cu
 // with warpgroup MMAs and warp specialization, in the structure of attention_forward_wgmma.cu.
 //
-// One CTA owns BM = 64 * CONSUMERS query rows of one (batch, head) and all of D; it streams the
+// One CTA owns BM = 64 * CONSUMERS / CG query rows of one (batch, head) and all of D; it streams the
 // key blocks of BN keys those rows may see:
 //   S = Q K^T, dP = dO V^T                             (wgmma, both operands in shared memory)
 //   P = exp2(S2 - lse2), dS = P * (dP - delta)         (registers)
@@ -11,9 +11,14 @@
 // - CONSUMERS consumer warpgroups own 64 query rows each: their Q and dO rows stay in shared
 //   memory, lse2 and delta of their rows in registers, the dQ accumulators (DP / 2 floats per
 //   thread, up to 128 at D = 256) in registers.
+// - CG = 2 (past D = 256, wgmma's N): both consumer warpgroups own the same 64 query rows;
+//   warpgroup 0 computes S = Q K^T, warpgroup 1 dP = dO V^T, each over all of D, and they swap
+//   the two through shared memory (as the dK/dV kernel's column groups); each then accumulates
+//   dQ for DQ columns (a multiple of 64: an MN-major B operand starts on a panel). Q and dO rows
+//   of all of D (64 KB each at D = 512) leave room for BN = 16.
 // dQ needs no atomics: each CTA owns its rows (the two-kernel backward). With SINKS each consumer
 // warp also writes its 16 rows' part of the sink gradient, -sum_i exp2(sink2 - lse2_i) delta_i, to
-// d_sinks_part[b, h, qb * BM / 16 + warpgroup * 4 + warp] (as attention_backward_query.cu per warp).
+// d_sinks_part[b, h, qb * BM / 16 + row group * 4 + warp] (as attention_backward_query.cu per warp).
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. Q, dO: K-major A operands.
 // K: K-major B operand of S and MN-major B operand of dQ += dS K; V: K-major B operand of dP.
@@ -22,9 +27,11 @@ namespace mlxflash {
 namespace bwdqwg {
 typedef {{input_type}} T;
 typedef {{mask_type}} MaskT;
-constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 256)
+constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
 constexpr int DP = {{padded_dim}};              // D padded to 16
-constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each)
+constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each, or CG per 64)
+constexpr int CG = {{col_groups}};              // column groups: consumer warpgroups sharing 64 query rows
+constexpr int DQ = {{head_block}};              // dQ columns per warpgroup: DP, or with CG = 2 a multiple of 64
 constexpr int BN = {{traversal_block}};              // keys per step
 constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
@@ -32,11 +39,15 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool SINKS = {{sinks}};
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
-constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
+constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM = 64 * ROW_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;
-constexpr int Q_GROUP_BYTES = PANELS * 64 * 128;  // one warpgroup's 64 rows of Q (or dO)
-constexpr int TILE_BYTES = PANELS * BN * 128;     // one K (or V) tile
-constexpr int SMEM_BYTES = 1024 + CONSUMERS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + KeyValueRing<STAGES>::BYTES;
+constexpr int TILE_PANELS = CG * DQ / 64 > PANELS ? CG * DQ / 64 : PANELS;  // K / V panels, zero-filled past D
+constexpr int Q_GROUP_BYTES = PANELS * 64 * 128;  // one row group's 64 rows of Q (or dO)
+constexpr int TILE_BYTES = TILE_PANELS * BN * 128;  // one K (or V) tile
+// CG = 2: S and dP swapped between the warpgroups, double-buffered (one barrier per step).
+constexpr int SWAP_BYTES = CG == 2 ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
+constexpr int SMEM_BYTES =
+    1024 + ROW_GROUPS * 2 * Q_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // The producer runs on 24 registers (32 with three consumers: the split then gives the consumers
@@ -50,7 +61,10 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups (the register split)");
-static_assert(DP % 16 == 0 && DP <= 256, "wgmma N (the dQ tile width) is at most 256");
+static_assert(DQ % 16 == 0 && DQ <= 256 && CG * DQ >= DP, "wgmma N (the dQ tile width) is at most 256");
+static_assert(CG == 1 ? DQ == DP : CG == 2 && CONSUMERS == 2 && DQ % 64 == 0 && DQ < DP,
+              "column groups: two warpgroups, DQ on 64-column panels");
+constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdqwg
 
@@ -64,11 +78,12 @@ __device__ void attention_backward_query_wgmma(
   using namespace bwdqwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
-  unsigned char* Qs = base;                                // [CONSUMERS] x 64 query rows
-  unsigned char* dOs = Qs + CONSUMERS * Q_GROUP_BYTES;     // [CONSUMERS] x 64 query rows
-  unsigned char* Ks = dOs + CONSUMERS * Q_GROUP_BYTES;     // [STAGES] x BN keys
+  unsigned char* Qs = base;                                // [ROW_GROUPS] x 64 query rows
+  unsigned char* dOs = Qs + ROW_GROUPS * Q_GROUP_BYTES;    // [ROW_GROUPS] x 64 query rows
+  unsigned char* Ks = dOs + ROW_GROUPS * Q_GROUP_BYTES;    // [STAGES] x BN keys
   unsigned char* Vs = Ks + STAGES * TILE_BYTES;            // [STAGES] x BN keys
-  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * TILE_BYTES)};
+  float4* swap = reinterpret_cast<float4*>(Vs + STAGES * TILE_BYTES);  // [2 buffers][2 warpgroups]
+  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * TILE_BYTES + SWAP_BYTES)};
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -98,9 +113,9 @@ __device__ void attention_backward_query_wgmma(
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
-                                                          {tensor_map, tensor_map_slots(tensor_maps, bid)},
-                                                          tid - 128 * CONSUMERS);
+    produce_key_value_tiles<BN, TILE_PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
+                                                               {tensor_map, tensor_map_slots(tensor_maps, bid)},
+                                                               tid - 128 * CONSUMERS);
     return;
   }
 
@@ -108,13 +123,17 @@ __device__ void attention_backward_query_wgmma(
   registers_increase<CONSUMER_REGS>();
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
-  const int query_first = q0 + warpgroup * 64;  // this warpgroup's rows: [query_first, query_first + 64)
+  const int row_group = warpgroup / CG;
+  const int query_first = q0 + row_group * 64;  // this warpgroup's rows: [query_first, query_first + 64)
   const int row0 = query_first + warp * 16 + g;  // this thread's first query row
+  // CG = 2: warpgroup 0 computes S (reads Q and K), warpgroup 1 dP (dO and V).
+  const bool scores_side = CG == 1 || warpgroup == 0;
+  const int col0 = (warpgroup % CG) * DQ;  // this warpgroup's dQ columns
 
-  float dqa[DP / 8][4];
+  float dqa[DQ / 8][4];
 #pragma unroll
-  for (int n = 0; n < DP / 8; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
-  if (SINKS) {  // every row, also those that see no key block (steps == 0)
+  for (int n = 0; n < DQ / 8; ++n) dqa[n][0] = dqa[n][1] = dqa[n][2] = dqa[n][3] = 0.f;
+  if (SINKS && warpgroup % CG == 0) {  // every row, also those that see no key block (steps == 0)
     const float sink2 = sinks[h] * 1.4426950408889634f;
     float part = 0.f;
 #pragma unroll
@@ -123,7 +142,7 @@ __device__ void attention_backward_query_wgmma(
       if (tq == 0 && i < Nq) part -= fast_exp2(sink2 - lse2[bh * Nq + i]) * delta[bh * Nq + i];
     }
     part = sink_gradient_part(part);
-    if (lane == 0) d_sinks_part[bh * nqb * (BM / 16) + (i64)qb * (BM / 16) + warpgroup * 4 + warp] = part;
+    if (lane == 0) d_sinks_part[bh * nqb * (BM / 16) + (i64)qb * (BM / 16) + row_group * 4 + warp] = part;
   }
 
   if (steps > 0) {
@@ -140,36 +159,68 @@ __device__ void attention_backward_query_wgmma(
     MaskRegs<MASK_KIND, BN / 8, MaskT> masks;  // where the step's mask entries lie, set while S and dP are computed
 
     // This warpgroup's Q and dO rows (rows past Nq zero-filled; the address stays in bounds).
-    unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
-    unsigned char* do_tile = dOs + warpgroup * Q_GROUP_BYTES;
+    // With column groups each warpgroup loads the one it multiplies.
+    unsigned char* q_tile = Qs + row_group * Q_GROUP_BYTES;
+    unsigned char* do_tile = dOs + row_group * Q_GROUP_BYTES;
     const int q_row = min(query_first, Nq - 1);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec, tid % 128);
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec, tid % 128);
+    if (scores_side) load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec, tid % 128);
+    if (CG == 1 || !scores_side)
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
-    float(&dq_flat)[DP / 2] = *reinterpret_cast<float(*)[DP / 2]>(&dqa[0][0]);
+    float(&dq_flat)[DQ / 2] = *reinterpret_cast<float(*)[DQ / 2]>(&dqa[0][0]);
 
     for (int it = 0; it < steps; ++it) {
       const int stage = it % STAGES, key0 = (kb_begin + it) * BN;
       const u32 parity = (it / STAGES) & 1;
       const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
 
-      acquire_tile(ring.full_keys(stage), parity, !tma);
-      wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
-      wgmma_commit();
-      acquire_tile(ring.full_values(stage), parity, !tma);
-      wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
-      wgmma_commit();
-      masks.load(mrow, key0, Nk, msk, tq);
-      wgmma_wait<0>();
-      fence_registers(s_flat);
-      fence_registers(dp_flat);
+      if (CG == 1) {
+        acquire_tile(ring.full_keys(stage), parity, !tma);
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
+        wgmma_commit();
+        acquire_tile(ring.full_values(stage), parity, !tma);
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
+        wgmma_commit();
+        masks.load(mrow, key0, Nk, msk, tq);
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        fence_registers(dp_flat);
+      } else {
+        // Column groups: one product each, then the swap (two buffers: the other warpgroup last
+        // read buffer it % 2 two steps ago, before it arrived at last step's barrier). The same
+        // wgmma instructions in both warpgroups, only the descriptors differ (C7520). The resident
+        // tile's address is made opaque each step, as in the forward past D = 256.
+        float4* mine = swap + ((it % 2) * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
+        float4* theirs = swap + ((it % 2) * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
+        acquire_tile(scores_side ? ring.full_keys(stage) : ring.full_values(stage), parity, !tma);
+        u32 resident = scores_side ? q_addr : do_addr;
+        asm volatile("" : "+r"(resident));
+        wgmma_fence();
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, resident, scores_side ? k_addr : v_addr);
+        wgmma_commit();
+        masks.load(mrow, key0, Nk, msk, tq);
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        store_fragments(s_flat, mine);
+        named_barrier_sync(SWAP_BARRIER, 256);
+        load_fragments(dp_flat, theirs);
+        if (!scores_side) {  // this warpgroup's product was dP
+#pragma unroll
+          for (int i = 0; i < BN / 2; ++i) {
+            const float x = s_flat[i];
+            s_flat[i] = dp_flat[i];
+            dp_flat[i] = x;
+          }
+          acquire_tile(ring.full_keys(stage), parity, !tma);  // K: the B operand of dQ += dS K
+        }
+      }
       if (lane == 0) mbarrier_arrive(ring.empty_values(stage));  // V is read: the producer may refill it
 
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
@@ -208,7 +259,7 @@ __device__ void attention_backward_query_wgmma(
       for (int kk = 0; kk < BN / 16; ++kk) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], dsa[kk]);
       fence_registers(dq_flat);
       wgmma_fence();
-      wgmma_registers_shared<DP, BN, T>(dq_flat, dsa, k_addr, BN * 128, 1024);
+      wgmma_registers_shared<DQ, BN, T>(dq_flat, dsa, k_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq_flat);
@@ -217,7 +268,7 @@ __device__ void attention_backward_query_wgmma(
   }
 
   // dQ = scale * dS K (the scores' scale).
-  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, 0,
+  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, col0,
                                 head_rows(dq, token_major(Nq, Hq, HEAD_DIM), b, h).from(query_first), scale, tq);
 }
 

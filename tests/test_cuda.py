@@ -345,7 +345,7 @@ WGMMA = Tuning(wgmma_forward=True, wgmma_backward=True)
 MMA = Tuning(wgmma_forward=False, wgmma_backward=False)
 WGMMA_RENDER_CASES = [(kernel, head_dim) for kernel, dims in (
     ("forward", [1, 37, 64, 80, 128, 160, 200, 256, 257, 300, 448, 500, 512]),
-    ("backward_query", [1, 37, 64, 80, 128, 160, 256]),
+    ("backward_query", [1, 37, 64, 80, 128, 160, 256, 257, 300, 448, 512]),
     ("backward_key_value", [1, 37, 64, 80, 128, 144, 160, 176, 200, 256, 257, 300, 448, 512])) for head_dim in dims]
 
 
@@ -383,6 +383,13 @@ def test_wgmma_variant_renders(kernel, head_dim):
                                       cuda_source._round_up(-(-variant.padded_dim // variant.slices), 16))
         assert (variant.slices - 1) * variant.head_block < head_dim  # every slice has columns of D
         return
+    if kernel == "backward_query" and variant.padded_dim > 256:  # column groups: half of D each, on panels
+        assert (variant.parallel_block, variant.col_groups, variant.slices) == (64, 2, 1)
+        assert variant.head_block == cuda_source._round_up(-(-variant.padded_dim // 2), 64)
+        assert "constexpr int CG = 2;" in header
+        with pytest.raises(ValueError, match="64 shared by both"):
+            _variant(kernel, head_dim, Tuning(blocks={"backward_query_wgmma": (128, 16, 256, 8)}, wgmma_backward=True))
+        return
     # dK/dV past the table row's H (<= 160): 128-column CTAs (slices, P = 128) or both consumer
     # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
     # other kernels hold all of D in each warpgroup
@@ -419,12 +426,11 @@ def test_wgmma_variant_renders(kernel, head_dim):
 
 
 def test_wgmma_only_on_a_real_sm90(monkeypatch):
-    """wgmma: family sm90 on a real sm_90 (the dQ kernel at D <= 256, the forward and dK/dV at
-    every D: column slices past 256); never on another family, never where the capability is only
-    an override (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
+    """wgmma: family sm90 at every D on a real sm_90 (past 256 the outputs in column slices or
+    groups); never on another family, never where the capability is only an override
+    (MLX_FLASH_CUDA_CAPABILITY=90 on another GPU), never emulated."""
     for kernel in planner.KERNELS:
-        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, kernel != "backward_query"),
-                                   (512, kernel != "backward_query")):
+        for head_dim, expected in ((1, True), (64, True), (129, True), (256, True), (257, True), (512, True)):
             assert _variant(kernel, head_dim, Tuning(), real_sm90=True).instruction == \
                 ("wgmma" if expected else "mma.sync"), (kernel, head_dim)
         assert _variant(kernel, 128, Tuning(), real_sm90=False).instruction == "mma.sync"
@@ -605,7 +611,8 @@ def test_wgmma_load_paths_agree_bitwise(head_dim, kv_len, dtype, mask):
     Case(head_dim=64, q_len=333, kv_len=100, dtype="bfloat16", mask="causal", group=2, sinks=True, lse_gradient=True),
     Case(head_dim=128, q_len=200, kv_len=260, dtype="float16", mask="bool", softcap=10.0, sinks=True),
     # Past D = 256: dK/dV column groups in CTA slices of 256 columns, T = 16 (D = 300: the second
-    # slice's second warpgroup has no column of D; dQ on mma.sync).
+    # slice's second warpgroup has no column of D); dQ column groups of half of D on 64-column
+    # panels (D = 300: 192 + 108 columns; sinks: only the first warpgroup writes its rows' part).
     Case(head_dim=512, q_len=150, kv_len=170, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=300, q_len=90, kv_len=133, dtype="float16", mask="additive", softcap=10.0),
     Case(head_dim=448, q_len=70, kv_len=100, dtype="bfloat16", mask="bool", sinks=True),
@@ -721,6 +728,7 @@ def test_wgmma_kernels_compile_with_nvcc():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with tempfile.TemporaryDirectory() as tmp:
-        for kernel, head_dim in [(kernel, 128) for kernel in planner.KERNELS] + [("forward", 512)]:
+        for kernel, head_dim in [(kernel, 128) for kernel in planner.KERNELS] + [(kernel, 512) for kernel in
+                                                                                  planner.KERNELS]:
             line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line

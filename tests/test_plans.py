@@ -42,7 +42,9 @@ def test_cuda_family_plans_fit(family, tuning):
                     assert plan.family in (family, family + "_wgmma"), plan
                     assert plan.shared_memory_limit == fam.shared_memory
                     seen.add(plan.instruction)
-    assert seen == ({"mma.sync", "wgmma"} if fam.wgmma and tuning == Tuning() else {"mma.sync"})
+    # sm90 runs wgmma at every D (past 256 in column slices or groups); its mma.sync rows serve
+    # with wgmma switched off (the second tuning)
+    assert seen == ({"wgmma"} if fam.wgmma and tuning == Tuning() else {"mma.sync"})
 
 
 def test_cuda_families_have_their_own_rows():

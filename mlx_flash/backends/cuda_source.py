@@ -276,8 +276,9 @@ class KernelVariant:
             ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
             if self.kernel == "forward":  # Q, K ring: all of D; V ring: the slice's columns
                 return 1024 + row * (bm + stages * bn) + -(-self.head_block // 64) * 128 * stages * bn + ring
-            if self.kernel == "backward_query":  # Q and dO; K and V rings
-                return 1024 + row * (2 * bm + 2 * stages * bn) + ring
+            if self.kernel == "backward_query":  # Q and dO; K and V rings (column groups: panels of both, a swap)
+                tile_row = max(row, cg * self.head_block * 2)
+                return 1024 + row * 2 * bm + tile_row * 2 * stages * bn + (1024 * bn if cg == 2 else 0) + ring
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
@@ -326,6 +327,8 @@ class KernelVariant:
                 values.update(pingpong=self.pingpong, slices=self.slices, head_block=self.head_block)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
+            if self.kernel == "backward_query":
+                values.update(head_block=self.head_block, col_groups=self.col_groups)
             return values
         values.update(head_block=self.head_block, slices=self.slices, m_tiles=self.m_tiles,
                       row_groups=self.row_groups, col_groups=self.col_groups)
@@ -494,20 +497,22 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: a warpgroup holds dK / dV for all of D "
                          f"up to {WGMMA_WHOLE_MAX_COLUMNS} columns, past that H must be {WGMMA_SLICE_WIDTH} "
                          f"(slices or column groups).")
-    col_groups = 2 if wide and block == 8 * warps else 1
+    # dQ past wgmma's N: both warpgroups share 64 query rows, each holding dQ for half the columns.
+    wide_query = kernel == "backward_query" and padded > WGMMA_MAX_COLUMNS
+    col_groups = 2 if (wide and block == 8 * warps) or wide_query else 1
     if warps not in consumers or block * col_groups != 16 * warps:
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} needs P = 64 rows per consumer warpgroup of 4 warps, "
                          f"{' or '.join(str(w // 4) for w in consumers)} of them"
-                         f"{' (or 64 shared by both past D = 128)' if wide else ''}; got P={block} with {warps} warps.")
+                         f"{' (or 64 shared by both past D = 128)' if wide else ''}"
+                         f"{' (past D = 256: 64 shared by both)' if wide_query else ''}; got P={block} with {warps} warps.")
     most = 256 if kernel == "forward" else 128
     if keys % 16 or not 16 <= keys <= most:
         raise ValueError(f"[cuda] blocks_cuda.txt: T={keys} for {where} must be a multiple of 16 in [16, {most}].")
     # Column groups cover 2 x 128 columns a CTA: past 256, CTA slices of them as well.
     slices = -(-padded // (WGMMA_SLICE_WIDTH * col_groups)) if wide else 1
     width = WGMMA_SLICE_WIDTH if wide else padded
-    if kernel == "backward_query" and padded > WGMMA_MAX_COLUMNS:
-        raise ValueError(f"[cuda] blocks_cuda.txt: {where}: the wgmma dQ kernel holds all of D (at most "
-                         f"{WGMMA_MAX_COLUMNS} columns, wgmma's N); end its rows at 256.")
+    if wide_query:  # half of D each, on 64-column panels (where an MN-major B operand may start)
+        width = _round_up(-(-padded // 2), 64)
     if kernel == "forward" and padded > _round_up(columns, 16):  # O in column slices of at most H, a CTA each
         if columns % 16 or not 16 <= columns <= WGMMA_MAX_COLUMNS:
             raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: O's column slices must be a "
