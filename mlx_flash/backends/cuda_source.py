@@ -6,10 +6,9 @@ compile-time features and the `Tuning` value make a `KernelVariant` (frozen: the
 key); `source(variant)` renders kernels/attention_*.cu with the variant's constants.
 
 Kernels: forward (O, L), a per-row preprocessing step for the backward (delta = rowsum(dO * O)
-- dL, L in base 2), dQ, and dK/dV. On sm_90 the forward and dK/dV (any head_dim: past 256 in
-column slices) and dQ (head_dim <= 256) are warp-specialized warpgroup-MMA kernels
-(kernels/attention_*_wgmma.cu, rows of family "sm90_wgmma"); elsewhere, and the dQ past 256,
-mma.sync kernels (the family's own rows).
+- dL, L in base 2), dQ, and dK/dV. On sm_90 all three are warp-specialized warpgroup-MMA kernels
+at any head_dim (kernels/attention_*_wgmma.cu, rows of family "sm90_wgmma"; past 256 their
+outputs in column slices or groups); elsewhere mma.sync kernels (the family's own rows).
 A plan that breaks its family's limits is an error, never shrunk at run time: each family's rows
 are chosen for its shared memory (tests/test_plans.py checks every head dim 1..512).
 """
@@ -41,8 +40,9 @@ WGMMA_TEMPLATES = MappingProxyType({"forward": "attention_forward_wgmma.cu",
                                     "backward_key_value": "attention_backward_key_value_wgmma.cu"})
 # wgmma kernels: P = 64 rows per consumer warpgroup of 4 warps, plus a producer warpgroup. The O /
 # dQ / dK / dV tile is wgmma's N, at most 256 columns: the forward past that splits O into
-# column slices of the row's H, a CTA each; the dK/dV kernel's column groups (below) too; the dQ
-# kernel stops at 256 (mma.sync serves past it). dK/dV: the dK and dV accumulators of a
+# column slices of the row's H, a CTA each; the dK/dV kernel's column groups (below) in CTA slices
+# too; the dQ kernel's two warpgroups share 64 rows and hold half of D each. dK/dV: the dK and dV
+# accumulators of a
 # 64-row warpgroup hold D / 2 floats each per thread, which beside the score tiles fit the
 # consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); past the row's H the kernel
 # splits D into 128-column parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each
