@@ -11,9 +11,10 @@
 //     each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
 // Past D = 256 (wgmma's N) NSLICE CTAs share a query block, each computing O for DV of its
 // columns: every slice computes S over all of D (Q and K whole, V only its columns), so S is
-// computed NSLICE times (at D = 512, 6 products' work for 4: the accumulator of O's 512
-// columns would take 256 registers a thread, and the dK/dV kernel's column groups, which share
-// S through shared memory, leave no room for the Q tile here).
+// computed NSLICE times (at D = 512, 6 products' work for 4; the accumulator of O's 512
+// columns would take 256 registers a thread). Not built: two warpgroups on the same 64 rows,
+// each computing S over half of D and adding the other's half through shared memory (as the
+// dQ kernel's column groups swap S and dP), would compute S once.
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
 // the tensor cores idled (H100: 247 TFLOP/s at D=128 against 251 for the mma.sync forward).

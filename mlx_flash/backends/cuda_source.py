@@ -355,8 +355,8 @@ def column_slices(head_dim: int, head_block: int, warps: int) -> Tuple[int, int,
 
 
 def wgmma_covers(kernel: str, head_dim: int, family: Family) -> bool:
-    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d: the forward and
-    dK/dV kernels split their outputs into column slices past wgmma's N, the dQ kernel stops there)."""
+    """Whether the family's wgmma rows cover `kernel` at head_dim (their last max_d; past wgmma's N
+    the kernels split their outputs into column slices or groups)."""
     if not family.wgmma:
         return False
     rows = [r for r in planner.load_table("cuda") if r.kernel == kernel and r.family == family.name + "_wgmma"]
