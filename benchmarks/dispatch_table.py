@@ -1,6 +1,7 @@
 """Write kernels/dispatch_cuda.txt's rows for one GPU family from a recorded bench.py JSON.
 
     python3 benchmarks/dispatch_table.py RUN/a.json [RUN/b.json ...]   # one GPU's runs; family from its GPU
+    python3 benchmarks/dispatch_table.py results/h100_dispatch.json     # a file may hold a list of runs
     python3 benchmarks/dispatch_table.py RUN/a.json --print             # show, write nothing
     python3 benchmarks/dispatch_table.py                                   # rewrite the header only
 
@@ -22,6 +23,9 @@ N=4096, where compiled it is 1.02-1.33x faster than cuDNN's from N=2048 (H100, b
         --no-plots --out $OUT --name dispatch_h100_$dtype
     done
     python3 benchmarks/dispatch_table.py $OUT/dispatch_h100_bf16.json $OUT/dispatch_h100_fp16.json
+
+The runs behind one table are kept in one file, a JSON list of bench.py JSONs
+(benchmarks/results/h100_dispatch.json); the tool reads either form.
 
 The rule (conservative: a call does not know whether a backward follows):
 - a measured point is (dtype, head dim, head layout class, mask, N) with Nq = Nk = N, the
@@ -222,6 +226,15 @@ def update(text: str, family: Optional[str], payloads: List[Dict], margin: float
     return render(recorded, [r for r in rows if r.family != family] + new)
 
 
+def runs_of(data) -> List[Dict]:
+    """The bench.py runs in one recorded file: a run (a dict with "rows") or a list of them (one
+    published table's recordings kept together, as results/h100_dispatch.json)."""
+    runs = data if isinstance(data, list) else [data]
+    if not runs or not all(isinstance(r, dict) and "rows" in r for r in runs):
+        raise ValueError("a recorded file must hold a bench.py JSON (a dict with 'rows') or a list of them")
+    return runs
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("recorded", type=Path, nargs="*",
@@ -235,7 +248,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0 <= args.margin < 1:
         parser.error(f"--margin must be in [0, 1), got {args.margin}")
-    payloads = [json.loads(path.read_text()) for path in args.recorded]
+    try:
+        runs = [(path, payload) for path in args.recorded for payload in runs_of(json.loads(path.read_text()))]
+    except ValueError as error:
+        parser.error(str(error))
+    payloads = [payload for _, payload in runs]
     family = args.family
     if family is not None:
         from mlx_flash.backends import cuda_source
@@ -251,7 +268,7 @@ def main(argv=None) -> int:
         if len(families) != 1:
             parser.error(f"the recorded runs are of different CUDA families {sorted(families)}: one family at a time")
         family = families.pop()
-    uncompiled = [str(path) for path, p in zip(args.recorded, payloads) if not p.get("environment", {}).get("mlx_compiled")]
+    uncompiled = [str(path) for path, p in runs if not p.get("environment", {}).get("mlx_compiled")]
     if uncompiled:
         parser.error(f"{', '.join(uncompiled)}: not recorded with bench.py --compiled (the table compares "
                      f"compiled calls; see this tool's docstring)")

@@ -407,6 +407,16 @@ def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
         TOOL.main([paths[0], str(other), "--table", str(table)])
     with pytest.raises(SystemExit):
         TOOL.main([paths[0], "--family", "sm99", "--table", str(table)])
+    # One file holding both runs (as results/h100_dispatch.json) writes the same table.
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps([json.loads(Path(p).read_text()) for p in paths]))
+    from_list = tmp_path / "from_list.txt"
+    assert TOOL.main([str(both), "--table", str(from_list)]) == 0
+    assert from_list.read_text() == text
+    for bad in ([], [{"environment": env}], {"environment": env}):
+        both.write_text(json.dumps(bad))
+        with pytest.raises(SystemExit):
+            TOOL.main([str(both), "--table", str(from_list)])
 
 
 # ---------------------------------------------------------------------------------------------
