@@ -9,12 +9,15 @@
 //   - CONSUMERS consumer warpgroups (64 query rows each, DV output columns) run the MMAs and
 //     the online softmax on 224 registers (152 with three, the D <= 64 table row), and hand
 //     each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
-// Past D = 256 (wgmma's N) NSLICE CTAs share a query block, each computing O for DV of its
-// columns: every slice computes S over all of D (Q and K whole, V only its columns), so S is
-// computed NSLICE times (at D = 512, 6 products' work for 4; the accumulator of O's 512
-// columns would take 256 registers a thread). Not built: two warpgroups on the same 64 rows,
-// each computing S over half of D and adding the other's half through shared memory (as the
-// dQ kernel's column groups swap S and dP), would compute S once.
+// Past D = 256 (wgmma's N; O's 512 columns would take 256 accumulator registers a thread) O is
+// split by columns, one of two ways (the block table's P):
+//   - column slices (P = 128): NSLICE CTAs share a query block, each computing O for DV of its
+//     columns; every slice computes S over all of D (Q and K whole, V only its columns), so S
+//     is computed NSLICE times (at D = 512, 6 products' work for 4);
+//   - column groups (CG = 2, P = 64): both consumer warpgroups own the same 64 query rows and
+//     DV columns each (a multiple of 64: panels); each computes its part of S over its DV
+//     columns of Q and K, they add the two parts through shared memory (both get the same sums:
+//     a + b == b + a), run the same softmax, and accumulate O for their DV columns. S once.
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
 // the tensor cores idled (H100: 247 TFLOP/s at D=128 against 251 for the mma.sync forward).
@@ -43,8 +46,11 @@ typedef {{mask_type}} MaskT;
 constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
 constexpr int DP = {{padded_dim}};              // D padded to 16: the QK^T contraction
 constexpr int NSLICE = {{slices}};      // CTAs per query block, each computing DV columns of O
-constexpr int DV = {{head_block}};      // O (and V) columns per CTA: DP, or DP / NSLICE rounded up to 16
-constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each)
+constexpr int CG = {{col_groups}};      // column groups: consumer warpgroups sharing 64 query rows
+// O (and V) columns per CTA (CG = 1): DP, or DP / NSLICE rounded up to 16; per warpgroup (CG = 2):
+// half of DP rounded up to 64.
+constexpr int DV = {{head_block}};
+constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each, or CG per 64)
 constexpr int BN = {{traversal_block}};              // keys per step (the S tile width)
 constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
@@ -55,14 +61,18 @@ constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start ea
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
 // time against rescaling every step, D=256 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower.
 constexpr bool LAZY_RESCALE = DV > 128;
-constexpr int THREADS = 128 * (CONSUMERS + 1), BM = 64 * CONSUMERS;
+constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM = 64 * ROW_GROUPS;
 // Two buffers: three measured slower on an H100 (TFLOP/s per call 2 / 3 stages: D=64 250 / 233,
 // D=128 412 / 388; the hardware announces each copy, so the producer never waits on its own).
 constexpr int STAGES = 2;  // K and V buffers each (a ring)
-constexpr int PANELS = (DP + 63) / 64;        // 64-column panels per Q / K tile row
-constexpr int V_PANELS = (DV + 63) / 64;      // ... per V tile row
+// 64-column panels per Q / K tile row (column groups: CG * DV, zero-filled past D) and per V tile row
+constexpr int PANELS = CG == 2 ? 2 * DV / 64 : (DP + 63) / 64;
+constexpr int V_PANELS = CG == 2 ? PANELS : (DV + 63) / 64;
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = V_PANELS * BN * 128;
-constexpr int SMEM_BYTES = 1024 + CONSUMERS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + KeyValueRing<STAGES>::BYTES;
+// Column groups: the parts of S swapped between the warpgroups, double-buffered (one barrier per step).
+constexpr int SWAP_BYTES = CG == 2 ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
+constexpr int SMEM_BYTES =
+    1024 + ROW_GROUPS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + SWAP_BYTES + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
 // to 8: 168 with two consumers). setmaxnreg moves registers only inside the CTA's allocation, so
@@ -79,8 +89,11 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups (the register split)");
-static_assert(DV % 16 == 0 && DV <= 256 && DV * NSLICE >= DP, "wgmma N is at most 256: O in slices past it");
+static_assert(DV % 16 == 0 && DV <= 256 && DV * NSLICE * CG >= DP, "wgmma N is at most 256: O split past it");
 static_assert(DV * (NSLICE - 1) < HEAD_DIM, "every slice has columns of D");
+static_assert(CG == 1 || (CG == 2 && CONSUMERS == 2 && NSLICE == 1 && DV % 64 == 0 && DV < DP && !PINGPONG),
+              "column groups: two warpgroups on 64 rows, DV on 64-column panels");
+constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
 }  // namespace fwdwg
 
@@ -96,9 +109,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   // Panels must start on 1024-byte boundaries of the shared address space (swizzle phase).
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   unsigned char* Qs = base;
-  unsigned char* Ks = Qs + CONSUMERS * Q_GROUP_BYTES;
+  unsigned char* Ks = Qs + ROW_GROUPS * Q_GROUP_BYTES;
   unsigned char* Vs = Ks + STAGES * K_BYTES;
-  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * V_BYTES)};
+  float4* swap = reinterpret_cast<float4*>(Vs + STAGES * V_BYTES);  // [2 buffers][2 warpgroups]
+  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * V_BYTES + SWAP_BYTES)};
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -141,7 +155,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   registers_increase<CONSUMER_REGS>();
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
-  const int row0 = q0 + warpgroup * 64 + warp * 16 + g;  // this thread's first query row
+  const int row_group = warpgroup / CG;
+  const int row0 = q0 + row_group * 64 + warp * 16 + g;  // this thread's first query row
+  // Column groups: this warpgroup's columns of the S contraction and of O, V.
+  const int col0 = (warpgroup % CG) * DV;
 
   float o[DV / 8][4];
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
@@ -163,14 +180,22 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     MaskRegs<MASK_KIND, BN / 8, MaskT> masks;  // where step j's mask entries lie, set while S_j is computed
     auto load_masks = [&](int it) { masks.load(mrow, (kb_begin + it) * BN, Nk, msk, tq); };
 
-    // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q).
-    unsigned char* q_tile = Qs + warpgroup * Q_GROUP_BYTES;
-    const int q_row = q0 + warpgroup * 64;
-    load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, vec,
-                                             tid % 128);
+    // This warpgroup's 64 Q rows (a tile of its own: the producer never waits for Q); with
+    // column groups each warpgroup loads the panels it multiplies.
+    unsigned char* q_tile = Qs + row_group * Q_GROUP_BYTES;
+    const int q_row = q0 + row_group * 64;
+    if (CG == 1) {
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, vec, tid % 128);
+    } else {
+      const Rows<const T> q_part{qg.p + col0 * qg.col, qg.row, qg.col};
+      load_swizzled<64, DV / 64, 128, HEAD_DIM>(q_tile + col0 * 128, q_part.from(q_row), Nq - q_row, vec,
+                                                tid % 128, HEAD_DIM - col0);
+    }
     resident_rows_ready(warpgroup);
 
-    const u32 q_addr = smem_u32(q_tile);
+    // Column groups: the parts of S start at this warpgroup's first panel of the Q and K tiles.
+    const u32 q_addr = smem_u32(q_tile) + (CG == 2 ? col0 * 128 : 0);
+    const u32 k_part = CG == 2 ? col0 / 64 * BN * 128 : 0, v_part = k_part;
     // V as the B operand (16 keys x DV columns, MN-major): 64-column panels are BN * 128 bytes
     // apart (along N: the leading byte offset), 8-key row groups 1024 bytes apart (along K: the
     // stride byte offset), per the canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)).
@@ -188,14 +213,15 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       u32 q_at = q_addr;
       if (DP > 256) asm volatile("" : "+r"(q_at));
       wgmma_fence();
-      wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_at, smem_u32(Ks + (it % STAGES) * K_BYTES));
+      wgmma_shared_shared<BN, CG == 2 ? DV : DP, 64, T>(s_flat, q_at, smem_u32(Ks + (it % STAGES) * K_BYTES) + k_part);
       wgmma_commit();
     };
     // O += P_j V_j from V buffer j % STAGES.
     auto issue_values = [&](int it) {
       fence_registers(o_flat);
       wgmma_fence();
-      wgmma_registers_shared<DV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES), v_leading, v_stride);
+      wgmma_registers_shared<DV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part, v_leading,
+                                        v_stride);
       wgmma_commit();
     };
     // Scores of step j -> P_j in fp32 (masks, log2 units, online softmax); corr rescales O.
@@ -217,6 +243,24 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     auto release = [&](u32 barrier) {  // this warp is done reading the buffer
       if (lane == 0) mbarrier_arrive(barrier);
     };
+    // Column groups: S of step j = this warpgroup's part + the other's, through shared memory
+    // (two buffers: the other warpgroup last read buffer j % 2 two steps ago, before it arrived
+    // at last step's barrier).
+    auto add_other_part = [&](int it) {
+      if (CG == 1) return;
+      float4* mine = swap + ((it % 2) * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
+      const float4* theirs = swap + ((it % 2) * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
+      store_fragments(s_flat, mine);
+      named_barrier_sync(SWAP_BARRIER, 256);
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        const float4 x = theirs[i * 128];
+        s_flat[4 * i] += x.x;
+        s_flat[4 * i + 1] += x.y;
+        s_flat[4 * i + 2] += x.z;
+        s_flat[4 * i + 3] += x.w;
+      }
+    };
     // PINGPONG: the consumer warpgroups take turns to issue their MMAs (named barriers from
     // 1 + CONSUMERS; 1 .. CONSUMERS guard the Q loads).
     const MmaTurns<PINGPONG, CONSUMERS, 1 + CONSUMERS> turns{warpgroup};
@@ -232,6 +276,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     wgmma_wait<0>();
     fence_registers(s_flat);
     release(ring.empty_keys(0));
+    add_other_part(0);
     softmax(0, corr);  // O is still zero: no rescale
     convert();
     for (int it = 0; it + 1 < steps; ++it) {
@@ -245,6 +290,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       wgmma_wait<1>();  // S_{j+1}; O += P_j V_j still running
       fence_registers(s_flat);
       release(ring.empty_keys((it + 1) % STAGES));
+      add_other_part(it + 1);
       softmax(it + 1, corr);
       wgmma_wait<0>();
       fence_registers(o_flat);
@@ -260,9 +306,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, vcol0,
-                              head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h), cslice == 0 ? lse + bh * Nq : nullptr,
-                              tq);
+  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, vcol0 + col0,
+                              head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
+                              cslice == 0 && col0 == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash

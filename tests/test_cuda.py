@@ -375,13 +375,31 @@ def test_wgmma_variant_renders(kernel, head_dim):
     # the forward's consumer warpgroups take turns where the table row says pingpong
     row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, "sm90_wgmma")
     assert variant.pingpong == (kernel == "forward" and row.is_cached("pingpong"))
-    if kernel == "forward":  # past the row's H (256: wgmma's N) O in column slices, one CTA each
-        sliced = variant.padded_dim > cuda_source._round_up(row.head_block, 16)
-        assert variant.col_groups == 1 and variant.slices == (-(-variant.padded_dim // 256) if sliced else 1)
+    if kernel == "forward":  # past the row's H (256: wgmma's N) O split by columns, as the row's P says
+        split = variant.padded_dim > cuda_source._round_up(row.head_block, 16)
         assert variant.head_block <= 256 and variant.head_block % 16 == 0
-        assert variant.head_block == (variant.padded_dim if not sliced else
-                                      cuda_source._round_up(-(-variant.padded_dim // variant.slices), 16))
-        assert (variant.slices - 1) * variant.head_block < head_dim  # every slice has columns of D
+        assert ("constexpr int CG = 2;" in header) == (variant.col_groups == 2)
+        if not split:
+            assert (variant.slices, variant.col_groups, variant.head_block) == (1, 1, variant.padded_dim)
+            return
+        assert variant.parallel_block == (64 if variant.col_groups == 2 else 128)
+        # Both schemes render and fit: column slices of at most H, a CTA each (P = 128), or column
+        # groups (P = 64: both warpgroups on 64 rows, half of D each on 64-column panels, no pingpong).
+        for block in (128, 64):
+            scheme = _variant(kernel, head_dim, Tuning(blocks={"forward_wgmma": (block, 32, 256, 8)},
+                                                       wgmma_forward=True, pingpong=True))
+            assert scheme.shared_memory <= SM90.shared_memory
+            assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda_source.source(scheme)[0]
+            if block == 64:
+                assert (scheme.slices, scheme.col_groups, scheme.pingpong) == (1, 2, False)
+                assert scheme.head_block == cuda_source._round_up(-(-scheme.padded_dim // 2), 64)
+                assert scheme.head_block < scheme.padded_dim <= 2 * scheme.head_block
+            else:
+                assert scheme.col_groups == 1 and scheme.slices == -(-scheme.padded_dim // 256)
+                assert scheme.head_block == cuda_source._round_up(-(-scheme.padded_dim // scheme.slices), 16)
+                assert (scheme.slices - 1) * scheme.head_block < head_dim  # every slice has columns of D
+        with pytest.raises(ValueError, match="64 shared by both past the row H"):
+            _variant(kernel, head_dim, Tuning(blocks={"forward_wgmma": (96, 32, 256, 8)}, wgmma_forward=True))
         return
     if kernel == "backward_query" and variant.padded_dim > 256:  # column groups: half of D each, on panels
         assert (variant.parallel_block, variant.col_groups, variant.slices) == (64, 2, 1)
