@@ -10,14 +10,13 @@
 //     the online softmax on 224 registers (152 with three, the D <= 64 table row), and hand
 //     each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
 // Past D = 256 (wgmma's N; O's 512 columns would take 256 accumulator registers a thread) O is
-// split by columns, one of two ways (the block table's P):
-//   - column slices (P = 128): NSLICE CTAs share a query block, each computing O for DV of its
-//     columns; every slice computes S over all of D (Q and K whole, V only its columns), so S
-//     is computed NSLICE times (at D = 512, 6 products' work for 4);
-//   - column groups (CG = 2, P = 64): both consumer warpgroups own the same 64 query rows and
-//     DV columns each (a multiple of 64: panels); each computes its part of S over its DV
-//     columns of Q and K, they add the two parts through shared memory (both get the same sums:
-//     a + b == b + a), run the same softmax, and accumulate O for their DV columns. S once.
+// split by columns in column groups (CG = 2, P = 64): both consumer warpgroups own the same 64
+// query rows and DV columns each (half of D rounded up to 64: an MN-major B operand starts on a
+// panel); each computes its part of S over its DV columns of Q and K, they add the two parts
+// through shared memory (both get the same sums: a + b == b + a), run the same softmax and
+// accumulate O for their DV columns. It replaced column slices (CTAs each computing O for up to
+// 256 columns and S over all of D: at D = 512 six products' work for four), which took
+// 1.05-1.11x its forward time on an H100 (docs/cuda_notes.md, "Past D = 256").
 // No CTA-wide barrier inside the loop: the previous version (every thread loading, a
 // __syncthreads per step) kept both warpgroups in lock step, so their softmaxes coincided and
 // the tensor cores idled (H100: 247 TFLOP/s at D=128 against 251 for the mma.sync forward).
@@ -45,11 +44,8 @@ typedef {{input_type}} T;
 typedef {{mask_type}} MaskT;
 constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
 constexpr int DP = {{padded_dim}};              // D padded to 16: the QK^T contraction
-constexpr int NSLICE = {{slices}};      // CTAs per query block, each computing DV columns of O
 constexpr int CG = {{col_groups}};      // column groups: consumer warpgroups sharing 64 query rows
-// O (and V) columns per CTA (CG = 1): DP, or DP / NSLICE rounded up to 16; per warpgroup (CG = 2):
-// half of DP rounded up to 64.
-constexpr int DV = {{head_block}};
+constexpr int DV = {{head_block}};      // O columns per warpgroup: DP, or (CG = 2) half of DP rounded up to 64
 constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA (64 query rows each, or CG per 64)
 constexpr int BN = {{traversal_block}};              // keys per step (the S tile width)
 constexpr bool CAUSAL = {{causal}};
@@ -65,10 +61,9 @@ constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM =
 // Two buffers: three measured slower on an H100 (TFLOP/s per call 2 / 3 stages: D=64 250 / 233,
 // D=128 412 / 388; the hardware announces each copy, so the producer never waits on its own).
 constexpr int STAGES = 2;  // K and V buffers each (a ring)
-// 64-column panels per Q / K tile row (column groups: CG * DV, zero-filled past D) and per V tile row
+// 64-column panels per Q, K and V tile row (column groups: CG * DV, zero-filled past D)
 constexpr int PANELS = CG == 2 ? 2 * DV / 64 : (DP + 63) / 64;
-constexpr int V_PANELS = CG == 2 ? PANELS : (DV + 63) / 64;
-constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = V_PANELS * BN * 128;
+constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
 // Column groups: the parts of S swapped between the warpgroups, double-buffered (one barrier per step).
 constexpr int SWAP_BYTES = CG == 2 ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int SMEM_BYTES =
@@ -89,9 +84,8 @@ constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) 
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
 static_assert(CONSUMERS == 2 || CONSUMERS == 3, "2 or 3 consumer warpgroups (the register split)");
-static_assert(DV % 16 == 0 && DV <= 256 && DV * NSLICE * CG >= DP, "wgmma N is at most 256: O split past it");
-static_assert(DV * (NSLICE - 1) < HEAD_DIM, "every slice has columns of D");
-static_assert(CG == 1 || (CG == 2 && CONSUMERS == 2 && NSLICE == 1 && DV % 64 == 0 && DV < DP && !PINGPONG),
+static_assert(DV % 16 == 0 && DV <= 256 && DV * CG >= DP, "wgmma N is at most 256: O split past it");
+static_assert(CG == 1 ? DV == DP : CG == 2 && CONSUMERS == 2 && DV % 64 == 0 && DV < DP && !PINGPONG,
               "column groups: two warpgroups on 64 rows, DV on 64-column panels");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
@@ -118,11 +112,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   if (bid >= ip[P_TOTAL]) return;
   MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nqb);
 
-  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0;
-  const int vcol0 = cslice * DV;  // this CTA's first column of V and O
   int qb;
   i64 bh;
-  query_block_of<CAUSAL>(NSLICE > 1 ? bid / NSLICE : bid, nqb, ip, Hq, qb, bh);
+  query_block_of<CAUSAL>(bid, nqb, ip, Hq, qb, bh);
   const int b = (int)(bh / Hq), h = (int)(bh % Hq), hk = h / group;
   // The warpgroup index broadcast from lane 0 (uniform registers for the Q descriptors): the
   // forward 1.1 % faster at D=128 and 3.4 % at D=256 than with tid / 128 (H100); with three
@@ -145,9 +137,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES, V_PANELS>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec,
-                                                                    tma, {tensor_map, tensor_map_slots(tensor_maps, bid)},
-                                                                    tid - 128 * CONSUMERS, vcol0);
+    produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
+                                                          {tensor_map, tensor_map_slots(tensor_maps, bid)},
+                                                          tid - 128 * CONSUMERS);
     return;
   }
 
@@ -306,9 +298,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, vcol0 + col0,
-                              head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
-                              cslice == 0 && col0 == 0 ? lse + bh * Nq : nullptr, tq);
+  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, col0, head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
+                              col0 == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash

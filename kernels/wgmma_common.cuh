@@ -214,8 +214,8 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 }
 
 // Copies rows [0, rows_valid) x columns [0, cols) of g (rows through their strides; cols <=
-// HEAD_DIM, a multiple of 8 with vec: a column slice of V) into a ROWS x (64 PANELS) swizzled
-// tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
+// HEAD_DIM, a multiple of 8 with vec: the forward's column groups load a part of Q) into a
+// ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
 // 16-byte cp.async chunks (vector_rows), else element by element.
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
 // its shared and global offsets then advance by constants, so each copy costs a few instructions
@@ -386,18 +386,16 @@ struct TensorMapSource {
 
 // The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
 // kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
-// once the consumers released it (it runs up to STAGES tiles ahead). V tiles hold V_PANELS
-// panels from column v_col0 (a forward's column slice; columns past D are zero-filled).
+// once the consumers released it (it runs up to STAGES tiles ahead).
 // tma (tma_rows for K and V; the ring's "full" barriers then count one arrival): the first warp
 // publishes the two tensor maps and one thread issues a TMA load per 64-column panel; the
 // hardware counts the bytes on "full". Else all 128 threads copy with cp.async (load_swizzled).
-template <int BN, int PANELS, int HEAD_DIM, int STAGES, int V_PANELS = PANELS, typename T>
+template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
                                                         unsigned char* Vs, const Rows<const T>& kg,
                                                         const Rows<const T>& vg, int kb_begin, int steps, int Nk,
-                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid,
-                                                        int v_col0 = 0) {
-  constexpr int TILE_BYTES = PANELS * BN * 128, V_TILE_BYTES = V_PANELS * BN * 128;
+                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid) {
+  constexpr int TILE_BYTES = PANELS * BN * 128;
   if (tma) {
     if (ptid >= 32) return;
     unsigned char *key_map = maps.slots, *value_map = maps.slots + 128;
@@ -415,15 +413,14 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
       for (int p = 0; p < PANELS; ++p)
         tma_load_2d(smem_u32(Ks + stage * TILE_BYTES + p * BN * 128), key_map, 64 * p, k0, ring.full_keys(stage));
       mbarrier_wait(ring.empty_values(stage), parity);
-      mbarrier_arrive_expect_bytes(ring.full_values(stage), V_TILE_BYTES);
+      mbarrier_arrive_expect_bytes(ring.full_values(stage), TILE_BYTES);
 #pragma unroll
-      for (int p = 0; p < V_PANELS; ++p)
-        tma_load_2d(smem_u32(Vs + stage * V_TILE_BYTES + p * BN * 128), value_map, v_col0 + 64 * p, k0,
+      for (int p = 0; p < PANELS; ++p)
+        tma_load_2d(smem_u32(Vs + stage * TILE_BYTES + p * BN * 128), value_map, 64 * p, k0,
                     ring.full_values(stage));
     }
     return;
   }
-  const Rows<const T> v_slice{vg.p + v_col0 * vg.col, vg.row, vg.col};
   for (int j = 0; j < steps; ++j) {
     const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
     const u32 parity = ((j / STAGES) & 1) ^ 1;  // the consumers freed this buffer (j >= STAGES)
@@ -431,8 +428,7 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
     load_swizzled<BN, PANELS, 128, HEAD_DIM>(Ks + stage * TILE_BYTES, kg.from(k0), Nk - k0, vec, ptid);
     announce_tile(ring.full_keys(stage), vec);
     mbarrier_wait(ring.empty_values(stage), parity);
-    load_swizzled<BN, V_PANELS, 128, HEAD_DIM>(Vs + stage * V_TILE_BYTES, v_slice.from(k0), Nk - k0, vec, ptid,
-                                               HEAD_DIM - v_col0);
+    load_swizzled<BN, PANELS, 128, HEAD_DIM>(Vs + stage * TILE_BYTES, vg.from(k0), Nk - k0, vec, ptid);
     announce_tile(ring.full_values(stage), vec);
   }
   cp_async_wait_all();  // no copy outlives the thread

@@ -2,8 +2,7 @@
 
 mma.sync rows: P, T (multiples of 16), H (output columns per warp) halved or doubled, warps 4 <-> 8.
 wgmma rows (sm_90): T by 16 either way and halved / doubled; the forward and dQ between two
-(P = 128) and three (P = 192) consumer warpgroups, the forward past its row's H also column groups
-(P = 64); dK/dV between P = 128 and 64; the forward's
+(P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64; the forward's
 pingpong option on and off. A row the kernels cannot take is rejected by make_variant's own checks.
 """
 from __future__ import annotations
@@ -64,9 +63,7 @@ class CudaSpace:
         steps = [t - 16, t + 16] + ([] if quick else [t // 2, t * 2])
         out = [dataclasses.replace(row, traversal_block=v) for v in dict.fromkeys(steps)
                if v % 16 == 0 and 16 <= v <= most and v != t]
-        if row.kernel == "forward":  # P = 64: column groups, where the row splits D (past its H)
-            shapes = [(128, 8), (192, 12), (64, 8)]
-        elif row.kernel == "backward_query":
+        if row.kernel in ("forward", "backward_query"):
             shapes = [(128, 8), (192, 12)]
         else:
             shapes = [(128, 8), (64, 8)]

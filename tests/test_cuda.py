@@ -375,38 +375,19 @@ def test_wgmma_variant_renders(kernel, head_dim):
     # the forward's consumer warpgroups take turns where the table row says pingpong
     row = planner.plan("cuda", kernel, head_dim, mx.bfloat16, "sm90_wgmma")
     assert variant.pingpong == (kernel == "forward" and row.is_cached("pingpong"))
-    if kernel == "forward":  # past the row's H (256: wgmma's N) O split by columns, as the row's P says
-        split = variant.padded_dim > cuda_source._round_up(row.head_block, 16)
-        assert variant.head_block <= 256 and variant.head_block % 16 == 0
-        assert ("constexpr int CG = 2;" in header) == (variant.col_groups == 2)
-        if not split:
-            assert (variant.slices, variant.col_groups, variant.head_block) == (1, 1, variant.padded_dim)
+    # The forward and dQ past D = 256 (wgmma's N): column groups, both warpgroups on 64 query rows
+    # with half of D each (on 64-column panels); below it one warpgroup holds all of D.
+    if kernel in ("forward", "backward_query"):
+        assert variant.slices == 1 and ("constexpr int CG = 2;" in header) == (variant.col_groups == 2)
+        if variant.padded_dim <= 256:
+            assert variant.col_groups == 1 and variant.head_block == variant.padded_dim
             return
-        assert variant.parallel_block == (64 if variant.col_groups == 2 else 128)
-        # Both schemes render and fit: column slices of at most H, a CTA each (P = 128), or column
-        # groups (P = 64: both warpgroups on 64 rows, half of D each on 64-column panels, no pingpong).
-        for block in (128, 64):
-            scheme = _variant(kernel, head_dim, Tuning(blocks={"forward_wgmma": (block, 32, 256, 8)},
-                                                       wgmma_forward=True, pingpong=True))
-            assert scheme.shared_memory <= SM90.shared_memory
-            assert f"static_assert(SMEM_BYTES <= {scheme.shared_memory}," in cuda_source.source(scheme)[0]
-            if block == 64:
-                assert (scheme.slices, scheme.col_groups, scheme.pingpong) == (1, 2, False)
-                assert scheme.head_block == cuda_source._round_up(-(-scheme.padded_dim // 2), 64)
-                assert scheme.head_block < scheme.padded_dim <= 2 * scheme.head_block
-            else:
-                assert scheme.col_groups == 1 and scheme.slices == -(-scheme.padded_dim // 256)
-                assert scheme.head_block == cuda_source._round_up(-(-scheme.padded_dim // scheme.slices), 16)
-                assert (scheme.slices - 1) * scheme.head_block < head_dim  # every slice has columns of D
-        with pytest.raises(ValueError, match="64 shared by both past the row H"):
-            _variant(kernel, head_dim, Tuning(blocks={"forward_wgmma": (96, 32, 256, 8)}, wgmma_forward=True))
-        return
-    if kernel == "backward_query" and variant.padded_dim > 256:  # column groups: half of D each, on panels
-        assert (variant.parallel_block, variant.col_groups, variant.slices) == (64, 2, 1)
+        assert (variant.parallel_block, variant.col_groups, variant.pingpong) == (64, 2, False)
         assert variant.head_block == cuda_source._round_up(-(-variant.padded_dim // 2), 64)
-        assert "constexpr int CG = 2;" in header
+        assert variant.head_block < variant.padded_dim <= 2 * variant.head_block <= 512
         with pytest.raises(ValueError, match="64 shared by both"):
-            _variant(kernel, head_dim, Tuning(blocks={"backward_query_wgmma": (128, 16, 256, 8)}, wgmma_backward=True))
+            _variant(kernel, head_dim, Tuning(blocks={kernel + "_wgmma": (128, 16, 256, 8)}, wgmma_forward=True,
+                                              wgmma_backward=True))
         return
     # dK/dV past the table row's H (<= 160): 128-column CTAs (slices, P = 128) or both consumer
     # warpgroups on 64 keys, 128 columns each (column groups, P = 64), as the table says; the
@@ -560,8 +541,8 @@ def test_empty_calls_with_sinks_match_the_mlx_backend():
     Case(head_dim=176, q_len=270, kv_len=333, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=150, q_len=90, kv_len=130, dtype="float16", mask="additive"),
     Case(head_dim=128, q_len=300, kv_len=120, dtype="bfloat16", mask="causal", group=2, sinks=True),
-    # Past D = 256: O in column slices, a CTA each (D = 512: two of 256; D = 300: two of 160, the
-    # second with 140 columns of D; D = 200 + 248 = 448 three panels and a half of zeros).
+    # Past D = 256: column groups, two warpgroups on 64 rows with half of D each (D = 512: 256 + 256;
+    # D = 300: 192 + 108 and 84 columns of zeros; D = 448: 256 + 192; D = 500: 256 + 244).
     Case(head_dim=512, q_len=200, kv_len=333, dtype="bfloat16", mask="causal", group=2),
     Case(head_dim=300, q_len=150, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
     Case(head_dim=448, q_len=130, kv_len=170, dtype="bfloat16", mask="bool", sinks=True),

@@ -39,10 +39,9 @@ WGMMA_TEMPLATES = MappingProxyType({"forward": "attention_forward_wgmma.cu",
                                     "backward_query": "attention_backward_query_wgmma.cu",
                                     "backward_key_value": "attention_backward_key_value_wgmma.cu"})
 # wgmma kernels: P = 64 rows per consumer warpgroup of 4 warps, plus a producer warpgroup. The O /
-# dQ / dK / dV tile is wgmma's N, at most 256 columns: the forward past that splits O into
-# column slices of the row's H, a CTA each; the dK/dV kernel's column groups (below) in CTA slices
-# too; the dQ kernel's two warpgroups share 64 rows and hold half of D each. dK/dV: the dK and dV
-# accumulators of a
+# dQ / dK / dV tile is wgmma's N, at most 256 columns: past that the forward's and the dQ
+# kernel's two warpgroups share 64 rows and hold half of D each (column groups, P = 64), and the
+# dK/dV kernel's column groups (below) run in CTA slices. dK/dV: the dK and dV accumulators of a
 # 64-row warpgroup hold D / 2 floats each per thread, which beside the score tiles fit the
 # consumers' 232 registers up to D = 160 (WGMMA_WHOLE_MAX_COLUMNS); past the row's H the kernel
 # splits D into 128-column parts (WGMMA_SLICE_WIDTH), one CTA each (slices) or one warpgroup each
@@ -274,11 +273,9 @@ class KernelVariant:
         if self.instruction == "wgmma":  # swizzled 64-column panels (128 B rows), 1 KB alignment, mbarriers
             row, stages = -(-self.padded_dim // 64) * 128, WGMMA_STAGES
             ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
-            if self.kernel == "forward" and cg == 2:  # Q, K and V rings on both groups' panels; S's parts swapped
-                tile_row = cg * self.head_block * 2
-                return 1024 + tile_row * (bm + 2 * stages * bn) + 1024 * bn + ring
-            if self.kernel == "forward":  # Q, K ring: all of D; V ring: the slice's columns
-                return 1024 + row * (bm + stages * bn) + -(-self.head_block // 64) * 128 * stages * bn + ring
+            if self.kernel == "forward":  # Q; K and V rings (column groups: panels of both, S's parts swapped)
+                tile_row = max(row, cg * self.head_block * 2)
+                return 1024 + tile_row * (bm + 2 * stages * bn) + (1024 * bn if cg == 2 else 0) + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings (column groups: panels of both, a swap)
                 tile_row = max(row, cg * self.head_block * 2)
                 return 1024 + row * 2 * bm + tile_row * 2 * stages * bn + (1024 * bn if cg == 2 else 0) + ring
@@ -327,8 +324,7 @@ class KernelVariant:
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
-                values.update(pingpong=self.pingpong, slices=self.slices, head_block=self.head_block,
-                              col_groups=self.col_groups)
+                values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_query":
@@ -501,17 +497,14 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: a warpgroup holds dK / dV for all of D "
                          f"up to {WGMMA_WHOLE_MAX_COLUMNS} columns, past that H must be {WGMMA_SLICE_WIDTH} "
                          f"(slices or column groups).")
-    # dQ past wgmma's N: both warpgroups share 64 query rows, each holding dQ for half the columns.
-    wide_query = kernel == "backward_query" and padded > WGMMA_MAX_COLUMNS
-    # The forward past the row's H: O in column slices (P = 128) or column groups (P = 64: both
-    # warpgroups share 64 query rows, each computing its half of S and of O).
-    wide_forward = kernel == "forward" and padded > _round_up(columns, 16)
-    col_groups = 2 if ((wide or wide_forward) and block == 8 * warps) or wide_query else 1
+    # The forward and dQ past wgmma's N: both warpgroups share 64 query rows, each holding O / dQ
+    # for half the columns (the forward: each computing half of S too).
+    wide_query = kernel in ("forward", "backward_query") and padded > WGMMA_MAX_COLUMNS
+    col_groups = 2 if (wide and block == 8 * warps) or wide_query else 1
     if warps not in consumers or block * col_groups != 16 * warps:
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} needs P = 64 rows per consumer warpgroup of 4 warps, "
                          f"{' or '.join(str(w // 4) for w in consumers)} of them"
                          f"{' (or 64 shared by both past D = 128)' if wide else ''}"
-                         f"{' (or 64 shared by both past the row H)' if wide_forward else ''}"
                          f"{' (past D = 256: 64 shared by both)' if wide_query else ''}; got P={block} with {warps} warps.")
     most = 256 if kernel == "forward" else 128
     if keys % 16 or not 16 <= keys <= most:
@@ -519,14 +512,8 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # Column groups cover 2 x 128 columns a CTA: past 256, CTA slices of them as well.
     slices = -(-padded // (WGMMA_SLICE_WIDTH * col_groups)) if wide else 1
     width = WGMMA_SLICE_WIDTH if wide else padded
-    if wide_query or (wide_forward and col_groups == 2):  # half of D each, on 64-column panels
-        width = _round_up(-(-padded // 2), 64)               # (where an MN-major B operand may start)
-    elif wide_forward:  # O in column slices of at most H, a CTA each
-        if columns % 16 or not 16 <= columns <= WGMMA_MAX_COLUMNS:
-            raise ValueError(f"[cuda] blocks_cuda.txt: {where} has H={columns}: O's column slices must be a "
-                             f"multiple of 16 in [16, {WGMMA_MAX_COLUMNS}] (wgmma's N).")
-        slices = -(-padded // columns)
-        width = _round_up(-(-padded // slices), 16)
+    if wide_query:  # half of D each, on 64-column panels (where an MN-major B operand may start)
+        width = _round_up(-(-padded // 2), 64)
     # Column groups run in step (they swap S every step): no turns to take.
     pingpong = kernel == "forward" and col_groups == 1 and (
         plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
