@@ -215,6 +215,10 @@ def describe(outcome: tune.Outcome) -> str:
         text += (f"\n    A/B {mask}: the table's row {bm.format_ms(base_ms)} ms, the candidate {bm.format_ms(best_ms)} ms "
                  f"({best_ms / base_ms:.3f}x)")
     text += f"\n    {len(outcome.timings)} timed, {len(outcome.rejected)} rejected"
+    others = sorted((r for r in outcome.timings if r != outcome.base), key=outcome.timings.get)
+    if others:  # every timed candidate, fastest first: the geometric mean over masks of its time / the row's
+        text += "\n    timed against the table's row: " + ", ".join(
+            f"{tune.row_label(r)} {outcome.timings[r]:.3f}x" for r in others)
     for row, reason in outcome.rejected.items():
         text += f"\n    rejected {tune.row_label(row)}: {reason}"
     return text

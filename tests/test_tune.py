@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import warnings
 
 import mlx.core as mx
@@ -50,6 +51,8 @@ def test_tune_quick_end_to_end_writes_a_table_the_planner_uses(sim, capsys):
     assert {r.family for r in table.rows} == {"m3"}
     assert tune.measured_points(path.read_text()) == (("forward", "float32", D),)
     assert "forward D=16 float32 none" in printed and "timed" in printed
+    # every timed candidate is listed with its time against the table's row
+    assert re.search(r"timed against the table's row: P=\d+ T=\d+ .*\d\.\d{3}x", printed), printed
     assert _origins() == {str(path)}  # the inspector names the tuned table
     os.environ["MLX_FLASH_TUNED"] = "0"
     tuned.forget()
