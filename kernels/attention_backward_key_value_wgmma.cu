@@ -32,12 +32,9 @@
 // - NSLICE > 1 (P = 128, slices): NSLICE CTAs share a key block, each computing dK and dV for
 //   its 128 columns and recomputing S^T and dP^T over all of D; the Q / dO tiles carry 2 NSLICE
 //   panels (columns past D zero-filled).
-// - Both past D = 256 (P = 64, CG = 2, NSLICE = 2, PAIR): the two CTAs of a key block form a
-//   thread block cluster and each holds 256 columns: its K and V rows and its Q / dO tiles of
-//   those columns only. Each computes its part of S^T and dP^T over its columns, the two CTAs
-//   add each other's parts through distributed shared memory (double-buffered, a cluster-scope
-//   mbarrier per buffer and warpgroup; both get the same sums: a + b == b + a), and then run the
-//   column groups' swap and gradients for their 256 columns. S^T and dP^T are computed once.
+// - Both past D = 256 (P = 64, CG = 2, NSLICE = D / 256 rounded up): each CTA's column groups
+//   cover 256 columns, and each CTA recomputes S^T and dP^T (at D = 512, 6 products' work for
+//   4). K and V (64 rows of all of D, 128 KB) leave room for BN = 16 only.
 // H100, B=1 H=16 N=4096, interleaved rounds, TFLOP/s column groups / slices: D=160 158 / 164,
 // D=192 174 / 189, D=256 237 / 196 (causal 160 / 146). Issuing the next step's S^T / dP^T
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
@@ -54,7 +51,6 @@ typedef {{mask_type}} MaskT;
 constexpr int HEAD_DIM = {{head_dim}};  // real D (<= 512)
 constexpr int DP = {{padded_dim}};              // D padded to 16: the S^T / dP^T contraction
 constexpr int NSLICE = {{slices}};      // CTAs per key block (column slices)
-constexpr bool PAIR = {{pair}};         // NSLICE = 2 CTAs of a cluster adding their parts of S^T and dP^T
 constexpr int DS = {{head_block}};              // dK / dV columns per warpgroup (DP <= 160 if NSLICE == CG == 1, else 128)
 constexpr int CONSUMERS = {{consumer_groups}};   // consumer warpgroups per CTA
 constexpr int CG = {{col_groups}};              // column groups: consumer warpgroups sharing one 64-key block
@@ -65,22 +61,18 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
-// K / V tile panels (PAIR: the CTA's 256 columns, zero-filled past D) and the S^T / dP^T contraction
-constexpr int PANELS = PAIR ? 2 * CG : (DP + 63) / 64;
-constexpr int KDIM = PAIR ? 64 * PANELS : DP;
-// Q / dO tile panels: whole 128-column slices or column groups (PAIR: the CTA's), columns past D zero-filled.
-constexpr int TILE_PANELS = PAIR ? 2 * CG : NSLICE > 1 || CG == 2 ? 2 * NSLICE * CG : PANELS;
+constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
+// Q / dO tile panels: whole 128-column slices or column groups, columns past D zero-filled.
+constexpr int TILE_PANELS = NSLICE > 1 || CG == 2 ? 2 * NSLICE * CG : PANELS;
 constexpr int KV_GROUP_BYTES = PANELS * 64 * 128;       // 64 rows of K (or V)
 constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 // CG = 2: S^T and dP^T swapped between the warpgroups through shared memory: double-buffered
 // (one barrier per step) where it fits, at BN <= 32; at BN = 64 one buffer and a second barrier.
 constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
-// PAIR: this CTA's parts of S^T and dP^T for the other CTA to read, double-buffered.
-constexpr int PART_BYTES = PAIR ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int MAP_BYTES = 2 * 128;  // the Q and dO tensor maps (TMA)
-constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + PART_BYTES +
-                           MAP_BYTES + STAGES * 2 * BN * 4 + 3 * STAGES * 8 + (PAIR ? 4 * 8 : 0);
+constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + MAP_BYTES +
+                           STAGES * 2 * BN * 4 + 3 * STAGES * 8;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
@@ -94,9 +86,8 @@ static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_RE
 static_assert(CONSUMERS == 2, "2 consumer warpgroups (the register split)");
 static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : DS == 128 && 128 * NSLICE * CG >= DP),
               "dK and dV accumulators: all of D up to 160 columns per warpgroup, or 128-column slices / groups");
-static_assert(CG == 1 || (CG == 2 && DP > 128 && 256 * (NSLICE - 1) < DP),
+static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
-static_assert(!PAIR || (NSLICE == 2 && CG == 2), "a cluster of two CTAs of column groups");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
 static_assert(DP <= 512, "D <= 512");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
@@ -116,25 +107,20 @@ __device__ void attention_backward_key_value_wgmma(
   unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
   float4* swap = reinterpret_cast<float4*>(dOs + STAGES * TILE_BYTES);  // [SWAP_BUFFERS][2 warpgroups]
-  float4* parts = swap + SWAP_BYTES / 16;                              // PAIR: [2 buffers][2 warpgroups]
-  const u32 q_map = smem_u32(dOs + STAGES * TILE_BYTES + SWAP_BYTES + PART_BYTES), do_map = q_map + 128;
-  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES + PART_BYTES + MAP_BYTES);  // [STAGES] x BN
+  const u32 q_map = smem_u32(dOs + STAGES * TILE_BYTES + SWAP_BYTES), do_map = q_map + 128;
+  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
   auto full_q = [&](int stage) { return barriers + 8 * stage; };
   auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
-  // PAIR: the other CTA's part of step j in buffer j % 2 is ready for warpgroup w (its 128 threads arrive).
-  auto part_ready = [&](int buffer, int w) { return barriers + 8 * (3 * STAGES + 2 * buffer + w); };
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
   MLXFLASH_READ_LAUNCH_PARAMS(ip, fp, nkb);
 
-  // PAIR: the cluster's rank (= bid % 2: the grid's x dimension is even, clusters are x pairs).
-  const int cslice = PAIR ? (int)cluster_rank() : NSLICE > 1 ? (int)(bid % NSLICE) : 0;
-  const int tile_col0 = PAIR ? cslice * 64 * PANELS : 0;  // the first column of D in this CTA's tiles
+  const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0;
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
   i64 bkv;
   block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
@@ -166,14 +152,9 @@ __device__ void attention_backward_key_value_wgmma(
       mbarrier_init(full_do(stage), (tma ? 1 : 128) + BN);
       mbarrier_init(empty(stage), 128 * CONSUMERS);
     }
-    if (PAIR)
-      for (int i = 0; i < 4; ++i) mbarrier_init(part_ready(i / 2, i % 2), 128);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   __syncthreads();  // the barriers are initialized before anyone uses them
-  if (PAIR) cluster_sync();  // ... the other CTA's too, before it arrives on them
-  // The rows of this CTA's columns (PAIR: from tile_col0; zero-filled past D).
-  auto own_columns = [&](const Rows<const T>& r) { return Rows<const T>{r.p + tile_col0 * r.col, r.row, r.col}; };
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
@@ -211,8 +192,7 @@ __device__ void attention_backward_key_value_wgmma(
         if (ptid != 0) return;
         mbarrier_arrive_expect_bytes(full, TILE_BYTES);
 #pragma unroll
-        for (int p = 0; p < TILE_PANELS; ++p)
-          tma_load_3d(smem_u32(tile + p * BN * 128), map, tile_col0 + 64 * p, qs, gi, full);
+        for (int p = 0; p < TILE_PANELS; ++p) tma_load_3d(smem_u32(tile + p * BN * 128), map, 64 * p, qs, gi, full);
       };
       for (int it = 0; it < items; ++it) {
         const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
@@ -238,16 +218,15 @@ __device__ void attention_backward_key_value_wgmma(
       const float l = next_l, d = next_d;
       load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, own_columns(head_rows(q, lq, b, h)).from(qs),
-                                                    Nq - qs, vec, ptid, HEAD_DIM - tile_col0);
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs), Nq - qs,
+                                                    vec, ptid);
       announce_tile(full_q(stage), vec);
       if (stats_thread) {
         Ls[stage * BN + ptid] = l;
         mbarrier_arrive(full_q(stage));
       }
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES,
-                                                    own_columns(head_rows(d_out, ldo, b, h)).from(qs), Nq - qs, vec,
-                                                    ptid, HEAD_DIM - tile_col0);
+      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, head_rows(d_out, ldo, b, h).from(qs),
+                                                    Nq - qs, vec, ptid);
       announce_tile(full_do(stage), vec);
       if (stats_thread) {
         Dls[stage * BN + ptid] = d;
@@ -281,11 +260,9 @@ __device__ void attention_backward_key_value_wgmma(
     unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
     const int kv_row = min(key_first, Nk - 1);
     if (scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, own_columns(kg).from(kv_row), Nk - key_first, vec, tid % 128,
-                                               HEAD_DIM - tile_col0);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, own_columns(vg).from(kv_row), Nk - key_first, vec, tid % 128,
-                                               HEAD_DIM - tile_col0);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
@@ -297,29 +274,9 @@ __device__ void attention_backward_key_value_wgmma(
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
-    // MN-major); the slice starts at panel (col0 - tile_col0) / 64 of the tile.
+    // MN-major); the slice starts at panel col0 / 64.
     auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
-      wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + ((col0 - tile_col0) / 64) * BN * 128, BN * 128, 1024);
-    };
-    // PAIR: adds the other CTA's part of S^T (or dP^T) of step j to this warpgroup's. Buffer j % 2
-    // is rewritten two steps later only after the other CTA's arrival of step j + 1, which follows
-    // its reads of step j in program order (release).
-    const u32 peer = cslice ^ 1;
-    auto add_peer_part = [&](int it) {
-      if (!PAIR) return;
-      float4* mine = parts + ((it % 2) * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
-      store_fragments(s_flat, mine);
-      mbarrier_arrive_cluster(cluster_address(part_ready(it % 2, warpgroup), peer));
-      mbarrier_wait_cluster(part_ready(it % 2, warpgroup), (it / 2) & 1);
-      const u32 theirs = cluster_address(smem_u32(mine), peer);
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        const float4 x = load_cluster(theirs + i * 128 * 16);
-        s_flat[4 * i] += x.x;
-        s_flat[4 * i + 1] += x.y;
-        s_flat[4 * i + 2] += x.z;
-        s_flat[4 * i + 3] += x.w;
-      }
+      wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
     };
 
     for (int it = 0; it < items; ++it) {
@@ -355,14 +312,13 @@ __device__ void attention_backward_key_value_wgmma(
         acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity, true);
         wgmma_fence();
         // Past D = 256 the resident tile's address is made opaque each step (as the forward's Q):
-        // else the compiler hoists all KDIM / 16 of its descriptors out of the loop and spills.
+        // else the compiler hoists all DP / 16 of its descriptors out of the loop and spills.
         u32 resident = scores_side ? k_addr : v_addr;
         if (DP > 256) asm volatile("" : "+r"(resident));
-        wgmma_shared_shared<BN, KDIM, 64, T>(s_flat, resident, scores_side ? q_addr : do_addr);
+        wgmma_shared_shared<BN, DP, 64, T>(s_flat, resident, scores_side ? q_addr : do_addr);
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s_flat);
-        add_peer_part(it);
         if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
         store_fragments(s_flat, mine);
         named_barrier_sync(SWAP_BARRIER, 256);
@@ -442,12 +398,6 @@ __device__ void attention_backward_key_value_wgmma(
       // stage; the former one by lane 0 of each warp released only lane 0's own loads).
       mbarrier_arrive(empty(stage));
     }
-    // PAIR: neither CTA leaves while the other may still read its parts (its last arrival follows
-    // its last reads).
-    if (PAIR) {
-      mbarrier_arrive_cluster(cluster_address(part_ready(items % 2, warpgroup), peer));
-      mbarrier_wait_cluster(part_ready(items % 2, warpgroup), (items / 2) & 1);
-    }
   }
 
   // dK = scale * dS^T Q (the scores' scale), dV as accumulated; [B, Nk, Hkv, D] buffers.
@@ -462,5 +412,4 @@ __device__ void attention_backward_key_value_wgmma(
 
 // Launch bounds for setmaxnreg (see the end of wgmma_common.cuh).
 #undef __global__
-// PAIR: a compile-time cluster of two CTAs (MLX's launch honours it).
-#define __global__ MLXFLASH_GLOBAL_KERNEL __launch_bounds__(mlxflash::bwdkvwg::THREADS, 1) {{cluster_dims}}
+#define __global__ MLXFLASH_GLOBAL_KERNEL __launch_bounds__(mlxflash::bwdkvwg::THREADS, 1)

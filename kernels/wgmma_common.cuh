@@ -47,46 +47,6 @@ __device__ __forceinline__ void mbarrier_wait(u32 barrier, u32 parity) {
         : "memory");
   } while (!done);
 }
-// Thread block clusters (the dK/dV kernel past D = 256: two CTAs of a key block, a cluster of
-// two): this CTA's rank, a cluster-wide barrier of all threads, the address of a shared-memory
-// location in CTA `rank` (distributed shared memory), an arrive on a barrier there (release at
-// cluster scope: this thread's earlier shared-memory stores and peer loads are ordered before
-// it), the matching wait (acquire at cluster scope) and a 16-byte load from a peer CTA.
-__device__ __forceinline__ u32 cluster_rank() {
-  u32 rank;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
-  return rank;
-}
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ u32 cluster_address(u32 local, u32 rank) {
-  u32 remote;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
-  return remote;
-}
-__device__ __forceinline__ void mbarrier_arrive_cluster(u32 remote_barrier) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_barrier) : "memory");
-}
-__device__ __forceinline__ void mbarrier_wait_cluster(u32 barrier, u32 parity) {
-  u32 done;
-  do {
-    asm volatile(
-        "{\n .reg .pred ready;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 ready, [%1], %2;\n"
-        " selp.u32 %0, 1, 0, ready;\n}\n"
-        : "=r"(done)
-        : "r"(barrier), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-__device__ __forceinline__ float4 load_cluster(u32 remote) {
-  float4 x;
-  asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];\n"
-               : "=f"(x.x), "=f"(x.y), "=f"(x.z), "=f"(x.w)
-               : "r"(remote)
-               : "memory");
-  return x;
-}
 // Named barriers 1..15 (0 is __syncthreads): bar.sync waits for `threads` arrivals counting its
 // own warp's, bar.arrive adds its warp's without waiting.
 __device__ __forceinline__ void named_barrier_sync(int id, int threads) {

@@ -279,15 +279,10 @@ class KernelVariant:
             if self.kernel == "backward_query":  # Q and dO; K and V rings (column groups: panels of both, a swap)
                 tile_row = max(row, cg * self.head_block * 2)
                 return 1024 + row * 2 * bm + tile_row * 2 * stages * bn + (1024 * bn if cg == 2 else 0) + ring
-            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap;
-            # a cluster pair: K, V, Q and dO of the CTA's columns, its parts of S^T / dP^T, 4 mbarriers
+            # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            pair = 0
-            if self.cluster_pair:
-                row = tile_row = cg * self.head_block * 2
-                pair = 1024 * bn + 32
-            return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + pair + WGMMA_MAP_BYTES
+            return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + WGMMA_MAP_BYTES
                     + stages * (8 * bn + 24))
         if self.kernel == "forward":
             row = self.padded_dim + 8
@@ -297,13 +292,6 @@ class KernelVariant:
         if self.kernel == "backward_query":
             return (2 * bm * row + 4 * bn * row + shared_scores) * 2
         return (2 * bm * row + 4 * bn * row + 2 * shared_scores) * 2 + 4 * bn * 4
-
-    @property
-    def cluster_pair(self) -> bool:
-        """The wgmma dK/dV kernel past D = 256: its two CTAs of a key block form a thread block
-        cluster, each holding its 256 columns and adding the other's part of S^T and dP^T."""
-        return (self.instruction == "wgmma" and self.kernel == "backward_key_value" and self.col_groups == 2
-                and self.slices == 2)
 
     @property
     def tensor_maps(self) -> bool:
@@ -338,9 +326,7 @@ class KernelVariant:
             if self.kernel == "forward":
                 values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_key_value":
-                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
-                              pair=self.cluster_pair,
-                              cluster_dims="__cluster_dims__(2, 1, 1)" if self.cluster_pair else "")
+                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_query":
                 values.update(head_block=self.head_block, col_groups=self.col_groups)
             return values
