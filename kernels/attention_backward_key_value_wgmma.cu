@@ -305,8 +305,8 @@ __device__ void attention_backward_key_value_wgmma(
         // read buffer it % 2 two steps ago, before it arrived at last step's barrier. One
         // buffer: an extra barrier that it reaches once it has read last step's.
         const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
-        float4* mine = swap + (buffer * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
-        float4* theirs = swap + (buffer * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
+        float4* mine = fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128);
+        float4* theirs = fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128);
         // The same instructions in both warpgroups (only the descriptors differ): a wgmma on a
         // divergent path makes ptxas serialize every wgmma of the kernel (C7520).
         acquire_tile(scores_side ? full_q(stage) : full_do(stage), parity, true);

@@ -197,8 +197,8 @@ __device__ void attention_backward_query_wgmma(
         // read buffer it % 2 two steps ago, before it arrived at last step's barrier). The same
         // wgmma instructions in both warpgroups, only the descriptors differ (C7520). The resident
         // tile's address is made opaque each step, as in the forward past D = 256.
-        float4* mine = swap + ((it % 2) * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
-        float4* theirs = swap + ((it % 2) * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
+        float4* mine = fragment_slot<BN / 2>(swap, (it % 2) * 2 + warpgroup, tid % 128);
+        float4* theirs = fragment_slot<BN / 2>(swap, (it % 2) * 2 + 1 - warpgroup, tid % 128);
         acquire_tile(scores_side ? ring.full_keys(stage) : ring.full_values(stage), parity, !tma);
         u32 resident = scores_side ? q_addr : do_addr;
         asm volatile("" : "+r"(resident));

@@ -240,18 +240,12 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // at last step's barrier).
     auto add_other_part = [&](int it) {
       if (CG == 1) return;
-      float4* mine = swap + ((it % 2) * 2 + warpgroup) * (BN / 8) * 128 + tid % 128;
-      const float4* theirs = swap + ((it % 2) * 2 + 1 - warpgroup) * (BN / 8) * 128 + tid % 128;
-      store_fragments(s_flat, mine);
+      store_fragments(s_flat, fragment_slot<BN / 2>(swap, (it % 2) * 2 + warpgroup, tid % 128));
       named_barrier_sync(SWAP_BARRIER, 256);
+      float other[BN / 2];
+      load_fragments(other, fragment_slot<BN / 2>(swap, (it % 2) * 2 + 1 - warpgroup, tid % 128));
 #pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        const float4 x = theirs[i * 128];
-        s_flat[4 * i] += x.x;
-        s_flat[4 * i + 1] += x.y;
-        s_flat[4 * i + 2] += x.z;
-        s_flat[4 * i + 3] += x.w;
-      }
+      for (int i = 0; i < BN / 2; ++i) s_flat[i] += other[i];
     };
     // PINGPONG: the consumer warpgroups take turns to issue their MMAs (named barriers from
     // 1 + CONSUMERS; 1 .. CONSUMERS guard the Q loads).

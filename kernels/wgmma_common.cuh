@@ -277,12 +277,19 @@ __device__ __forceinline__ void resident_rows_ready(int warpgroup) {
 // A warpgroup's register tile (N floats per thread) to / from shared memory as [N / 4][128]
 // float4s, `at` = the base + the thread's index in its warpgroup: each warp moves 512 contiguous
 // bytes per access (no bank conflicts), and thread t of another warpgroup (same fragment layout)
-// finds its own positions. The dK/dV kernel's column groups swap S^T and dP^T this way.
+// finds its own positions. The column groups of the wgmma kernels swap their score tiles this way.
 template <int N>
 __device__ __forceinline__ void store_fragments(const float (&r)[N], float4* at) {
   static_assert(N % 4 == 0, "whole float4s");
 #pragma unroll
   for (int i = 0; i < N / 4; ++i) at[i * 128] = make_float4(r[4 * i], r[4 * i + 1], r[4 * i + 2], r[4 * i + 3]);
+}
+// The position of thread `t` of a warpgroup (0..127) in slot `slot` of a swap area of
+// [slots][N / 4][128] float4s (one warpgroup's N-float register tile per slot): the column
+// groups swap through slot buffer * 2 + warpgroup.
+template <int N>
+__device__ __forceinline__ float4* fragment_slot(float4* area, int slot, int t) {
+  return area + slot * (N / 4) * 128 + t;
 }
 template <int N>
 __device__ __forceinline__ void load_fragments(float (&r)[N], const float4* at) {
