@@ -27,7 +27,8 @@ from mlx_flash.planner import KERNELS
 
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
-                 "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t"}
+                 "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
+                 "dq_order": "int32_t"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:
@@ -74,12 +75,16 @@ def main(argv=None) -> int:
     parser.add_argument("--mma-only", action="store_true", help="sm90: the mma.sync kernels instead of wgmma")
     parser.add_argument("--seq-len", type=int, default=4096,
                         help="N of the call (an array mask is shaped [1, 1, N, N])")
+    parser.add_argument("--fused-dq", choices=["table", "on", "off"], default="table",
+                        help="sm90: the wgmma dK/dV kernel accumulates dQ as the table says, or forced on / off")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("no nvcc")
         return 2
-    tuning = cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False) if args.mma_only else cuda_source.Tuning()
+    fused = {"table": None, "on": True, "off": False}[args.fused_dq]
+    tuning = (cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False) if args.mma_only
+              else cuda_source.Tuning(fused_query=fused))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     failed = False

@@ -40,6 +40,21 @@
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
 // GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
 //
+// FUSED_DQ (CG = 1, NSLICE = 1, no window; BN x 64 PANELS = two 64 x 64 units): the kernel
+// accumulates dQ as well, so the backward runs 5 products per step instead of these 4 plus the
+// dQ kernel's 3 (FlashAttention-3's backward in its deterministic form). Each warpgroup stores
+// its dS^T transposed (bf16) into one 64-key panel of a BN x 128 dS tile (double-buffered); after
+// one barrier of both, warpgroup w multiplies unit w of dQ_part (BN x 64 PANELS) = dS (BN x 128
+// keys) * K (128 keys x D): rows 64 w.. at BN = 128, columns 64 w.. at BN = 64, stores it to a
+// shared staging tile in its register layout ([8][128] float4s a unit, no bank conflicts) and
+// arrives on an mbarrier. A writer thread of the producer warpgroup adds the staging tile into an
+// fp32 accumulator in global memory (tiles of BN x 64 PANELS floats in that same layout; the
+// caller reorders, rounds and returns dQ) with one TMA bulk add, in a fixed order: the key blocks
+// that see a query block add theirs in ascending order (they are 0.. the last, without a window),
+// each writer waiting on a per-(query head, query block) count. A CTA waits only on CTAs of lower
+// index (started no earlier), so the wait ends; the order makes dQ bitwise reproducible. The
+// consumers never wait on the order, only on the staging tile being read.
+//
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
 // (rows = queries = the contraction), one layout for both.
@@ -59,6 +74,7 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+constexpr bool FUSED_DQ = {{fused_query}};
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -71,8 +87,13 @@ constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int MAP_BYTES = 2 * 128;  // the Q and dO tensor maps (TMA)
-constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + SWAP_BYTES + MAP_BYTES +
-                           STAGES * 2 * BN * 4 + 3 * STAGES * 8;
+// FUSED_DQ: two dS tiles (BN query rows x 128 keys: a 64-key panel per warpgroup), the staging
+// tile of dQ_part (BN x 64 PANELS fp32) and its two mbarriers (full, empty).
+constexpr int DS_TILE_BYTES = FUSED_DQ ? BN * 256 : 0;
+constexpr int DQ_TILE_FLOATS = FUSED_DQ ? BN * 64 * PANELS : 0;
+constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 2 * DS_TILE_BYTES +
+                           DQ_TILE_FLOATS * 4 + SWAP_BYTES + MAP_BYTES + STAGES * 2 * BN * 4 + 3 * STAGES * 8 +
+                           (FUSED_DQ ? 16 : 0);
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
@@ -89,6 +110,15 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
+constexpr int DS_BARRIER = SWAP_BARRIER + 1;     // FUSED_DQ: both warpgroups' dS panels stored
+static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0 && (BN / 64) * PANELS == CONSUMERS),
+              "fused dQ: all of D per warpgroup, no window (the key blocks that see a query block are 0.. the "
+              "last), one 64 x 64 unit of the BN x 64 PANELS dQ tile per consumer warpgroup");
+// The producer warpgroup's threads: with FUSED_DQ warps 0-1 copy (cp.async path) and stage the
+// statistics, thread 96 writes dQ; otherwise all 128 copy and BN stage one statistics row each.
+constexpr int COPY_THREADS = FUSED_DQ ? 64 : 128;
+constexpr int STATS_THREADS = FUSED_DQ && BN > 64 ? 64 : BN, STATS_ROWS = BN / STATS_THREADS;
+constexpr int WRITER_THREAD = 96;
 static_assert(DP <= 512, "D <= 512");
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdkvwg
@@ -98,7 +128,8 @@ __device__ void attention_backward_key_value_wgmma(
     const bwdkvwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
     const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask,
     const i64* __restrict__ ip, const float* __restrict__ fp, const u32* __restrict__ tensor_map,
-    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, unsigned char* __restrict__ tensor_maps) {
+    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ dq_order,
+    unsigned char* __restrict__ tensor_maps) {
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   unsigned char* base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);  // 1024-aligned panels
@@ -106,15 +137,20 @@ __device__ void attention_backward_key_value_wgmma(
   unsigned char* Vs = Ks + KEY_GROUPS * KV_GROUP_BYTES;       // [KEY_GROUPS] x 64 key rows
   unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
-  float4* swap = reinterpret_cast<float4*>(dOs + STAGES * TILE_BYTES);  // [SWAP_BUFFERS][2 warpgroups]
-  const u32 q_map = smem_u32(dOs + STAGES * TILE_BYTES + SWAP_BYTES), do_map = q_map + 128;
-  float* Ls = reinterpret_cast<float*>(dOs + STAGES * TILE_BYTES + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
+  unsigned char* dSs = dOs + STAGES * TILE_BYTES;             // FUSED_DQ: [2] x BN query rows x 128 keys
+  float4* dq_stage = reinterpret_cast<float4*>(dSs + 2 * DS_TILE_BYTES);  // FUSED_DQ: [CONSUMERS][8][128]
+  unsigned char* after = dSs + 2 * DS_TILE_BYTES + DQ_TILE_FLOATS * 4;
+  float4* swap = reinterpret_cast<float4*>(after);            // [SWAP_BUFFERS][2 warpgroups]
+  const u32 q_map = smem_u32(after + SWAP_BYTES), do_map = q_map + 128;
+  float* Ls = reinterpret_cast<float*>(after + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
   const u32 barriers = smem_u32(Dls + STAGES * BN);
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
   auto full_q = [&](int stage) { return barriers + 8 * stage; };
   auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
+  // FUSED_DQ: the staging tile written by every consumer thread / read by the writer's bulk add.
+  const u32 dq_full = barriers + 8 * 3 * STAGES, dq_empty = dq_full + 8;
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -148,9 +184,13 @@ __device__ void attention_backward_key_value_wgmma(
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
       // The tile's arrivals (one with TMA, the 128 copying threads with cp.async) + BN statistics arrivals.
-      mbarrier_init(full_q(stage), (tma ? 1 : 128) + BN);
-      mbarrier_init(full_do(stage), (tma ? 1 : 128) + BN);
+      mbarrier_init(full_q(stage), (tma ? 1 : COPY_THREADS) + STATS_THREADS);
+      mbarrier_init(full_do(stage), (tma ? 1 : COPY_THREADS) + STATS_THREADS);
       mbarrier_init(empty(stage), 128 * CONSUMERS);
+    }
+    if (FUSED_DQ) {
+      mbarrier_init(dq_full, 128 * CONSUMERS);
+      mbarrier_init(dq_empty, 1);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -168,14 +208,32 @@ __device__ void attention_backward_key_value_wgmma(
     // bool mask, 160 causal, 200 additive, the last with 2 items, so no stage was ever refilled;
     // none on the tiles, which only wgmma reads). With plain tile stores (vec false) nothing
     // waited for those copies at all: announce_tile's wait_group 0 skipped uncommitted copies.
-    const bool stats_thread = ptid < BN;
-    float next_l = 0.f, next_d = 0.f;
+    if (FUSED_DQ && ptid >= COPY_THREADS) {  // warps 2 and 3: thread 96 writes dQ, the rest are done
+      if (ptid != WRITER_THREAD) return;
+      const int nqb = (Nq + BN - 1) / BN;
+      for (int it = 0; it < items; ++it) {
+        const i64 tile = ((i64)b * Hq + hk * group + it / qb_count) * nqb + qb_begin + it % qb_count;
+        mbarrier_wait(dq_full, it & 1);            // both warpgroups' units are in the staging tile
+        wait_for_count(dq_order + tile, kb);       // key blocks 0 .. kb - 1 have added theirs
+        bulk_add_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
+        bulk_wait_read();
+        mbarrier_arrive(dq_empty);                 // the consumers may stage the next item
+        bulk_wait();                               // the adds are done before the count says so
+        release_count(dq_order + tile);
+      }
+      return;
+    }
+    const bool stats_thread = ptid < STATS_THREADS;
+    float next_l[STATS_ROWS] = {}, next_d[STATS_ROWS] = {};
     auto load_stats = [&](int it) {
       if (!stats_thread || it >= items) return;
-      const int i = (qb_begin + it % qb_count) * BN + ptid;
-      const i64 row = ((i64)b * Hq + hk * group + it / qb_count) * Nq + min(i, Nq - 1);
-      next_l = i < Nq ? lse2[row] : 0.f;
-      next_d = i < Nq ? delta[row] : 0.f;
+#pragma unroll
+      for (int r = 0; r < STATS_ROWS; ++r) {
+        const int i = (qb_begin + it % qb_count) * BN + ptid + r * STATS_THREADS;
+        const i64 row = ((i64)b * Hq + hk * group + it / qb_count) * Nq + min(i, Nq - 1);
+        next_l[r] = i < Nq ? lse2[row] : 0.f;
+        next_d[r] = i < Nq ? delta[row] : 0.f;
+      }
     };
     load_stats(0);
     if (tma) {  // the first warp publishes the Q and dO maps, thread 0 issues the loads
@@ -196,17 +254,21 @@ __device__ void attention_backward_key_value_wgmma(
       };
       for (int it = 0; it < items; ++it) {
         const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
-        const float l = next_l, d = next_d;
+        float l[STATS_ROWS], d[STATS_ROWS];
+#pragma unroll
+        for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
         load_stats(it + 1);
         mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
         load_tile(Qs + stage * TILE_BYTES, q_global, qs, gi, full_q(stage));
         if (stats_thread) {
-          Ls[stage * BN + ptid] = l;
+#pragma unroll
+          for (int r = 0; r < STATS_ROWS; ++r) Ls[stage * BN + ptid + r * STATS_THREADS] = l[r];
           mbarrier_arrive(full_q(stage));
         }
         load_tile(dOs + stage * TILE_BYTES, do_global, qs, gi, full_do(stage));
         if (stats_thread) {
-          Dls[stage * BN + ptid] = d;
+#pragma unroll
+          for (int r = 0; r < STATS_ROWS; ++r) Dls[stage * BN + ptid + r * STATS_THREADS] = d[r];
           mbarrier_arrive(full_do(stage));
         }
       }
@@ -215,21 +277,25 @@ __device__ void attention_backward_key_value_wgmma(
     for (int it = 0; it < items; ++it) {
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
       const int h = hk * group + gi;
-      const float l = next_l, d = next_d;
+      float l[STATS_ROWS], d[STATS_ROWS];
+#pragma unroll
+      for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
       load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs), Nq - qs,
-                                                    vec, ptid);
+      load_swizzled<BN, TILE_PANELS, COPY_THREADS, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs),
+                                                             Nq - qs, vec, ptid);
       announce_tile(full_q(stage), vec);
       if (stats_thread) {
-        Ls[stage * BN + ptid] = l;
+#pragma unroll
+        for (int r = 0; r < STATS_ROWS; ++r) Ls[stage * BN + ptid + r * STATS_THREADS] = l[r];
         mbarrier_arrive(full_q(stage));
       }
-      load_swizzled<BN, TILE_PANELS, 128, HEAD_DIM>(dOs + stage * TILE_BYTES, head_rows(d_out, ldo, b, h).from(qs),
-                                                    Nq - qs, vec, ptid);
+      load_swizzled<BN, TILE_PANELS, COPY_THREADS, HEAD_DIM>(dOs + stage * TILE_BYTES,
+                                                             head_rows(d_out, ldo, b, h).from(qs), Nq - qs, vec, ptid);
       announce_tile(full_do(stage), vec);
       if (stats_thread) {
-        Dls[stage * BN + ptid] = d;
+#pragma unroll
+        for (int r = 0; r < STATS_ROWS; ++r) Dls[stage * BN + ptid + r * STATS_THREADS] = d[r];
         mbarrier_arrive(full_do(stage));
       }
     }
@@ -390,6 +456,8 @@ __device__ void attention_backward_key_value_wgmma(
       issue_gradient(dv_flat, pa, do_addr);
       issue_gradient(dk_flat, dsa, q_addr);
       wgmma_commit();
+      if (FUSED_DQ)  // this warpgroup's 64-key panel of the item's dS tile, while dK / dV run
+        store_scores_transposed<BN>(dsa, dSs + (it & 1) * DS_TILE_BYTES + warpgroup * BN * 128, warp * 16 + g, tq);
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
@@ -397,6 +465,30 @@ __device__ void attention_backward_key_value_wgmma(
       // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
       // stage; the former one by lane 0 of each warp released only lane 0's own loads).
       mbarrier_arrive(empty(stage));
+      if (FUSED_DQ) {
+        // Unit `warpgroup` of dQ_part = dS (BN x 128 keys) * K (128 keys x D), scaled: rows
+        // 64 w.. of the dS tile (BN = 128) or columns 64 w.. of K (BN = 64). Two dS tiles: the
+        // other warpgroup read this one two items ago, before it reached last item's barrier.
+        named_barrier_sync(DS_BARRIER, 256);  // both panels of the dS tile are stored
+        const SmemDescriptor ds_desc(smem_u32(dSs + (it & 1) * DS_TILE_BYTES) + (BN == 128 ? warpgroup * 8192 : 0),
+                                     16, 1024);
+        const SmemDescriptor k_desc(smem_u32(Ks) + (BN == 128 ? 0 : warpgroup * 8192), 64 * 128, 1024);
+        float dqa[32];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk)
+          Wgmma<64, T>::ss_mn(dqa, ds_desc.at((kk / 4) * BN * 128 + (kk % 4) * 32),
+                              k_desc.at((kk / 4) * KV_GROUP_BYTES + (kk % 4) * 16 * 128), kk > 0);
+        wgmma_commit();
+        mbarrier_wait(dq_empty, (it & 1) ^ 1);  // the writer has read the last item's staging tile
+        wgmma_wait<0>();
+        fence_registers(dqa);
+#pragma unroll
+        for (int i = 0; i < 32; ++i) dqa[i] *= scale;
+        store_fragments(dqa, fragment_slot<32>(dq_stage, warpgroup, tid % 128));
+        fence_proxy_async();  // these stores before the bulk add's reads
+        mbarrier_arrive(dq_full);
+      }
     }
   }
 

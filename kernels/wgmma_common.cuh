@@ -303,6 +303,50 @@ __device__ __forceinline__ void load_fragments(float (&r)[N], const float4* at) 
   }
 }
 
+// The dK/dV kernel's dQ (FUSED_DQ): a warpgroup's dS^T A fragments (keys = rows key0 + 8 (r & 1)
+// of the thread, queries 16 kk + 8 (r >> 1) + 2 tq + {0, 1}) stored transposed into a K-major
+// swizzled panel of BN query rows x 64 keys, the A operand of dQ = dS K, followed by the proxy
+// fence that orders these generic stores before wgmma's reads (the caller then synchronizes).
+template <int BN>
+__device__ __forceinline__ void store_scores_transposed(const u32 (&a)[BN / 16][4], unsigned char* panel, int key0,
+                                                        int tq) {
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int key = key0 + 8 * (r & 1), query = kk * 16 + 8 * (r >> 1) + 2 * tq;
+      *reinterpret_cast<unsigned short*>(panel + swizzled_offset(query, key, BN)) = (unsigned short)(a[kk][r] & 0xFFFFu);
+      *reinterpret_cast<unsigned short*>(panel + swizzled_offset(query + 1, key, BN)) = (unsigned short)(a[kk][r] >> 16);
+    }
+  fence_proxy_async();
+}
+
+// Ordered adds into global memory by other CTAs (the fused dQ): a count each adder waits on.
+// wait_for_count spins until *count (global) reaches `value`; its acquire orders this thread's
+// later bulk adds after the adds the count published (completed: the adder waited for its bulk
+// group before releasing the count). No proxy fence: both sides' adds are the async proxy's, and
+// a fence.proxy.async.global in the dK/dV kernel made ptxas spill 150-470 bytes (nvcc 13.0).
+__device__ __forceinline__ void wait_for_count(const int* count, int value) {
+  int seen;
+  do {
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(seen) : "l"(count) : "memory");
+  } while (seen != value);
+}
+// Publishes this thread's completed adds (the bulk group waited for) and counts them.
+__device__ __forceinline__ void release_count(int* count) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(count) : "memory");
+}
+// Adds `bytes` (a multiple of 16) of fp32 from shared memory into global memory element by
+// element, performed by the TMA unit (a bulk group: commit, then wait for the reads of the
+// source, then for completion).
+__device__ __forceinline__ void bulk_add_f32(float* global, u32 shared, int bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(global), "r"(shared), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
 // FlashAttention-3's scheduler barriers: consumer warpgroup w issues its MMAs only after
 // warpgroup w - 1 (cyclically) has issued its own, so one's softmax / gradient arithmetic
 // overlaps the other's MMAs instead of colliding with them. Named barriers FIRST ..

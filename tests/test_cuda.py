@@ -648,6 +648,36 @@ def test_wgmma_key_value_schemes(scheme):
         _check_wgmma_backward(case, blocks)
 
 
+@gpu
+@sm90_only
+@pytest.mark.parametrize("case", [
+    Case(head_dim=128, q_len=333, kv_len=517, dtype="bfloat16", mask="causal", group=2),
+    Case(head_dim=64, q_len=300, kv_len=200, dtype="float16", mask="bool", mask_shape=(False, True, True, True)),
+    Case(head_dim=96, q_len=150, kv_len=153, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
+    Case(head_dim=37, q_len=130, kv_len=129, dtype="float16", mask="causal", group=3, layout="offset"),
+    Case(head_dim=72, q_len=100, kv_len=90, dtype="bfloat16", mask="additive", softcap=10.0, lse_gradient=True),
+    # Nq > Nk under a causal mask: the first query blocks see no key (dQ 0); several key blocks
+    # add into every query block (the order), strided rows (the producer's cp.async path).
+    Case(head_dim=128, q_len=700, kv_len=300, dtype="bfloat16", mask="causal", layout="columns"),
+    Case(batch=2, head_dim=64, q_len=1000, kv_len=900, dtype="bfloat16", mask="none", group=2),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}-{c.layout}")
+def test_wgmma_fused_query_gradient(case):
+    """The dK/dV kernel with fused dQ against float64; its dK, dV bitwise those of the kernel
+    without it (same arithmetic), dQ close to the dQ kernel's, and every gradient bitwise the
+    same in a second run (the adds into dQ go in a fixed order)."""
+    fused = cuda.CUDABackend(tuning=Tuning(wgmma_backward=True, fused_query=True))
+    a = make_arrays(case)
+    assert fused.variant("backward_key_value", check_inputs(a.q, a.k, a.v)[0]).fused_query
+    check_case(case, backend=fused)
+    first, second = _out_and_grads(case, fused), _out_and_grads(case, fused)
+    apart = _out_and_grads(case, cuda.CUDABackend(tuning=Tuning(wgmma_backward=True, fused_query=False)))
+    for x, y in zip(first, second):
+        assert np.array_equal(x, y)
+    for name, x, y in zip(("dk", "dv"), first[2:], apart[2:]):
+        assert np.array_equal(x, y), name
+    assert relative_error(first[1], apart[1]) < 1e-2
+
+
 # ----------------------------------------------------------------------------- first contact
 @dataclass(frozen=True)
 class BrokenTemplate(cuda_emulator.KernelFactory):

@@ -221,11 +221,16 @@ class CUDABackend:
         lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse.
 
         d_sinks (None without sinks) is fused into the dQ kernel: per-warp parts, summed here in a
-        fixed order (deterministic, no atomics)."""
+        fixed order (deterministic, no atomics). Where the dK/dV variant accumulates dQ as well
+        (fused_query: no sinks then), the dQ kernel does not run."""
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = self.variants(spec, None if mask is None else mask.dtype)
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
+        if variants.backward_key_value.fused_query:
+            dk, dv, dq = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, lse2, delta,
+                                                  spec, with_query=True)
+            return dq, dk, dv, None
         dq, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, d_out, lse2, delta, spec,
                                                 sinks)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
@@ -284,11 +289,25 @@ class CUDABackend:
                                heads=spec.q_heads, output_shapes=shapes, output_dtypes=dtypes, sinks=sinks)
         return heads_view(results[0]), (results[1] if sinks is not None else None)
 
-    def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec):
+    def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec, with_query: bool = False):
+        """(dk, dv), and dq last if with_query (a fused_query variant only).
+
+        A fused_query variant also writes dQ's fp32 accumulator (zero-filled first: the kernel adds
+        into it) and the counts that order its adds (kernels/attention_backward_key_value_wgmma.cu);
+        query_from_accumulator makes dQ of it."""
         shapes = [token_major_shape(k.shape), token_major_shape(v.shape)]
-        dk, dv = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
-                              heads=spec.kv_heads, output_shapes=shapes, output_dtypes=[spec.dtype, spec.dtype])
-        return heads_view(dk), heads_view(dv)
+        dtypes = [spec.dtype, spec.dtype]
+        if variant.fused_query:
+            tiles = (spec.batch, spec.q_heads, -(-spec.q_len // variant.traversal_block))
+            shapes += [tiles + (fused_tile_floats(variant),), tiles]
+            dtypes += [mx.float32, mx.int32]
+        results = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
+                               heads=spec.kv_heads, output_shapes=shapes, output_dtypes=dtypes,
+                               init_value=0 if variant.fused_query else None)
+        dk, dv = heads_view(results[0]), heads_view(results[1])
+        if with_query:
+            return dk, dv, query_from_accumulator(results[2], variant, spec)
+        return dk, dv
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -319,26 +338,56 @@ class CUDABackend:
         return len(self._kernels)
 
     def _launch(self, variant: KernelVariant, spec, arrays, mask, rows: int, heads: int, output_shapes,
-                output_dtypes, sinks=None):
+                output_dtypes, sinks=None, init_value=None):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
         of parallel_block rows and column slice; the mask, the sinks (fp32) and the parameter
         arrays go last. q, k, v and d_out are passed as they lie; the mask and the sinks are read
-        row-contiguous (made so: a copy only of a broadcast or strided one)."""
+        row-contiguous (made so: a copy only of a broadcast or strided one). init_value: every
+        output filled with it before the kernel runs (None: not filled)."""
         blocks = -(-rows // variant.parallel_block)
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
+        major = block_major(spec, self.tuning, variant.fused_query)
         inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
-            _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
+            _int_params(spec, blocks, total, major), float_params(spec)]
+        filled = {} if init_value is None else {"init_value": init_value}
         if not variant.tensor_maps:
             return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                        grid=grid, threadgroup=group)
+                                        grid=grid, threadgroup=group, **filled)
         # TMA loads: the template in, a scratch output for every CTA's published maps (dropped).
         outputs = self.kernel(variant)(
             inputs=inputs + [tensor_map.panel_template(variant.traversal_block, variant.tensor_map_rank)],
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
-            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
+            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group, **filled)
         return outputs[:-1]
+
+
+def fused_tile_floats(variant: KernelVariant) -> int:
+    """Floats of one (query head, query block) tile of the fused dQ accumulator: T x D padded to
+    64-column panels (DQ_TILE_FLOATS of the dK/dV template)."""
+    return variant.traversal_block * 64 * -(-variant.padded_dim // 64)
+
+
+def query_from_accumulator(acc: mx.array, variant: KernelVariant, spec: AttentionSpec) -> mx.array:
+    """dQ [B, Hq, Nq, D] in the input dtype (a view of a [B, Nq, Hq, D] buffer) from the fused dK/dV
+    kernel's accumulator [B, Hq, query blocks, T x D tile] (already scaled).
+
+    Each tile holds two 64 x 64 units (consumer warpgroup u's: rows 64 u.. at T = 128, columns
+    64 u.. at T = 64), each in the warpgroup's register layout as it stored it: float4 i of thread
+    t at (i * 128 + t), thread t = 32 warp + 4 g + tq holding accumulator (n, hf, e) at float 4 n
+    + 2 hf + e, i.e. row 16 warp + 8 hf + g, column 8 n + 2 tq + e. One transposed copy puts
+    the units in place (the rounding to the input dtype rides on it)."""
+    B, Hq, blocks = acc.shape[:3]
+    # axes: B, Hq, block, unit, n, warp, g, tq, hf, e
+    x = acc.reshape(B, Hq, blocks, 2, 8, 4, 8, 4, 2, 2)
+    if variant.traversal_block == 128:  # units stacked along the rows: (unit, warp, hf, g) x (n, tq, e)
+        x = x.transpose(0, 2, 3, 5, 8, 6, 1, 4, 7, 9)
+    else:  # T = 64: side by side along the columns: (warp, hf, g) x (unit, n, tq, e)
+        x = x.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
+    rows, cols = variant.traversal_block, fused_tile_floats(variant) // variant.traversal_block
+    dq = x.astype(spec.dtype).reshape(B, blocks * rows, Hq, cols)
+    return heads_view(dq[:, :spec.q_len, :, :spec.head_dim])
 
 
 BACKEND = CUDABackend()

@@ -60,6 +60,11 @@ PINGPONG = "pingpong"
 # window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
 MASKED_KEYS = "masked_t"
 WINDOW_KEYS = "window_t"
+# ... and fused_dq: the wgmma dK/dV kernel accumulates dQ too (5 products a step for the backward
+# instead of 7; kernels/attention_backward_key_value_wgmma.cu, FUSED_DQ), where it can: one
+# 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128, D = 65..128 at T = 64), no
+# window, no sinks. The dQ kernel then does not run.
+FUSED_QUERY = "fused_dq"
 
 
 def option_keys(options, prefix: str, where: str) -> Optional[int]:
@@ -153,8 +158,10 @@ class Tuning:
         wgmma_backward: the same for the dQ and dK/dV kernels.
         pingpong: None = the table's options column; True / False forces the wgmma forward's
             consumer warpgroups to take turns issuing MMAs, or not.
-        block_major: None = block-major CTA order under causal masks (head-major otherwise);
-            True / False forces one order (see `block_major`).
+        block_major: None = block-major CTA order under causal masks and for the dK/dV kernel
+            with fused dQ (head-major otherwise); True / False forces one order (see `block_major`).
+        fused_query: None = the table's options column; True / False forces the wgmma dK/dV
+            kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -164,6 +171,7 @@ class Tuning:
     wgmma_backward: Optional[bool] = None
     pingpong: Optional[bool] = None
     block_major: Optional[bool] = None
+    fused_query: Optional[bool] = None
     table: Optional[planner.Table] = None
 
     def __post_init__(self):
@@ -186,15 +194,21 @@ class Tuning:
         return self.wgmma_forward if kernel == "forward" else self.wgmma_backward
 
 
-def block_major(spec: AttentionSpec, tuning: Tuning) -> bool:
+def block_major(spec: AttentionSpec, tuning: Tuning, fused_query: bool = False) -> bool:
     """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
     than head-major: under a causal mask blocks differ in work by up to N / block times, and
     block-major order starts every head's longest blocks first. H100, causal / non-causal time in
     an interleaved A/B, head-major vs block-major: forward D=160 0.89 vs 0.68, D=256 0.67 vs 0.58,
     D=512 0.61 vs 0.54, D <= 128 within 0.01; fwd+bwd D=64 0.71 vs 0.65, N=16K D=128 0.51 vs
     0.54, elsewhere within 0.03. (A single comparison per row favoured whichever order was timed
-    second, in both directions.)"""
-    return spec.causal if tuning.block_major is None else tuning.block_major
+    second, in both directions.)
+
+    The dK/dV kernel with fused dQ (fused_query) goes block-major: its CTAs add into dQ in
+    key-block order, and head-major order would start all of a head's key blocks together, each
+    waiting on the one before it (a delay growing with the block count)."""
+    if tuning.block_major is not None:
+        return tuning.block_major
+    return spec.causal or fused_query
 
 
 # ----------------------------------------------------------------------------------- variants
@@ -218,6 +232,8 @@ class KernelVariant:
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
+        fused_query: wgmma dK/dV: the kernel accumulates dQ as well (FUSED_QUERY); the dQ kernel
+            does not run.
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
         tuning: the Tuning value it was planned with (part of the key).
@@ -242,6 +258,7 @@ class KernelVariant:
     col_groups: int = 1
     pingpong: bool = False
     sinks: bool = False
+    fused_query: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -282,7 +299,8 @@ class KernelVariant:
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + WGMMA_MAP_BYTES
+            fused = 2 * bn * 256 + bn * row * 2 + 16 if self.fused_query else 0  # dS tiles, dQ staging
+            return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + fused + WGMMA_MAP_BYTES
                     + stages * (8 * bn + 24))
         if self.kernel == "forward":
             row = self.padded_dim + 8
@@ -308,7 +326,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("p", self.pingpong), ("k", self.sinks)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -326,7 +344,8 @@ class KernelVariant:
             if self.kernel == "forward":
                 values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_key_value":
-                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups)
+                values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
+                              fused_query=self.fused_query)
             if self.kernel == "backward_query":
                 values.update(head_block=self.head_block, col_groups=self.col_groups)
             return values
@@ -517,10 +536,22 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # Column groups run in step (they swap S every step): no turns to take.
     pingpong = kernel == "forward" and col_groups == 1 and (
         plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
+    fused_query = kernel == "backward_key_value" and (
+        plan.is_cached(FUSED_QUERY) if tuning.fused_query is None else tuning.fused_query) and (
+        fused_query_fits(spec, keys, padded, col_groups * slices))
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
-                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong, tuning=tuning,
-                         **features)
+                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
+                         fused_query=fused_query, tuning=tuning, **features)
+
+
+def fused_query_fits(spec: AttentionSpec, queries: int, padded_dim: int, column_parts: int) -> bool:
+    """Whether the wgmma dK/dV kernel can accumulate dQ for this call (FUSED_QUERY): all of D per
+    warpgroup (no column groups or slices), T x D made of exactly two 64 x 64 units (one per
+    consumer warpgroup), no window (its adds go in key-block order from block 0) and no sinks
+    (d_sinks comes from the dQ kernel)."""
+    units = (queries // 64) * -(-padded_dim // 64) if queries % 64 == 0 else 0
+    return column_parts == 1 and units == 2 and spec.window is None and not spec.has_sinks
 
 
 # ------------------------------------------------------------------------------------- source
@@ -536,18 +567,19 @@ def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
         parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
         suffix = ""
     inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks,
-                                       variant.tensor_maps)
+                                       variant.tensor_maps, variant.fused_query if suffix else None)
     return "\n".join(parts), body, inputs, outputs
 
 
 def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: bool = False,
-               tensor_maps: bool = False) -> Tuple[List[str], List[str], str]:
+               tensor_maps: bool = False, fused_query: Optional[bool] = None) -> Tuple[List[str], List[str], str]:
     """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
 
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
     body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
     after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
-    without sinks). With tensor_maps (the wgmma kernels) the tensor-map template
+    without sinks). The wgmma dK/dV kernel (fused_query not None) writes dq_acc and dq_order after dv
+    (null unless fused_query). With tensor_maps (the wgmma kernels) the tensor-map template
     follows the parameters and a scratch output for the CTAs' maps comes last."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
@@ -563,6 +595,9 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     if kernel == "backward_query":
         outputs = outputs + (["d_sinks_part"] if sinks else [])
         args.append("d_sinks_part" if sinks else "(float*)nullptr")
+    if kernel == "backward_key_value" and fused_query is not None:
+        outputs = outputs + (["dq_acc", "dq_order"] if fused_query else [])
+        args += ["dq_acc", "dq_order"] if fused_query else ["(float*)nullptr", "(int*)nullptr"]
     if tensor_maps:
         inputs.append("tensor_map")
         outputs = outputs + ["tensor_maps"]
@@ -597,7 +632,7 @@ def _wgmma_wrappers(variant: KernelVariant) -> str:
     marker = "template <> struct Wgmma<"
     first = text.index(marker)
     head, structs = text[:first], text[first:].split(marker)[1:]
-    widths = {variant.traversal_block, variant.head_block}
+    widths = {variant.traversal_block, variant.head_block} | ({64} if variant.fused_query else set())
     keep = [marker + body for body in structs
             if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == variant.input_type]
     return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"
