@@ -180,8 +180,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - q_row, vec, tid % 128);
     } else {
       const Rows<const T> q_part{qg.p + col0 * qg.col, qg.row, qg.col};
-      load_swizzled<64, DV / 64, 128, HEAD_DIM>(q_tile + col0 * 128, q_part.from(q_row), Nq - q_row, vec,
-                                                tid % 128, HEAD_DIM - col0);
+      // (CG == 2 ? DV / 64 : 1): the call is compiled with CG = 1 too, where DV < 64 is 0 panels.
+      load_swizzled<64, CG == 2 ? DV / 64 : 1, 128, HEAD_DIM>(q_tile + col0 * 128, q_part.from(q_row), Nq - q_row,
+                                                             vec, tid % 128, HEAD_DIM - col0);
     }
     resident_rows_ready(warpgroup);
 

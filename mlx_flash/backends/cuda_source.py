@@ -632,7 +632,8 @@ def _wgmma_wrappers(variant: KernelVariant) -> str:
     marker = "template <> struct Wgmma<"
     first = text.index(marker)
     head, structs = text[:first], text[first:].split(marker)[1:]
-    widths = {variant.traversal_block, variant.head_block} | ({64} if variant.fused_query else set())
+    # The dK/dV kernel's fused dQ product is m64n64 (compiled in whether or not it runs).
+    widths = {variant.traversal_block, variant.head_block} | ({64} if variant.kernel == "backward_key_value" else set())
     keep = [marker + body for body in structs
             if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == variant.input_type]
     return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"
