@@ -684,6 +684,40 @@ def test_wgmma_fused_query_gradient(case):
     assert not fallback_counts(), fallback_counts()  # every call ran the kernels (none failed to build)
 
 
+@pytest.mark.parametrize("head_dim", [37, 64, 96, 128])
+def test_fused_query_accumulator_order(head_dim):
+    """query_from_accumulator puts every float of the fused dK/dV kernel's dQ tiles where the
+    kernel's layout says (two 64 x 64 units a tile, each in its warpgroup's register order:
+    float4 i of thread t at i * 128 + t; thread 32 warp + 4 g + tq holds row 16 warp + 8 hf + g,
+    column 8 n + 2 tq + e at float 4 n + 2 hf + e)."""
+    from types import SimpleNamespace
+
+    from mlx_flash import inspect
+    B, H, N = 2, 3, 150
+    spec = inspect.make_spec(head_dim, "bfloat16", "none", q_len=N)
+    variant = cuda_source.make_variant("backward_key_value", spec, None, SM90, Tuning(fused_query=True),
+                                       real_sm90=True)
+    assert variant.fused_query
+    bn, tile = variant.traversal_block, cuda.fused_tile_floats(variant)
+    blocks = -(-N // bn)
+    acc = np.zeros((B, H, blocks, tile), np.float32)
+    want = np.zeros((B, H, N, head_dim), np.float32)
+    for i in range(blocks * bn):
+        for c in range(tile // bn):
+            r = i % bn
+            unit, rr, cc = (r // 64, r % 64, c) if bn == 128 else (c // 64, r, c % 64)
+            t = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
+            at = unit * 4096 + ((cc // 8) * 128 + t) * 4 + 2 * ((rr % 16) // 8) + cc % 2
+            value = i * 1000 + c + 1
+            acc[:, :, i // bn, at] = value + 1e6 * np.arange(B)[:, None] + 1e5 * np.arange(H)[None, :]
+            if i < N and c < head_dim:
+                want[:, :, i, c] = acc[:, :, i // bn, at]
+    dq = cuda.query_from_accumulator(mx.array(acc), variant,
+                                     SimpleNamespace(dtype=mx.float32, q_len=N, head_dim=head_dim))
+    assert dq.shape == (B, H, N, head_dim)
+    assert np.array_equal(np.array(dq), want)
+
+
 # ----------------------------------------------------------------------------- first contact
 @dataclass(frozen=True)
 class BrokenTemplate(cuda_emulator.KernelFactory):
@@ -767,4 +801,9 @@ def test_wgmma_kernels_compile_with_nvcc():
         # every D once failed to compile there, and the calls fell back)
         for kernel, head_dim in [(kernel, d) for d in (37, 128, 512) for kernel in planner.KERNELS]:
             line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
+            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
+        for head_dim in (64, 128):  # the dK/dV kernel with fused dQ (off on every table row)
+            variant = _variant("backward_key_value", head_dim, Tuning(fused_query=True), real_sm90=True)
+            assert variant.fused_query
+            line = module.compile_variant(variant, "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line

@@ -6,7 +6,8 @@ emulator's stand-in) and optionally a compute capability; it compiles each varia
 and launches the kernels with the runtime values (sizes, strides, scale, softcap, window) passed
 as two small arrays, so a new sequence length or batch never recompiles.
 
-No atomics anywhere: gradients are bitwise reproducible. Supported natively: fp16 / bf16, any
+No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's optional fused dQ,
+Tuning.fused_query, adds into an fp32 accumulator in a fixed order; off on every table row). Supported natively: fp16 / bf16, any
 head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
 masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (compute
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
@@ -348,9 +349,8 @@ class CUDABackend:
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
-        major = block_major(spec, self.tuning, variant.fused_query)
         inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
-            _int_params(spec, blocks, total, major), float_params(spec)]
+            _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
         filled = {} if init_value is None else {"init_value": init_value}
         if not variant.tensor_maps:
             return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,

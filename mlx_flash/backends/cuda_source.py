@@ -158,8 +158,8 @@ class Tuning:
         wgmma_backward: the same for the dQ and dK/dV kernels.
         pingpong: None = the table's options column; True / False forces the wgmma forward's
             consumer warpgroups to take turns issuing MMAs, or not.
-        block_major: None = block-major CTA order under causal masks and for the dK/dV kernel
-            with fused dQ (head-major otherwise); True / False forces one order (see `block_major`).
+        block_major: None = block-major CTA order under causal masks (head-major otherwise);
+            True / False forces one order (see `block_major`).
         fused_query: None = the table's options column; True / False forces the wgmma dK/dV
             kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
@@ -194,7 +194,7 @@ class Tuning:
         return self.wgmma_forward if kernel == "forward" else self.wgmma_backward
 
 
-def block_major(spec: AttentionSpec, tuning: Tuning, fused_query: bool = False) -> bool:
+def block_major(spec: AttentionSpec, tuning: Tuning) -> bool:
     """Whether CTAs go block-major (every head's block 0, then every head's block 1, ...) rather
     than head-major: under a causal mask blocks differ in work by up to N / block times, and
     block-major order starts every head's longest blocks first. H100, causal / non-causal time in
@@ -203,12 +203,10 @@ def block_major(spec: AttentionSpec, tuning: Tuning, fused_query: bool = False) 
     0.54, elsewhere within 0.03. (A single comparison per row favoured whichever order was timed
     second, in both directions.)
 
-    The dK/dV kernel with fused dQ (fused_query) goes block-major: its CTAs add into dQ in
-    key-block order, and head-major order would start all of a head's key blocks together, each
-    waiting on the one before it (a delay growing with the block count)."""
-    if tuning.block_major is not None:
-        return tuning.block_major
-    return spec.causal or fused_query
+    The dK/dV kernel with fused dQ keeps this order too: block-major order made it 1.35x slower
+    without a mask at B=4 N=4096 D=128 (its CTAs then stream 64 heads' Q and dO at once) and no
+    faster at N=16384 (results/h100_kernel_design_decisions.json, "dkdv_fused_dq_writer")."""
+    return spec.causal if tuning.block_major is None else tuning.block_major
 
 
 # ----------------------------------------------------------------------------------- variants
