@@ -183,7 +183,8 @@ __device__ void attention_backward_key_value_wgmma(
   if (tid == 0) {
 #pragma unroll
     for (int stage = 0; stage < STAGES; ++stage) {
-      // The tile's arrivals (one with TMA, the 128 copying threads with cp.async) + BN statistics arrivals.
+      // The tile's arrivals (one with TMA, the COPY_THREADS copying threads with cp.async) + one per
+      // statistics thread.
       mbarrier_init(full_q(stage), (tma ? 1 : COPY_THREADS) + STATS_THREADS);
       mbarrier_init(full_do(stage), (tma ? 1 : COPY_THREADS) + STATS_THREADS);
       mbarrier_init(empty(stage), 128 * CONSUMERS);
