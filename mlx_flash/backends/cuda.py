@@ -6,9 +6,9 @@ emulator's stand-in) and optionally a compute capability; it compiles each varia
 and launches the kernels with the runtime values (sizes, strides, scale, softcap, window) passed
 as two small arrays, so a new sequence length or batch never recompiles.
 
-No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's optional fused dQ,
-Tuning.fused_query, adds into an fp32 accumulator in a fixed order; off on every table row). Supported natively: fp16 / bf16, any
-head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
+No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's optional fused
+dQ, Tuning.fused_query, adds into an fp32 accumulator in a fixed order; off on every table row).
+Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
 masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (compute
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
 a family (below sm_80) go to the "mlx" backend (counted by mlx_flash.fallback).
