@@ -93,7 +93,7 @@ constexpr int DS_TILE_BYTES = FUSED_DQ ? BN * 256 : 0;
 constexpr int DQ_TILE_FLOATS = FUSED_DQ ? BN * 64 * PANELS : 0;
 constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 2 * DS_TILE_BYTES +
                            DQ_TILE_FLOATS * 4 + SWAP_BYTES + MAP_BYTES + STAGES * 2 * BN * 4 + 3 * STAGES * 8 +
-                           (FUSED_DQ ? 16 : 0);
+                           (FUSED_DQ ? 48 : 0);
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 40 producer registers leave the consumers 232: at D = 128, BN = 64 they hold dK, dV (64 floats
@@ -110,12 +110,15 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
-constexpr int DS_BARRIER = SWAP_BARRIER + 1;     // FUSED_DQ: both warpgroups' dS panels stored
 static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0 && (BN / 64) * PANELS == CONSUMERS),
               "fused dQ: all of D per warpgroup, no window (the key blocks that see a query block are 0.. the "
               "last), one 64 x 64 unit of the BN x 64 PANELS dQ tile per consumer warpgroup");
 // The producer warpgroup's threads: with FUSED_DQ warps 0-1 copy (cp.async path) and stage the
 // statistics, thread 96 writes dQ; otherwise all 128 copy and BN stage one statistics row each.
+// FUSED_DQ: the previous item's dQ unit is issued beside this item's dK and dV products where
+// the registers allow (BN = 64: their P^T / dS^T fragments and the unit's 32 accumulators fit;
+// at BN = 128 ptxas serializes every wgmma, nvcc 13.0), else after them.
+constexpr bool DQ_BESIDE_GRADIENTS = BN == 64;
 constexpr int COPY_THREADS = FUSED_DQ ? 64 : 128;
 constexpr int STATS_THREADS = FUSED_DQ && BN > 64 ? 64 : BN, STATS_ROWS = BN / STATS_THREADS;
 constexpr int WRITER_THREAD = 96;
@@ -149,8 +152,11 @@ __device__ void attention_backward_key_value_wgmma(
   auto full_q = [&](int stage) { return barriers + 8 * stage; };
   auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (2 * STAGES + stage); };
-  // FUSED_DQ: the staging tile written by every consumer thread / read by the writer's bulk add.
+  // FUSED_DQ: the staging tile written by every consumer thread / read by the writer's bulk add;
+  // the two dS^T tiles, stored by every consumer thread / read by both warpgroups' dQ wgmmas.
   const u32 dq_full = barriers + 8 * 3 * STAGES, dq_empty = dq_full + 8;
+  auto ds_full = [&](int tile) { return dq_full + 16 + 8 * tile; };
+  auto ds_empty = [&](int tile) { return dq_full + 32 + 8 * tile; };
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -192,6 +198,10 @@ __device__ void attention_backward_key_value_wgmma(
     if (FUSED_DQ) {
       mbarrier_init(dq_full, 128 * CONSUMERS);
       mbarrier_init(dq_empty, 1);
+      for (int tile = 0; tile < 2; ++tile) {
+        mbarrier_init(ds_full(tile), 128 * CONSUMERS);
+        mbarrier_init(ds_empty(tile), 128 * CONSUMERS);
+      }
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -333,11 +343,11 @@ __device__ void attention_backward_key_value_wgmma(
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
+    float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
+    float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
-    float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
-    float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
@@ -346,7 +356,41 @@ __device__ void attention_backward_key_value_wgmma(
       wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
     };
 
-    for (int it = 0; it < items; ++it) {
+    // FUSED_DQ: unit `warpgroup` of item j's dQ_part = dS (BN x 128 keys) * K (128 keys x D),
+    // scaled: rows 64 w.. of the dS tile (BN = 128) or columns 64 w.. of K (BN = 64). Item j's
+    // unit is computed in step j + 1 (and after the last step), a step after both warpgroups
+    // stored their dS^T panels, so neither waits for the other in the step that stores them.
+    // dqa: a fresh array per call site, so its "+f" operands read nothing live across steps.
+    auto issue_query_unit = [&](float (&dqa)[32], int j) {
+      mbarrier_wait(ds_full(j & 1), (j >> 1) & 1);  // both warpgroups' dS^T panels of item j
+      // Both addresses opaque each time: else the compiler hoists the 16 descriptors out of the
+      // step loop and spills (as the resident tiles past D = 256).
+      u32 ds_addr = smem_u32(dSs + (j & 1) * DS_TILE_BYTES) + (BN == 128 ? warpgroup * 16384 : 0);
+      u32 kq_addr = smem_u32(Ks) + (BN == 128 ? 0 : warpgroup * 8192);
+      asm volatile("" : "+r"(ds_addr), "+r"(kq_addr));
+      const SmemDescriptor ds_desc(ds_addr, 128 * 128, 1024), k_desc(kq_addr, 64 * 128, 1024);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        Wgmma<64, T>::ss_mn(dqa, ds_desc.at(kk * 16 * 128), k_desc.at((kk / 4) * KV_GROUP_BYTES + (kk % 4) * 16 * 128),
+                            kk > 0);
+      wgmma_commit();
+    };
+    // After the unit's wgmma has completed: its dS tile freed, the unit staged for the writer.
+    auto stage_query_unit = [&](float (&dqa)[32], int j) {
+      fence_registers(dqa);
+      mbarrier_arrive(ds_empty(j & 1));
+      mbarrier_wait(dq_empty, (j & 1) ^ 1);  // the writer has read item j - 1's staging tile
+#pragma unroll
+      for (int i = 0; i < 32; ++i) dqa[i] *= scale;
+      store_fragments(dqa, fragment_slot<32>(dq_stage, warpgroup, tid % 128));
+      fence_proxy_async();  // these stores before the bulk add's reads
+      mbarrier_arrive(dq_full);
+    };
+
+    // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute.
+    auto step = [&](int it, auto first) {
+      constexpr bool FIRST = decltype(first)::value;
       const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
       const u32 parity = (it / STAGES) & 1;
       const u32 q_addr = smem_u32(Qs + stage * TILE_BYTES), do_addr = smem_u32(dOs + stage * TILE_BYTES);
@@ -457,39 +501,38 @@ __device__ void attention_backward_key_value_wgmma(
       issue_gradient(dv_flat, pa, do_addr);
       issue_gradient(dk_flat, dsa, q_addr);
       wgmma_commit();
-      if (FUSED_DQ)  // this warpgroup's 64-key panel of the item's dS tile, while dK / dV run
-        store_scores_transposed<BN>(dsa, dSs + (it & 1) * DS_TILE_BYTES + warpgroup * BN * 128, warp * 16 + g, tq);
+      float dqa[32];
+      if constexpr (FUSED_DQ) {
+        // This warpgroup's 64 key rows of the item's dS^T tile while dK / dV run (two tiles: both
+        // warpgroups read the other one's dQ units of item it - 2 in step it - 1), then the
+        // previous item's dQ unit.
+        mbarrier_wait(ds_empty(it & 1), ((it >> 1) & 1) ^ 1);
+        store_scores_rows<BN>(dsa, dSs + (it & 1) * DS_TILE_BYTES, warpgroup * 64 + warp * 16 + g, tq);
+        mbarrier_arrive(ds_full(it & 1));
+        if constexpr (!FIRST && DQ_BESIDE_GRADIENTS) issue_query_unit(dqa, it - 1);
+      }
       wgmma_wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
+      if constexpr (FUSED_DQ && !FIRST && !DQ_BESIDE_GRADIENTS) {
+        issue_query_unit(dqa, it - 1);
+        wgmma_wait<0>();
+      }
       // Every thread frees the stage itself: its arrive (release) orders its own loads of the
       // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
       // stage; the former one by lane 0 of each warp released only lane 0's own loads).
       mbarrier_arrive(empty(stage));
-      if (FUSED_DQ) {
-        // Unit `warpgroup` of dQ_part = dS (BN x 128 keys) * K (128 keys x D), scaled: rows
-        // 64 w.. of the dS tile (BN = 128) or columns 64 w.. of K (BN = 64). Two dS tiles: the
-        // other warpgroup read this one two items ago, before it reached last item's barrier.
-        named_barrier_sync(DS_BARRIER, 256);  // both panels of the dS tile are stored
-        const SmemDescriptor ds_desc(smem_u32(dSs + (it & 1) * DS_TILE_BYTES) + (BN == 128 ? warpgroup * 8192 : 0),
-                                     16, 1024);
-        const SmemDescriptor k_desc(smem_u32(Ks) + (BN == 128 ? 0 : warpgroup * 8192), 64 * 128, 1024);
-        float dqa[32];
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 8; ++kk)
-          Wgmma<64, T>::ss_mn(dqa, ds_desc.at((kk / 4) * BN * 128 + (kk % 4) * 32),
-                              k_desc.at((kk / 4) * KV_GROUP_BYTES + (kk % 4) * 16 * 128), kk > 0);
-        wgmma_commit();
-        mbarrier_wait(dq_empty, (it & 1) ^ 1);  // the writer has read the last item's staging tile
-        wgmma_wait<0>();
-        fence_registers(dqa);
-#pragma unroll
-        for (int i = 0; i < 32; ++i) dqa[i] *= scale;
-        store_fragments(dqa, fragment_slot<32>(dq_stage, warpgroup, tid % 128));
-        fence_proxy_async();  // these stores before the bulk add's reads
-        mbarrier_arrive(dq_full);
-      }
+      if constexpr (FUSED_DQ && !FIRST) stage_query_unit(dqa, it - 1);
+    };
+    if constexpr (FUSED_DQ) {
+      step(0, Flag<true>{});
+      for (int it = 1; it < items; ++it) step(it, Flag<false>{});
+      float dqa[32];
+      issue_query_unit(dqa, items - 1);
+      wgmma_wait<0>();
+      stage_query_unit(dqa, items - 1);
+    } else {
+      for (int it = 0; it < items; ++it) step(it, Flag<false>{});
     }
   }
 

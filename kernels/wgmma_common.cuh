@@ -13,6 +13,13 @@
 #pragma once
 namespace mlxflash {
 
+// A compile-time flag passed to a generic lambda (`auto` parameter): the kernels' step lambdas
+// peel a first or last step with it, so no wgmma is issued under a runtime condition.
+template <bool B>
+struct Flag {
+  static constexpr bool value = B;
+};
+
 #ifndef MLXFLASH_CPU_EMULATION
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -304,19 +311,27 @@ __device__ __forceinline__ void load_fragments(float (&r)[N], const float4* at) 
 }
 
 // The dK/dV kernel's dQ (FUSED_DQ): a warpgroup's dS^T A fragments (keys = rows key0 + 8 (r & 1)
-// of the thread, queries 16 kk + 8 (r >> 1) + 2 tq + {0, 1}) stored transposed into a K-major
-// swizzled panel of BN query rows x 64 keys, the A operand of dQ = dS K, followed by the proxy
-// fence that orders these generic stores before wgmma's reads (the caller then synchronizes).
+// of the thread, queries 16 kk + 8 (r >> 1) + 2 tq + {0, 1}) stored as they lie into the rows of a
+// swizzled tile of 128 key rows x BN queries: the MN-major A operand of dQ = dS K. A query pair is
+// one 4-byte store, and a warp's 8 rows hit 8 different 16-byte chunks (the swizzle), so the
+// stores are free of bank conflicts. The two rows' address is made opaque: else the compiler
+// keeps all BN / 4 addresses in registers across the step loop and the consumers spill (nvcc
+// 13.0, D = 64: 280 bytes). Followed by the proxy fence that orders these generic stores before
+// wgmma's reads (the caller then synchronizes).
 template <int BN>
-__device__ __forceinline__ void store_scores_transposed(const u32 (&a)[BN / 16][4], unsigned char* panel, int key0,
-                                                        int tq) {
+__device__ __forceinline__ void store_scores_rows(const u32 (&a)[BN / 16][4], unsigned char* tile, int key0, int tq) {
+  // Row key0 + 8 h, query column 8 c + 2 tq: row * 128 + ((c % 8) ^ (key0 % 8)) * 16 + 4 tq in
+  // panel c / 8 (key0 % 8 == (key0 + 8) % 8).
+  u32 row = smem_u32(tile) + key0 * 128 + 4 * tq;
+  asm volatile("" : "+r"(row));
+  const u32 swizzle = (key0 % 8) * 16;
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int key = key0 + 8 * (r & 1), query = kk * 16 + 8 * (r >> 1) + 2 * tq;
-      *reinterpret_cast<unsigned short*>(panel + swizzled_offset(query, key, BN)) = (unsigned short)(a[kk][r] & 0xFFFFu);
-      *reinterpret_cast<unsigned short*>(panel + swizzled_offset(query + 1, key, BN)) = (unsigned short)(a[kk][r] >> 16);
+      const int c = 2 * kk + (r >> 1);
+      const u32 at = row + (c / 8) * 128 * 128 + (r & 1) * 8 * 128 + (((c % 8) * 16) ^ swizzle);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(at), "r"(a[kk][r]) : "memory");
     }
   fence_proxy_async();
 }

@@ -21,8 +21,8 @@ HEADER = """\
 //       K-major) * B (16 x N, shared memory, K-major: stored N rows of K)            -> S = Q K^T
 //   Wgmma<N, T>::rs(d, a, b_desc, accumulate):      D (+)= A (64 x 16, registers) * B (16 x N,
 //       shared memory, MN-major: stored K rows of N)                                  -> O += P V
-//   Wgmma<64, T>::ss_mn(d, a_desc, b_desc, accumulate): D (+)= A (shared memory, K-major) * B
-//       (shared memory, MN-major)                                        -> dQ += dS K (dK/dV kernel)
+//   Wgmma<64, T>::ss_mn(d, a_desc, b_desc, accumulate): D (+)= A (shared memory, MN-major: stored
+//       K rows of M) * B (shared memory, MN-major)                        -> dQ += dS K (dK/dV kernel)
 // d holds this thread's N / 2 accumulators in the layout of mma.sync's C fragment per warp
 // (warp w of the group owns rows 16w..16w+15). accumulate = 0 overwrites D (no zero-fill
 // needed). The caller fences with wgmma_fence() before and commits / waits after.
@@ -53,7 +53,7 @@ def specialization(n: int, ctype: str, ptype: str) -> str:
           f'{{%{acc}, %{acc + 1}, %{acc + 2}, %{acc + 3}}}, %{acc + 4}, p, 1, 1, 1;\\n}}\\n"\n'
           f'        : {_outputs(n)}\n'
           f'        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate));\n')
-    ss_mn = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 0, 1;")  # the last immediate: B transposed (MN-major)
+    ss_mn = ss.replace("p, 1, 1, 0, 0;", "p, 1, 1, 1, 1;")  # the last immediates: A, B transposed (MN-major)
     # Only the widths a kernel uses: each kernel's source carries its widths' structs, and MLX
     # hashes a kernel's source on every call.
     ss_mn = (f"  static __device__ __forceinline__ void ss_mn(float (&d)[{acc}], unsigned long long a_desc, "

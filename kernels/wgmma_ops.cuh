@@ -5,8 +5,8 @@
 //       K-major) * B (16 x N, shared memory, K-major: stored N rows of K)            -> S = Q K^T
 //   Wgmma<N, T>::rs(d, a, b_desc, accumulate):      D (+)= A (64 x 16, registers) * B (16 x N,
 //       shared memory, MN-major: stored K rows of N)                                  -> O += P V
-//   Wgmma<64, T>::ss_mn(d, a_desc, b_desc, accumulate): D (+)= A (shared memory, K-major) * B
-//       (shared memory, MN-major)                                        -> dQ += dS K (dK/dV kernel)
+//   Wgmma<64, T>::ss_mn(d, a_desc, b_desc, accumulate): D (+)= A (shared memory, MN-major: stored
+//       K rows of M) * B (shared memory, MN-major)                        -> dQ += dS K (dK/dV kernel)
 // d holds this thread's N / 2 accumulators in the layout of mma.sync's C fragment per warp
 // (warp w of the group owns rows 16w..16w+15). accumulate = 0 overwrites D (no zero-fill
 // needed). The caller fences with wgmma_fence() before and commits / waits after.
@@ -77,7 +77,7 @@ template <> struct Wgmma<64, __nv_bfloat16> {
   }
   static __device__ __forceinline__ void ss_mn(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -566,7 +566,7 @@ template <> struct Wgmma<64, __half> {
   }
   static __device__ __forceinline__ void ss_mn(float (&d)[32], unsigned long long a_desc, unsigned long long b_desc, int accumulate) {
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 1;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),

@@ -297,7 +297,7 @@ class KernelVariant:
             # K and V; Q, dO (whole 128-column slices), lse2 and delta ring; column groups' swap
             tile_row = row if self.slices == 1 and cg == 1 else self.slices * cg * self.head_block * 2
             swap = 512 * bn * (2 if bn <= 32 else 1) if cg == 2 else 0  # S^T / dP^T, SWAP_BUFFERS
-            fused = 2 * bn * 256 + bn * row * 2 + 16 if self.fused_query else 0  # dS tiles, dQ staging
+            fused = 2 * bn * 256 + bn * row * 2 + 48 if self.fused_query else 0  # dS tiles, dQ staging, 6 mbarriers
             return (1024 + row * 2 * bm + 2 * stages * bn * tile_row + swap + fused + WGMMA_MAP_BYTES
                     + stages * (8 * bn + 24))
         if self.kernel == "forward":
