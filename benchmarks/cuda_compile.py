@@ -21,7 +21,7 @@ import tempfile
 
 import mlx.core as mx
 
-from mlx_flash import inspect
+from mlx_flash import inspect, planner
 from mlx_flash.backends import cuda_source
 from mlx_flash.planner import KERNELS
 
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seq-len", type=int, default=4096,
                         help="N of the call (an array mask is shaped [1, 1, N, N])")
     parser.add_argument("--fused-dq", choices=["table", "on", "off"], default="table",
-                        help="sm90: the wgmma dK/dV kernel accumulates dQ as the table says, or forced on / off")
+                        help="sm90: the wgmma dK/dV kernel accumulates dQ as the table says for --seq-len, or forced on / off")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -95,8 +95,13 @@ def main(argv=None) -> int:
                 for mask in args.masks:
                     spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len)
                     mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
+                    table = planner.active_table("cuda", family.name)
+                    start = cuda_source.fused_query_from(cuda_source.VariantFeatures.of(spec), mask_dtype, family,
+                                                         tuning, True, table)
+                    long_queries = start is not None and args.seq_len >= start
                     for kernel in KERNELS:
-                        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90=True)
+                        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, True, table,
+                                                           long_queries)
                         line = compile_variant(variant, ARCHES[name], tmp, args.out)
                         failed |= line.startswith("ERROR") or "SERIALIZED" in line
                         print(line, flush=True)

@@ -85,7 +85,8 @@ def _fallback(kernel: str, reason: str, family: Optional[str] = None) -> KernelP
 
 
 def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "none",
-          capability: Optional[int] = None, family: Optional[str] = None, tuning=None) -> List[KernelPlan]:
+          capability: Optional[int] = None, family: Optional[str] = None, tuning=None,
+          q_len: int = 1) -> List[KernelPlan]:
     """The plan of every kernel of a call.
 
     Args:
@@ -98,11 +99,12 @@ def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "non
             backend (MLX_FLASH_CUDA_CAPABILITY, else its GPU).
         family: metal: "m1" or "m3"; None = this machine's (MLX_FLASH_METAL_FAMILY, else detected).
         tuning: cuda: a cuda_source.Tuning (default: the block table's choices).
+        q_len: the call's query count (cuda: a row's fused_dq_from<N> picks the dK/dV kernel by it).
 
     Returns:
         One KernelPlan per kernel (forward, backward_query, backward_key_value).
     """
-    spec = make_spec(head_dim, dtype, mask)
+    spec = make_spec(head_dim, dtype, mask, q_len=q_len)
     mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
     if backend == "cuda":
         return _cuda_plans(spec, mask_dtype, capability, tuning)
@@ -126,9 +128,12 @@ def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuni
         return [_fallback(kernel, reason) for kernel in KERNELS]
     family = backend.family()
     table = backend.table(family)
+    start = cuda_source.fused_query_from(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
+                                         table)
+    long_queries = start is not None and spec.q_len >= start  # the dK/dV kernel's fused dQ by length
     result = []
     for kernel in KERNELS:
-        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table)
+        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, long_queries)
         result.append(KernelPlan(kernel, variant.family, variant.instruction, variant.parallel_block,
                                  variant.traversal_block, variant.head_block, variant.threads // 32, variant.threads,
                                  variant.shared_memory, family.shared_memory, family.threads, variant.name,

@@ -35,7 +35,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         help="float32/fp32, float16/fp16 or bfloat16/bf16 (default: %(default)s)")
     parser.add_argument("--mask", default="none", choices=inspect.MASKS)
     parser.add_argument("--seq-len", type=positive_int, help="cuda: Nq, for the backend='auto' routing line "
-                        "(default: list the N ranges that route)")
+                        "and the dK/dV kernel's fused dQ by length (default: list the N ranges that route)")
     parser.add_argument("--kv-len", type=positive_int, help="cuda: Nk (default: --seq-len)")
     parser.add_argument("--group", type=positive_int, default=1,
                         help="cuda: query heads per kv head, for the routing line (default: %(default)s, MHA)")
@@ -48,7 +48,7 @@ def run_plan(args) -> int:
     """Print the plans of `args` (parsed by add_plan_parser's parser); 2 on a bad argument."""
     try:
         rows = inspect.plans(args.backend, args.head_dim, args.dtype, args.mask, capability=args.capability,
-                             family=args.family)
+                             family=args.family, q_len=args.seq_len or 1)
     except ValueError as error:
         print(f"python -m mlx_flash plan: {error}", file=sys.stderr)
         return 2

@@ -684,6 +684,28 @@ def test_wgmma_fused_query_gradient(case):
     assert not fallback_counts(), fallback_counts()  # every call ran the kernels (none failed to build)
 
 
+@gpu
+@sm90_only
+def test_fused_query_by_length_on_the_gpu():
+    """The shipped table's fused_dq_from<N> as a call meets it: "cuda" with no tuning runs the
+    fused dK/dV kernel from N queries on (dK, dV bitwise those of the two kernels, dQ close,
+    no fallback) and the two kernels below N."""
+    reset_fallback_counts()
+    backend = cuda.CUDABackend()
+    row = planner.plan("cuda", "backward_key_value", 128, mx.bfloat16, "sm90_wgmma", planner.shipped_table("cuda"))
+    start = cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY, "row")
+    apart = cuda.CUDABackend(tuning=Tuning(fused_query=False))
+    for q_len, fused in ((start, True), (start - 64, False)):
+        case = Case(head_dim=128, q_len=q_len, kv_len=200, dtype="bfloat16", mask="none")
+        a = make_arrays(case)
+        assert backend.variant("backward_key_value", check_inputs(a.q, a.k, a.v)[0]).fused_query == fused
+        got, want = _out_and_grads(case, backend), _out_and_grads(case, apart)
+        for name, x, y in zip(("dk", "dv"), got[2:], want[2:]):
+            assert np.array_equal(x, y), name
+        assert relative_error(got[1], want[1]) < 1e-2
+    assert not fallback_counts(), fallback_counts()
+
+
 @pytest.mark.parametrize("head_dim", [37, 64, 96, 128])
 def test_fused_query_accumulator_order(head_dim):
     """query_from_accumulator puts every float of the fused dK/dV kernel's dQ tiles where the

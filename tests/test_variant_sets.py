@@ -88,6 +88,39 @@ def test_runtime_data_shares_one_set():
     assert cuda_backend.variants(base, mx.bool_) is not cuda_backend.variants(base)  # the mask dtype is compiled in
 
 
+def test_fused_query_by_length():
+    """The wgmma dK/dV row's fused_dq_from<N> (the shipped table: N = 16384 at D = 65..128): calls
+    of at least N queries without a mask get a set of their own whose dK/dV variant accumulates dQ
+    (so the first-contact guard checks it apart); shorter, causal, masked or windowed calls and
+    D past the row get the other set; Tuning.fused_query forces one choice at every length."""
+    table = planner.shipped_table("cuda")
+    row = planner.plan("cuda", "backward_key_value", 128, mx.bfloat16, "sm90_wgmma", table)
+    start = cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY, "row")
+    assert start == 16384
+    backend = CUDABackend(kernel_factory=_stub_factory, capability=90, tuning=WGMMA)
+    long, _ = _spec(head_dim=128, dtype=mx.bfloat16, q_len=start, kv_len=64, heads=(1, 1))
+    below, _ = _spec(head_dim=128, dtype=mx.bfloat16, q_len=start - 1, kv_len=64, heads=(1, 1))
+    assert backend.variants(long).backward_key_value.fused_query
+    assert not backend.variants(below).backward_key_value.fused_query
+    assert backend.variants(long) is not backend.variants(below)
+    assert backend.variant_key(long) != backend.variant_key(below)
+    assert backend.variants(long).forward == backend.variants(below).forward  # only dK/dV changes
+    for features in (dict(mask="causal"), dict(mask="bool"), dict(window=(8, 8)), dict(head_dim=160),
+                     dict(sinks=True)):
+        spec, mask_dtype = _spec(**{**dict(head_dim=128, dtype=mx.bfloat16, q_len=start, kv_len=64, heads=(1, 1)),
+                                    **features})
+        assert not backend.variants(spec, mask_dtype).backward_key_value.fused_query, features
+    for forced in (True, False):
+        forcing = CUDABackend(kernel_factory=_stub_factory, capability=90,
+                              tuning=dataclasses.replace(WGMMA, fused_query=forced))
+        assert forcing.variants(long).backward_key_value.fused_query == forced
+        assert forcing.variants(below).backward_key_value.fused_query == forced
+        assert forcing.variants(long) is forcing.variants(below)
+    # Without wgmma kernels (mma.sync everywhere) the length changes nothing.
+    plain = CUDABackend(kernel_factory=_stub_factory, capability=90)
+    assert plain.variants(long) is plain.variants(below)
+
+
 def test_set_needs_a_resolved_table():
     """None would cache whichever table was active at the first call: refused."""
     spec, _ = _spec()

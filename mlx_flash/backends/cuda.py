@@ -37,7 +37,7 @@ from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_ope
                      empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
                      token_major_shape)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
-                          block_major, family_of, variant_set)
+                          block_major, family_of, length_sets)
 
 MAX_GRID_X_BLOCKS = 1 << 16  # the rest of the block count goes on grid y (limit 65535)
 CAPABILITY_VARIABLE = "MLX_FLASH_CUDA_CAPABILITY"
@@ -125,7 +125,7 @@ class CUDABackend:
         self._capability = capability
         # Compile cache: variant (or the preprocessing kernel's key) -> kernel object.
         self._kernels: dict = {}
-        self._variant_sets = call_cache.Kept()  # (features, mask dtype) -> VariantSet
+        self._variant_sets = call_cache.Kept()  # (features, mask dtype) -> LengthSets
 
     # -- the GPU --------------------------------------------------------------------------------
 
@@ -145,18 +145,20 @@ class CUDABackend:
 
     def variants(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> VariantSet:
         """The forward, dQ and dK/dV variants that serve this call on this backend's GPU family
-        (cuda_source.variant_set: made once per features, family, tuning and table; the answer is
-        kept per features and mask dtype while call_cache's stamp holds, as each launch asks)."""
+        (cuda_source.length_sets: made once per features, family, tuning and table, a set below
+        and one from the table's fused_dq_from<N> queries where that changes the dK/dV kernel; the
+        answer is kept per features and mask dtype while call_cache's stamp holds, as each launch
+        asks)."""
         key, now = (VariantFeatures.of(spec), mask_dtype), call_cache.stamp()
         kept = self._variant_sets.lookup(key, now)
         if kept is not None:
-            return kept
+            return kept.pick(spec.q_len)
         family = self.family()
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
-        kept = variant_set(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
+        kept = length_sets(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
         self._variant_sets.store(key, now, kept)
-        return kept
+        return kept.pick(spec.q_len)
 
     def variant(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> KernelVariant:
         """The variant that serves `kernel` for this call on this backend's GPU family."""

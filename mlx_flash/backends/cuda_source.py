@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import FrozenSet, List, Mapping, Optional, Tuple
+from typing import FrozenSet, List, Mapping, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -60,22 +60,25 @@ PINGPONG = "pingpong"
 # window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
 MASKED_KEYS = "masked_t"
 WINDOW_KEYS = "window_t"
-# ... and fused_dq: the wgmma dK/dV kernel accumulates dQ too (5 products a step for the backward
-# instead of 7; kernels/attention_backward_key_value_wgmma.cu, FUSED_DQ), where it can: one
-# 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128, D = 65..128 at T = 64), no
-# window, no sinks. The dQ kernel then does not run.
-FUSED_QUERY = "fused_dq"
+# ... and fused_dq_from<N>: for calls of at least N queries without a mask of any kind (causal,
+# array, window) or sinks, the wgmma dK/dV kernel accumulates dQ too (5 products a step for the
+# backward instead of 7; kernels/attention_backward_key_value_wgmma.cu, FUSED_DQ), where it can: one
+# 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128, D = 65..128 at T = 64). The
+# dQ kernel then does not run. By length because its ordered adds and its pipeline pay off only
+# over many query blocks per CTA (blocks_cuda.txt has the numbers).
+FUSED_QUERY = "fused_dq_from"
 
 
 def option_keys(options, prefix: str, where: str) -> Optional[int]:
-    """The T of a <prefix><N> option (masked_t64, window_t64) among a row's options, None without one."""
+    """The N of a <prefix><N> option (masked_t64, window_t64, fused_dq_from16384) among a row's
+    options, None without one."""
     found = [o for o in options if o.startswith(prefix)]
     if not found:
         return None
     text = found[0][len(prefix):]
     if len(found) > 1 or not text.isdigit():
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(options)}: at most one "
-                         f"{prefix}<N> with N a number of keys (e.g. {prefix}64).")
+                         f"{prefix}<N> with N a number (e.g. {prefix}64).")
     return int(text)
 
 
@@ -160,8 +163,8 @@ class Tuning:
             consumer warpgroups to take turns issuing MMAs, or not.
         block_major: None = block-major CTA order under causal masks (head-major otherwise);
             True / False forces one order (see `block_major`).
-        fused_query: None = the table's options column; True / False forces the wgmma dK/dV
-            kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
+        fused_query: None = the table's options column (by the call's length); True / False
+            forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -393,7 +396,7 @@ def uses_wgmma(kernel: str, head_dim: int, family: Family, tuning: Tuning, real_
 @functools.lru_cache(maxsize=4096)
 def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], family: Family,
                  tuning: Tuning = Tuning(), real_sm90: bool = False,
-                 table: Optional[planner.Table] = None) -> KernelVariant:
+                 table: Optional[planner.Table] = None, long_queries: bool = False) -> KernelVariant:
     """The variant serving `spec` with `kernel` on `family`.
 
     Args:
@@ -405,13 +408,15 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
         real_sm90: the GPU is an sm_90 (the wgmma kernels may run).
         table: the planner.Table to plan from (tuning.table when given); None = the active one.
             Part of the cache key, so a table tuned in this process takes effect at once.
+        long_queries: the call has at least the dK/dV row's fused_dq_from<N> queries (see
+            fused_query_from; spec's own q_len is not read: variant sets are planned per features).
 
     Raises:
         ValueError: a table row (or a tuning override) that the kernels cannot take or that
             breaks the family's shared memory / thread limits.
     """
     if uses_wgmma(kernel, spec.head_dim, family, tuning, real_sm90):
-        variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table)
+        variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table, long_queries)
     else:
         variant = _mma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table)
     if spec.has_sinks and kernel != "backward_key_value":  # dK/dV: the forward's lse includes the sinks
@@ -429,9 +434,9 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
 # backend that does nothing costs 21 / 38, MLX's attention 5 / 20.
 @functools.lru_cache(maxsize=1024)
 def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
-                real_sm90: bool, table: planner.Table) -> VariantSet:
-    """The forward, dQ and dK/dV variants of every call with `features` (make_variant's arguments
-    otherwise); one object per key, made once.
+                real_sm90: bool, table: planner.Table, long_queries: bool = False) -> VariantSet:
+    """The forward, dQ and dK/dV variants of every call with `features` (and long_queries: see
+    make_variant, fused_query_from); one object per key, made once.
 
     Args:
         table: the table to plan from, resolved by the caller (CUDABackend.table): a None here would
@@ -443,8 +448,45 @@ def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
     if not isinstance(table, planner.Table):
         raise TypeError(f"[cuda] variant_set needs a planner.Table, got {table!r}.")
     spec = features.spec()
-    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table)
+    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, long_queries)
                         for kernel in planner.KERNELS))
+
+
+class LengthSets(NamedTuple):
+    """The variant sets of one features key: `short`, and from `from_queries` queries on `long`
+    (None where the length changes nothing)."""
+
+    short: VariantSet
+    from_queries: Optional[int]
+    long: Optional[VariantSet]
+
+    def pick(self, queries: int) -> VariantSet:
+        return self.long if self.from_queries is not None and queries >= self.from_queries else self.short
+
+
+def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                real_sm90: bool, table: planner.Table) -> LengthSets:
+    """variant_set's sets of calls with `features` below and from fused_query_from's length."""
+    short = variant_set(features, mask_dtype, family, tuning, real_sm90, table)
+    start = fused_query_from(features, mask_dtype, family, tuning, real_sm90, table)
+    if start is None:
+        return LengthSets(short, None, None)
+    return LengthSets(short, start, variant_set(features, mask_dtype, family, tuning, real_sm90, table, True))
+
+
+def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                     real_sm90: bool, table: planner.Table) -> Optional[int]:
+    """From how many queries calls with `features` run the dK/dV kernel with fused dQ: the wgmma
+    dK/dV row's fused_dq_from<N> where the call can take it (see _wgmma_variant), None where no
+    length does (or the tuning forces fused_query either way)."""
+    spec = features.spec()
+    kernel = "backward_key_value"
+    if make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, True) == make_variant(
+            kernel, spec, mask_dtype, family, tuning, real_sm90, table):
+        return None
+    plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, family.name + "_wgmma",
+                        tuning.table or table)
+    return option_keys(plan.cached, FUSED_QUERY, f"the {family.name}_wgmma {kernel} at head_dim={spec.head_dim}")
 
 
 def check_limits(variant: KernelVariant, family: Family) -> None:
@@ -490,7 +532,8 @@ def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table
                          warps=warps, col_groups=col_groups, tuning=tuning, **features)
 
 
-def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table=None) -> KernelVariant:
+def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table=None,
+                   long_queries: bool = False) -> KernelVariant:
     rows = family.name + "_wgmma"
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows,
                         table or planner.active_table("cuda", family.name))
@@ -534,8 +577,11 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # Column groups run in step (they swap S every step): no turns to take.
     pingpong = kernel == "forward" and col_groups == 1 and (
         plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
+    # Fused dQ by the row's length (measured only without masks: blocks_cuda.txt), or forced.
+    by_length = (long_queries and option_keys(plan.cached, FUSED_QUERY, where) is not None and not spec.causal
+                 and spec.mask_kind == "none")
     fused_query = kernel == "backward_key_value" and (
-        plan.is_cached(FUSED_QUERY) if tuning.fused_query is None else tuning.fused_query) and (
+        by_length if tuning.fused_query is None else tuning.fused_query) and (
         fused_query_fits(spec, keys, padded, col_groups * slices))
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
