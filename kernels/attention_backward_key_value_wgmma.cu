@@ -43,17 +43,21 @@
 // FUSED_DQ (CG = 1, NSLICE = 1, no window; BN x 64 PANELS = two 64 x 64 units): the kernel
 // accumulates dQ as well, so the backward runs 5 products per step instead of these 4 plus the
 // dQ kernel's 3 (FlashAttention-3's backward in its deterministic form). Each warpgroup stores
-// its dS^T transposed (bf16) into one 64-key panel of a BN x 128 dS tile (double-buffered); after
-// one barrier of both, warpgroup w multiplies unit w of dQ_part (BN x 64 PANELS) = dS (BN x 128
-// keys) * K (128 keys x D): rows 64 w.. at BN = 128, columns 64 w.. at BN = 64, stores it to a
-// shared staging tile in its register layout ([8][128] float4s a unit, no bank conflicts) and
-// arrives on an mbarrier. A writer thread of the producer warpgroup adds the staging tile into an
-// fp32 accumulator in global memory (tiles of BN x 64 PANELS floats in that same layout; the
-// caller reorders, rounds and returns dQ) with one TMA bulk add, in a fixed order: the key blocks
-// that see a query block add theirs in ascending order (they are 0.. the last, without a window),
-// each writer waiting on a per-(query head, query block) count. A CTA waits only on CTAs of lower
-// index (started no earlier), so the wait ends; the order makes dQ bitwise reproducible. The
-// consumers never wait on the order, only on the staging tile being read.
+// its dS^T (bf16, 4-byte stores as the fragments lie) into its 64 key rows of a 128-key x BN dS^T
+// tile (double-buffered), the MN-major A operand of dQ = dS K, and arrives on the tile's "full"
+// mbarrier. In the next step (after the last one for the last item), once both warpgroups'
+// rows are in, warpgroup w multiplies unit w of dQ_part (BN x 64 PANELS) = dS (BN x 128 keys) *
+// K (128 keys x D): rows 64 w.. at BN = 128, columns 64 w.. at BN = 64; frees the dS^T tile on
+// its "empty" mbarrier, stores the unit to a shared staging tile in its register layout
+// ([8][128] float4s a unit, no bank conflicts) and arrives on an mbarrier. So a warpgroup waits
+// for the other only a step later, never at the step it stores. A writer thread of the producer
+// warpgroup adds the staging tile into an fp32 accumulator in global memory (tiles of BN x 64
+// PANELS floats in that same layout; the caller reorders, rounds and returns dQ) with one TMA
+// bulk add, in a fixed order: the key blocks that see a query block add theirs in ascending order
+// (they are 0.. the last, without a window), each writer waiting on a per-(query head, query
+// block) count. A CTA waits only on CTAs of lower index (started no earlier), so the wait ends;
+// the order makes dQ bitwise reproducible. The consumers never wait on the order, only on the
+// staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
@@ -87,8 +91,9 @@ constexpr int TILE_BYTES = TILE_PANELS * BN * 128;      // one Q (or dO) tile
 constexpr int SWAP_BUFFERS = BN <= 32 ? 2 : 1;
 constexpr int SWAP_BYTES = CG == 2 ? SWAP_BUFFERS * 2 * 128 * (BN / 2) * 4 : 0;
 constexpr int MAP_BYTES = 2 * 128;  // the Q and dO tensor maps (TMA)
-// FUSED_DQ: two dS tiles (BN query rows x 128 keys: a 64-key panel per warpgroup), the staging
-// tile of dQ_part (BN x 64 PANELS fp32) and its two mbarriers (full, empty).
+// FUSED_DQ: two dS^T tiles (128 key rows: 64 per warpgroup, x BN queries), the staging tile of
+// dQ_part (BN x 64 PANELS fp32) and six mbarriers (staging full / empty, each dS^T tile's full /
+// empty).
 constexpr int DS_TILE_BYTES = FUSED_DQ ? BN * 256 : 0;
 constexpr int DQ_TILE_FLOATS = FUSED_DQ ? BN * 64 * PANELS : 0;
 constexpr int SMEM_BYTES = 1024 + KEY_GROUPS * 2 * KV_GROUP_BYTES + STAGES * 2 * TILE_BYTES + 2 * DS_TILE_BYTES +
@@ -113,12 +118,15 @@ constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named b
 static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0 && (BN / 64) * PANELS == CONSUMERS),
               "fused dQ: all of D per warpgroup, no window (the key blocks that see a query block are 0.. the "
               "last), one 64 x 64 unit of the BN x 64 PANELS dQ tile per consumer warpgroup");
-// The producer warpgroup's threads: with FUSED_DQ warps 0-1 copy (cp.async path) and stage the
-// statistics, thread 96 writes dQ; otherwise all 128 copy and BN stage one statistics row each.
 // FUSED_DQ: the previous item's dQ unit is issued beside this item's dK and dV products where
 // the registers allow (BN = 64: their P^T / dS^T fragments and the unit's 32 accumulators fit;
 // at BN = 128 ptxas serializes every wgmma, nvcc 13.0), else after them.
 constexpr bool DQ_BESIDE_GRADIENTS = BN == 64;
+// The producer warpgroup's threads: with FUSED_DQ warps 0-1 copy (cp.async path) and stage the
+// statistics, thread 96 writes dQ; otherwise all 128 copy and BN stage one statistics row each.
+// With FUSED_DQ the cp.async path (rows TMA cannot name) spills 146-414 bytes on the producer's
+// 40-48 registers, nvcc 13.0; the TMA path and the consumers spill none at D = 65..128 (36 bytes
+// at D = 64). A producer budget that removes them leaves the consumers too few at D = 128.
 constexpr int COPY_THREADS = FUSED_DQ ? 64 : 128;
 constexpr int STATS_THREADS = FUSED_DQ && BN > 64 ? 64 : BN, STATS_ROWS = BN / STATS_THREADS;
 constexpr int WRITER_THREAD = 96;
@@ -140,7 +148,7 @@ __device__ void attention_backward_key_value_wgmma(
   unsigned char* Vs = Ks + KEY_GROUPS * KV_GROUP_BYTES;       // [KEY_GROUPS] x 64 key rows
   unsigned char* Qs = Vs + KEY_GROUPS * KV_GROUP_BYTES;       // [STAGES] x BN query rows
   unsigned char* dOs = Qs + STAGES * TILE_BYTES;              // [STAGES] x BN query rows
-  unsigned char* dSs = dOs + STAGES * TILE_BYTES;             // FUSED_DQ: [2] x BN query rows x 128 keys
+  unsigned char* dSs = dOs + STAGES * TILE_BYTES;             // FUSED_DQ: [2] x 128 key rows x BN queries
   float4* dq_stage = reinterpret_cast<float4*>(dSs + 2 * DS_TILE_BYTES);  // FUSED_DQ: [CONSUMERS][8][128]
   unsigned char* after = dSs + 2 * DS_TILE_BYTES + DQ_TILE_FLOATS * 4;
   float4* swap = reinterpret_cast<float4*>(after);            // [SWAP_BUFFERS][2 warpgroups]

@@ -6,8 +6,9 @@ emulator's stand-in) and optionally a compute capability; it compiles each varia
 and launches the kernels with the runtime values (sizes, strides, scale, softcap, window) passed
 as two small arrays, so a new sequence length or batch never recompiles.
 
-No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's optional fused
-dQ, Tuning.fused_query, adds into an fp32 accumulator in a fixed order; off on every table row).
+No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's fused dQ, which
+the table turns on for long unmasked calls at D = 65..128 (fused_dq_from<N>) and Tuning.fused_query
+forces, adds into an fp32 accumulator in a fixed order).
 Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
 masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (compute
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
