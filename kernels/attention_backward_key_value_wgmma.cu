@@ -351,11 +351,11 @@ __device__ void attention_backward_key_value_wgmma(
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);
-    float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
-    float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
+    float(&dk_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dka[0][0]);
+    float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
@@ -511,9 +511,9 @@ __device__ void attention_backward_key_value_wgmma(
       wgmma_commit();
       float dqa[32];
       if constexpr (FUSED_DQ) {
-        // This warpgroup's 64 key rows of the item's dS^T tile while dK / dV run (two tiles: both
-        // warpgroups read the other one's dQ units of item it - 2 in step it - 1), then the
-        // previous item's dQ unit.
+        // This warpgroup's 64 key rows of the item's dS^T tile while dK / dV run (two tiles: this
+        // one last held item it - 2, whose units both warpgroups computed in step it - 1), then
+        // the previous item's dQ unit.
         mbarrier_wait(ds_empty(it & 1), ((it >> 1) & 1) ^ 1);
         store_scores_rows<BN>(dsa, dSs + (it & 1) * DS_TILE_BYTES, warpgroup * 64 + warp * 16 + g, tq);
         mbarrier_arrive(ds_full(it & 1));
