@@ -64,8 +64,8 @@ WINDOW_KEYS = "window_t"
 # array, window) or sinks, the wgmma dK/dV kernel accumulates dQ too (5 products a step for the
 # backward instead of 7; kernels/attention_backward_key_value_wgmma.cu, FUSED_DQ), where it can: one
 # 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128, D = 65..128 at T = 64). The
-# dQ kernel then does not run. By length because its ordered adds and its pipeline pay off only
-# over many query blocks per CTA (blocks_cuda.txt has the numbers).
+# dQ kernel then does not run. By length because on an H100 it was slower than the two kernels at
+# N = 4096 and faster from 16384, with the same CTA count (blocks_cuda.txt has the numbers).
 FUSED_QUERY = "fused_dq_from"
 
 
