@@ -95,13 +95,10 @@ def main(argv=None) -> int:
                 for mask in args.masks:
                     spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len)
                     mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
-                    table = planner.active_table("cuda", family.name)
-                    start = cuda_source.fused_query_from(cuda_source.VariantFeatures.of(spec), mask_dtype, family,
-                                                         tuning, True, table)
-                    long_queries = start is not None and args.seq_len >= start
+                    variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family,
+                                                       tuning, True, planner.active_table("cuda", family.name))
                     for kernel in KERNELS:
-                        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, True, table,
-                                                           long_queries)
+                        variant = getattr(variants.pick(args.seq_len), kernel)
                         line = compile_variant(variant, ARCHES[name], tmp, args.out)
                         failed |= line.startswith("ERROR") or "SERIALIZED" in line
                         print(line, flush=True)

@@ -128,12 +128,12 @@ def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuni
         return [_fallback(kernel, reason) for kernel in KERNELS]
     family = backend.family()
     table = backend.table(family)
-    start = cuda_source.fused_query_from(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
-                                         table)
-    long_queries = start is not None and spec.q_len >= start  # the dK/dV kernel's fused dQ by length
+    # The set the backend would run for this length (the dK/dV kernel's fused dQ by length).
+    variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
+                                       table).pick(spec.q_len)
     result = []
     for kernel in KERNELS:
-        variant = cuda_source.make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, long_queries)
+        variant = getattr(variants, kernel)
         result.append(KernelPlan(kernel, variant.family, variant.instruction, variant.parallel_block,
                                  variant.traversal_block, variant.head_block, variant.threads // 32, variant.threads,
                                  variant.shared_memory, family.shared_memory, family.threads, variant.name,
