@@ -28,14 +28,20 @@ from mlx_flash.planner import KERNELS
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
-                 "dq_order": "int32_t"}
+                 "dq_order": "int32_t", "acc": "float"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:
-    header, body, inputs, outputs = cuda_source.source(variant)
+    return wrapped(cuda_source.source(variant), variant.input_type, variant.mask_type)
+
+
+def wrapped(source, input_type: str, mask_type: str = "bool") -> str:
+    """A kernel's (header, body, inputs, outputs) as one translation unit, its __global__ signature
+    as mx.fast.cuda_kernel generates it."""
+    header, body, inputs, outputs = source
 
     def pointer_type(name: str) -> str:  # a bool mask's elements are bool, not the input type
-        return POINTER_TYPES.get(name, variant.mask_type if name == "mask" else variant.input_type)
+        return POINTER_TYPES.get(name, mask_type if name == "mask" else input_type)
 
     # As MLX: an input's strides follow it when the body names them (Strides: 10 int64, by value).
     signature = ", ".join([f"const {pointer_type(n)}* {n}" + (f", const __grid_constant__ Strides {n}_strides"
@@ -46,17 +52,24 @@ def translation_unit(variant: cuda_source.KernelVariant) -> str:
             + f"\n__global__ void mlxflash_kernel({signature}) {{\n{body}\n}}\n")
 
 
-def compile_variant(variant, arch: str, tmp: str, ptx_dir=None) -> str:
-    """One line: the variant, its resources, or the compile error."""
-    path = os.path.join(tmp, variant.name + ".cu")
+def compile_unit(name: str, text: str, arch: str, tmp: str) -> str:
+    """nvcc's resource line for one translation unit ("ERROR ..." with the log when it fails)."""
+    path = os.path.join(tmp, name + ".cu")
     with open(path, "w") as f:
-        f.write(translation_unit(variant))
+        f.write(text)
     r = subprocess.run(["nvcc", f"-gencode=arch={arch.replace('sm_', 'compute_')},code={arch}", "-O3",
                         "--resource-usage", "-cubin", path, "-o", path + ".cubin"], capture_output=True, text=True)
     text = r.stdout + r.stderr
-    if r.returncode != 0:
-        return f"ERROR {variant.name} ({arch}): {text[-800:]}"
+    return f"ERROR {name} ({arch}): {text[-800:]}" if r.returncode != 0 else text
+
+
+def compile_variant(variant, arch: str, tmp: str, ptx_dir=None) -> str:
+    """One line: the variant, its resources, or the compile error."""
+    text = compile_unit(variant.name, translation_unit(variant), arch, tmp)
+    if text.startswith("ERROR"):
+        return text
     if ptx_dir:
+        path = os.path.join(tmp, variant.name + ".cu")
         subprocess.run(["nvcc", f"-arch={arch}", "-O3", "-ptx", path, "-o",
                         os.path.join(ptx_dir, f"{variant.name}.{arch}.ptx")], check=True, capture_output=True)
     regs = re.search(r"Used (\d+) registers", text)

@@ -91,6 +91,14 @@ static inline __half __float2half_rn(float a) { return __half(a); }
 static inline float __bfloat162float(__nv_bfloat16 a) { return emu_bf16_to_float(a.bits); }
 static inline float __half2float(__half a) { return emu_f16_to_float(a.bits); }
 
+// ---------------------------------------------------------------- vector types (CUDA's alignment)
+struct alignas(8) float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(8) uint2 { uint32_t x, y; };
+static inline float2 make_float2(float x, float y) { return {x, y}; }
+static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+static inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }
+
 namespace emu {
 
 enum Op { OP_NONE = 0, OP_LDM, OP_LDM_T, OP_LDM2, OP_LDM2_T, OP_MMA_BF16, OP_MMA_F16, OP_SHFL, OP_VOTE_ANY, OP_SYNC, OP_DONE };

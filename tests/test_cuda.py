@@ -706,38 +706,38 @@ def test_fused_query_by_length_on_the_gpu():
     assert not fallback_counts(), fallback_counts()
 
 
-@pytest.mark.parametrize("head_dim", [37, 64, 96, 128])
-def test_fused_query_accumulator_order(head_dim):
-    """query_from_accumulator puts every float of the fused dK/dV kernel's dQ tiles where the
-    kernel's layout says (two 64 x 64 units a tile, each in its warpgroup's register order:
-    float4 i of thread t at i * 128 + t; thread 32 warp + 4 g + tq holds row 16 warp + 8 hf + g,
-    column 8 n + 2 tq + e at float 4 n + 2 hf + e)."""
-    from types import SimpleNamespace
+@emulator
+@pytest.mark.parametrize("head_dim,dtype", [(37, "float16"), (64, "bfloat16"), (96, "float16"), (128, "bfloat16")])
+def test_fused_query_accumulator_order(head_dim, dtype):
+    """The kernel that makes dQ of the fused dK/dV kernel's accumulator (run by the CPU emulator)
+    puts every float where the dK/dV kernel's layout says (two 64 x 64 units a tile, each in its
+    warpgroup's register order: float4 i of thread t at i * 128 + t; thread 32 warp + 4 g + tq
+    holds row 16 warp + 8 hf + g, column 8 n + 2 tq + e at float 4 n + 2 hf + e), rounded to the
+    input dtype as MLX rounds, and writes no row past Nq (the emulator poisons outputs)."""
+    from dataclasses import replace
 
     from mlx_flash import inspect
     B, H, N = 2, 3, 150
-    spec = inspect.make_spec(head_dim, "bfloat16", "none", q_len=N)
+    spec = replace(inspect.make_spec(head_dim, dtype, "none", q_len=N), batch=B, q_heads=H, kv_heads=H)
     variant = cuda_source.make_variant("backward_key_value", spec, None, SM90, Tuning(fused_query=True),
                                        real_sm90=True)
     assert variant.fused_query
     bn, tile = variant.traversal_block, cuda.fused_tile_floats(variant)
     blocks = -(-N // bn)
-    acc = np.zeros((B, H, blocks, tile), np.float32)
-    want = np.zeros((B, H, N, head_dim), np.float32)
+    acc = np.random.default_rng(head_dim).standard_normal((B, H, blocks, tile)).astype(np.float32)
+    want = np.zeros((B, H, blocks * bn, head_dim), np.float32)
     for i in range(blocks * bn):
-        for c in range(tile // bn):
+        for c in range(head_dim):
             r = i % bn
             unit, rr, cc = (r // 64, r % 64, c) if bn == 128 else (c // 64, r, c % 64)
             t = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
             at = unit * 4096 + ((cc // 8) * 128 + t) * 4 + 2 * ((rr % 16) // 8) + cc % 2
-            value = i * 1000 + c + 1
-            acc[:, :, i // bn, at] = value + 1e6 * np.arange(B)[:, None] + 1e5 * np.arange(H)[None, :]
-            if i < N and c < head_dim:
-                want[:, :, i, c] = acc[:, :, i // bn, at]
-    dq = cuda.query_from_accumulator(mx.array(acc), variant,
-                                     SimpleNamespace(dtype=mx.float32, q_len=N, head_dim=head_dim))
-    assert dq.shape == (B, H, N, head_dim)
-    assert np.array_equal(np.array(dq), want)
+            want[:, :, i, c] = acc[:, :, i // bn, at]
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory())
+    dq = backend.query_from_accumulator(mx.array(acc), variant, spec)
+    assert dq.shape == (B, H, N, head_dim) and dq.dtype == spec.dtype
+    expected = mx.array(want[:, :, :N]).astype(spec.dtype)
+    assert np.array_equal(np.array(dq.astype(mx.float32)), np.array(expected.astype(mx.float32)))
 
 
 # ----------------------------------------------------------------------------- first contact
@@ -829,3 +829,8 @@ def test_wgmma_kernels_compile_with_nvcc():
             assert variant.fused_query
             line = module.compile_variant(variant, "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
+            # and the kernel that makes dQ of its accumulator
+            text = module.compile_unit(f"dq_from_acc_{head_dim}", module.wrapped(
+                cuda_source.query_from_accumulator_source(variant.input_type, head_dim, variant.traversal_block),
+                variant.input_type), "sm_90a", tmp)
+            assert not text.startswith("ERROR"), text

@@ -310,8 +310,26 @@ class CUDABackend:
                                init_value=0 if variant.fused_query else None)
         dk, dv = heads_view(results[0]), heads_view(results[1])
         if with_query:
-            return dk, dv, query_from_accumulator(results[2], variant, spec)
+            return dk, dv, self.query_from_accumulator(results[2], variant, spec)
         return dk, dv
+
+    def query_from_accumulator(self, acc: mx.array, variant: KernelVariant, spec: AttentionSpec) -> mx.array:
+        """dQ [B, Hq, Nq, D] in the input dtype (a view of a [B, Nq, Hq, D] buffer) from the fused
+        dK/dV kernel's accumulator [B, Hq, query blocks, tile] (already scaled): one kernel that
+        reorders and rounds it (kernels/attention_backward_query_from_accumulator.cu says how the
+        tiles lie)."""
+        key = ("query_from_accumulator", CUDA_TYPES[spec.dtype], spec.head_dim, variant.traversal_block)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._compiled(key, lambda: (
+                cuda_source.query_from_accumulator_name(*key[1:]), cuda_source.query_from_accumulator_source(*key[1:]),
+                cuda_source.query_from_accumulator_shared_bytes(*key[2:])))
+        tiles = acc.shape[0] * acc.shape[1] * acc.shape[2]
+        grid, group = _grid(tiles, cuda_source.QUERY_FROM_ACCUMULATOR_THREADS)
+        dq, = kernel(inputs=[acc, _int_params(spec, acc.shape[2], tiles, False)],
+                     output_shapes=[(spec.batch, spec.q_len, spec.q_heads, spec.head_dim)],
+                     output_dtypes=[spec.dtype], grid=grid, threadgroup=group)
+        return heads_view(dq)
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -370,27 +388,6 @@ def fused_tile_floats(variant: KernelVariant) -> int:
     """Floats of one (query head, query block) tile of the fused dQ accumulator: T x D padded to
     64-column panels (DQ_TILE_FLOATS of the dK/dV template)."""
     return variant.traversal_block * 64 * -(-variant.padded_dim // 64)
-
-
-def query_from_accumulator(acc: mx.array, variant: KernelVariant, spec: AttentionSpec) -> mx.array:
-    """dQ [B, Hq, Nq, D] in the input dtype (a view of a [B, Nq, Hq, D] buffer) from the fused dK/dV
-    kernel's accumulator [B, Hq, query blocks, T x D tile] (already scaled).
-
-    Each tile holds two 64 x 64 units (consumer warpgroup u's: rows 64 u.. at T = 128, columns
-    64 u.. at T = 64), each in the warpgroup's register layout as it stored it: float4 i of thread
-    t at (i * 128 + t), thread t = 32 warp + 4 g + tq holding accumulator (n, hf, e) at float 4 n
-    + 2 hf + e, i.e. row 16 warp + 8 hf + g, column 8 n + 2 tq + e. One transposed copy puts
-    the units in place (the rounding to the input dtype rides on it)."""
-    B, Hq, blocks = acc.shape[:3]
-    # axes: B, Hq, block, unit, n, warp, g, tq, hf, e
-    x = acc.reshape(B, Hq, blocks, 2, 8, 4, 8, 4, 2, 2)
-    if variant.traversal_block == 128:  # units stacked along the rows: (unit, warp, hf, g) x (n, tq, e)
-        x = x.transpose(0, 2, 3, 5, 8, 6, 1, 4, 7, 9)
-    else:  # T = 64: side by side along the columns: (warp, hf, g) x (unit, n, tq, e)
-        x = x.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)
-    rows, cols = variant.traversal_block, fused_tile_floats(variant) // variant.traversal_block
-    dq = x.astype(spec.dtype).reshape(B, blocks * rows, Hq, cols)
-    return heads_view(dq[:, :spec.q_len, :, :spec.head_dim])
 
 
 BACKEND = CUDABackend()

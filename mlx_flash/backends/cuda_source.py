@@ -668,6 +668,30 @@ def prepare_name(input_type: str, head_dim: int, has_d_lse: bool) -> str:
     return f"mlxflash_prepare_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_{int(has_d_lse)}"
 
 
+QUERY_FROM_ACCUMULATOR_THREADS = 256  # THREADS of kernels/attention_backward_query_from_accumulator.cu
+
+
+def query_from_accumulator_source(input_type: str, head_dim: int, traversal_block: int
+                                  ) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, inputs, outputs) of the kernel that makes dQ of the fused dK/dV kernel's
+    accumulator (tiles of traversal_block rows x 64-column panels covering head_dim)."""
+    header = template_text(HEADER) + "\n" + render(
+        "attention_backward_query_from_accumulator.cu", input_type=input_type, head_dim=head_dim,
+        traversal_block=traversal_block, tile_columns=64 * -(-head_dim // 64),
+        threads=QUERY_FROM_ACCUMULATOR_THREADS)
+    body = "mlxflash::attention_backward_query_from_accumulator(acc, params, dq);"
+    return header, body, ["acc", "params"], ["dq"]
+
+
+def query_from_accumulator_shared_bytes(head_dim: int, traversal_block: int) -> int:
+    """Its tile in shared memory (SHARED_BYTES of the template: rows of the columns + 8 floats)."""
+    return traversal_block * (64 * -(-head_dim // 64) + 8) * 4
+
+
+def query_from_accumulator_name(input_type: str, head_dim: int, traversal_block: int) -> str:
+    return f"mlxflash_dq_from_acc_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_t{traversal_block}"
+
+
 def _wgmma_wrappers(variant: KernelVariant) -> str:
     """kernels/wgmma_ops.cuh cut to the two widths the kernel uses (scores: traversal_block; O,
     dQ or a dK / dV slice: head_block). MLX copies and hashes a kernel's source on every call:
