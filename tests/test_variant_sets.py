@@ -89,27 +89,33 @@ def test_runtime_data_shares_one_set():
 
 
 def test_fused_query_by_length():
-    """The wgmma dK/dV row's fused_dq_from<N> (the shipped table: N = 16384 at D = 65..128): calls
-    of at least N queries without a mask get a set of their own whose dK/dV variant accumulates dQ
-    (so the first-contact guard checks it apart); shorter, causal, masked or windowed calls and
-    D past the row get the other set; Tuning.fused_query forces one choice at every length."""
+    """The wgmma dK/dV row's fused_dq_from<N> and fused_dq_causal_from<N> (the shipped table:
+    8192 and 16384 at D = 113..128): calls of at least N queries without an array mask get a set of
+    their own whose dK/dV variant accumulates dQ (so the first-contact guard checks it apart);
+    shorter, masked or windowed calls, D on other rows (96, 160) and calls with sinks get the
+    other set; Tuning.fused_query forces one choice at every length."""
     table = planner.shipped_table("cuda")
     row = planner.plan("cuda", "backward_key_value", 128, mx.bfloat16, "sm90_wgmma", table)
-    start = cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY, "row")
-    assert start == 16384
+    starts = {causal: cuda_source.option_keys(row.cached, option, "row")
+              for causal, option in ((False, cuda_source.FUSED_QUERY), (True, cuda_source.FUSED_QUERY_CAUSAL))}
+    assert starts == {False: 8192, True: 16384}
     backend = CUDABackend(kernel_factory=_stub_factory, capability=90, tuning=WGMMA)
-    long, _ = _spec(head_dim=128, dtype=mx.bfloat16, q_len=start, kv_len=64, heads=(1, 1))
-    below, _ = _spec(head_dim=128, dtype=mx.bfloat16, q_len=start - 1, kv_len=64, heads=(1, 1))
-    assert backend.variants(long).backward_key_value.fused_query
-    assert not backend.variants(below).backward_key_value.fused_query
-    assert backend.variants(long) is not backend.variants(below)
-    assert backend.variant_key(long) != backend.variant_key(below)
-    assert backend.variants(long).forward == backend.variants(below).forward  # only dK/dV changes
-    for features in (dict(mask="causal"), dict(mask="bool"), dict(window=(8, 8)), dict(head_dim=160),
-                     dict(sinks=True)):
-        spec, mask_dtype = _spec(**{**dict(head_dim=128, dtype=mx.bfloat16, q_len=start, kv_len=64, heads=(1, 1)),
-                                    **features})
+    base = dict(head_dim=128, dtype=mx.bfloat16, kv_len=64, heads=(1, 1))
+    for causal, start in starts.items():
+        mask = dict(mask="causal") if causal else {}
+        long, _ = _spec(**base, **mask, q_len=start)
+        below, _ = _spec(**base, **mask, q_len=start - 1)
+        assert backend.variants(long).backward_key_value.fused_query, causal
+        assert not backend.variants(below).backward_key_value.fused_query, causal
+        assert backend.variants(long) is not backend.variants(below)
+        assert backend.variant_key(long) != backend.variant_key(below)
+        assert backend.variants(long).forward == backend.variants(below).forward  # only dK/dV changes
+    long, _ = _spec(**base, q_len=16384)
+    for features in (dict(mask="bool"), dict(mask="causal", window=(8, 8)), dict(window=(8, 8)),
+                     dict(head_dim=96), dict(head_dim=160), dict(sinks=True)):
+        spec, mask_dtype = _spec(**{**base, "q_len": 16384, **features})
         assert not backend.variants(spec, mask_dtype).backward_key_value.fused_query, features
+    below, _ = _spec(**base, q_len=100)
     for forced in (True, False):
         forcing = CUDABackend(kernel_factory=_stub_factory, capability=90,
                               tuning=dataclasses.replace(WGMMA, fused_query=forced))

@@ -60,17 +60,27 @@ PINGPONG = "pingpong"
 # window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
 MASKED_KEYS = "masked_t"
 WINDOW_KEYS = "window_t"
-# ... and fused_dq_from<N>: for calls of at least N queries without a mask of any kind (causal,
-# array, window) or sinks, the wgmma dK/dV kernel accumulates dQ too (5 products a step for the
-# backward instead of 7; kernels/attention_backward_key_value_wgmma.cu, FUSED_DQ), where it can: one
-# 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128, D = 65..128 at T = 64). The
-# dQ kernel then does not run. By length because on an H100 it was slower than the two kernels at
-# N = 4096 and faster from 16384, with the same CTA count (blocks_cuda.txt has the numbers).
+# ... and fused_dq_from<N> / fused_dq_causal_from<N>: for calls of at least N queries without an
+# array mask, a window or sinks, non-causal / causal, the wgmma dK/dV kernel accumulates dQ too (5
+# products a step for the backward instead of 7; kernels/attention_backward_key_value_wgmma.cu,
+# FUSED_DQ), where it can: one 64 x 64 unit of the T x D dQ tile per warpgroup (D <= 64 at T = 128,
+# D = 65..128 at T = 64). The dQ kernel then does not run. By length because on an H100 it was
+# slower than the two kernels at short N and faster at long N, with the same CTA count
+# (blocks_cuda.txt has the numbers).
 FUSED_QUERY = "fused_dq_from"
+FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
+
+
+def fused_query_option(spec: AttentionSpec) -> Optional[str]:
+    """The row option whose N turns the fused dQ on for calls like `spec`: none with an array mask
+    (not measured); windows and sinks cannot take it (fused_query_fits)."""
+    if spec.mask_kind != "none":
+        return None
+    return FUSED_QUERY_CAUSAL if spec.causal else FUSED_QUERY
 
 
 def option_keys(options, prefix: str, where: str) -> Optional[int]:
-    """The N of a <prefix><N> option (masked_t64, window_t64, fused_dq_from16384) among a row's
+    """The N of a <prefix><N> option (masked_t64, window_t64, fused_dq_from8192) among a row's
     options, None without one."""
     found = [o for o in options if o.startswith(prefix)]
     if not found:
@@ -486,7 +496,8 @@ def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], 
         return None
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, family.name + "_wgmma",
                         tuning.table or table)
-    return option_keys(plan.cached, FUSED_QUERY, f"the {family.name}_wgmma {kernel} at head_dim={spec.head_dim}")
+    return option_keys(plan.cached, fused_query_option(spec),
+                       f"the {family.name}_wgmma {kernel} at head_dim={spec.head_dim}")
 
 
 def check_limits(variant: KernelVariant, family: Family) -> None:
@@ -577,9 +588,9 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # Column groups run in step (they swap S every step): no turns to take.
     pingpong = kernel == "forward" and col_groups == 1 and (
         plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
-    # Fused dQ by the row's length (measured only without masks: blocks_cuda.txt), or forced.
-    by_length = (long_queries and option_keys(plan.cached, FUSED_QUERY, where) is not None and not spec.causal
-                 and spec.mask_kind == "none")
+    # Fused dQ by the row's length (measured without array masks: blocks_cuda.txt), or forced.
+    option = fused_query_option(spec)
+    by_length = long_queries and option is not None and option_keys(plan.cached, option, where) is not None
     fused_query = kernel == "backward_key_value" and (
         by_length if tuning.fused_query is None else tuning.fused_query) and (
         fused_query_fits(spec, keys, padded, col_groups * slices))
