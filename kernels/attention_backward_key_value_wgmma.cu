@@ -52,7 +52,7 @@
 // ([8][128] float4s a unit, no bank conflicts) and arrives on an mbarrier. So a warpgroup waits
 // for the other only a step later, never at the step it stores. A writer thread of the producer
 // warpgroup adds the staging tile into an fp32 accumulator in global memory (tiles of BN x 64
-// PANELS floats in that same layout; the caller reorders, rounds and returns dQ) with one TMA
+// PANELS floats in that same layout; attention_backward_query_from_accumulator.cu makes dQ of it) with one TMA
 // bulk add, in a fixed order: the key blocks that see a query block add theirs in ascending order
 // (they are 0.. the last, without a window), each writer waiting on a per-(query head, query
 // block) count. A CTA waits only on CTAs of lower index (started no earlier), so the wait ends;
