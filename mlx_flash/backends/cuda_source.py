@@ -688,7 +688,7 @@ def query_from_accumulator_source(input_type: str, head_dim: int, traversal_bloc
     accumulator (tiles of traversal_block rows x 64-column panels covering head_dim)."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_query_from_accumulator.cu", input_type=input_type, head_dim=head_dim,
-        traversal_block=traversal_block, tile_columns=64 * -(-head_dim // 64),
+        traversal_block=traversal_block, tile_columns=_round_up(head_dim, 64),
         threads=QUERY_FROM_ACCUMULATOR_THREADS)
     body = "mlxflash::attention_backward_query_from_accumulator(acc, params, dq);"
     return header, body, ["acc", "params"], ["dq"]
@@ -696,7 +696,7 @@ def query_from_accumulator_source(input_type: str, head_dim: int, traversal_bloc
 
 def query_from_accumulator_shared_bytes(head_dim: int, traversal_block: int) -> int:
     """Its tile in shared memory (SHARED_BYTES of the template: rows of the columns + 8 floats)."""
-    return traversal_block * (64 * -(-head_dim // 64) + 8) * 4
+    return traversal_block * (_round_up(head_dim, 64) + 8) * 4
 
 
 def query_from_accumulator_name(input_type: str, head_dim: int, traversal_block: int) -> str:
