@@ -28,7 +28,7 @@ from mlx_flash.planner import KERNELS
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
-                 "dq_order": "int32_t", "acc": "float"}
+                 "dq_order": "int32_t", "acc": "float", "counts": "int32_t", "d_lse": "float"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:

@@ -55,7 +55,9 @@
 // PANELS floats in that same layout; attention_backward_query_from_accumulator.cu makes dQ of it) with one TMA
 // bulk add, in a fixed order: the key blocks that see a query block add theirs in ascending order
 // (they are 0.. the last, without a window), each writer waiting on a per-(query head, query
-// block) count. A CTA waits only on CTAs of lower index (started no earlier), so the wait ends;
+// block) count (zeroed by the prepare kernel; an input this kernel updates). Key block 0 stores
+// its part instead (one TMA bulk copy), so nothing fills the accumulator first; the tiles no key
+// block sees keep a count of 0, which tells the dQ kernel they are zero. A CTA waits only on CTAs of lower index (started no earlier), so the wait ends;
 // the order makes dQ bitwise reproducible. The consumers never wait on the order, only on the
 // staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
 //
@@ -234,7 +236,11 @@ __device__ void attention_backward_key_value_wgmma(
         const i64 tile = ((i64)b * Hq + hk * group + it / qb_count) * nqb + qb_begin + it % qb_count;
         mbarrier_wait(dq_full, it & 1);            // both warpgroups' units are in the staging tile
         wait_for_count(dq_order + tile, kb);       // key blocks 0 .. kb - 1 have added theirs
-        bulk_add_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
+        if (kb == 0) {                             // the first: a store (the accumulator is not zeroed)
+          bulk_store_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
+        } else {
+          bulk_add_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
+        }
         bulk_wait_read();
         mbarrier_arrive(dq_empty);                 // the consumers may stage the next item
         bulk_wait();                               // the adds are done before the count says so

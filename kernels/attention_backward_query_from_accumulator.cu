@@ -5,7 +5,9 @@
 // thread t = 32 warp + 4 g + tq holding row 16 warp + 8 hf + g, column 8 i + 2 tq + e at float
 // 2 hf + e of it; the units lie along the rows at BN = 128 (D <= 64), along the columns at BN = 64.
 // The tile is read with coalesced float4 loads, put in place in shared memory and written out row
-// by row. MLX's transposed copy of the same permutation (plus its rounding copy) took 0.58 ms
+// by row. A tile whose count is 0 was written by no key block (causal, Nq > Nk: rows that see no
+// key; the dK/dV kernel stores the first key block's part instead of adding it to zeros): its dQ
+// is 0. MLX's transposed copy of the same permutation (plus its rounding copy) took 0.58 ms
 // at B=4 H=16 N=4096 D=128 on an H100, a sixth of the backward.
 namespace mlxflash {
 namespace dqacc {
@@ -22,8 +24,8 @@ constexpr int CHUNK = HEAD_DIM % 4 == 0 ? 4 : 1;  // output elements a thread ro
 static_assert(BN * COLS == 2 * 64 * 64 && COLS >= HEAD_DIM && (BN == 64 || BN == 128), "two 64 x 64 units a tile");
 }  // namespace dqacc
 
-__device__ void attention_backward_query_from_accumulator(const float* __restrict__ acc, const i64* __restrict__ ip,
-                                                          dqacc::T* __restrict__ dq) {
+__device__ void attention_backward_query_from_accumulator(const float* __restrict__ acc, const int* __restrict__ counts,
+                                                          const i64* __restrict__ ip, dqacc::T* __restrict__ dq) {
   using namespace dqacc;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   float* tile = reinterpret_cast<float*>(smem_raw);
@@ -34,8 +36,9 @@ __device__ void attention_backward_query_from_accumulator(const float* __restric
   const int qb = (int)(index % nqb), h = (int)(index / nqb % Hq);
   const i64 b = index / nqb / Hq;
   const float4* src = reinterpret_cast<const float4*>(acc) + index * (BN * COLS / 4);
+  const bool written = counts[index] != 0;
   for (int j = threadIdx.x; j < BN * COLS / 4; j += THREADS) {
-    const float4 x = src[j];
+    const float4 x = written ? src[j] : make_float4(0.f, 0.f, 0.f, 0.f);
     const int unit = j / 1024, i = j / 128 % 8, t = j % 128;
     const int row = (BN == 128 ? 64 * unit : 0) + 16 * (t / 32) + t % 32 / 4;
     const int col = (BN == 64 ? 64 * unit : 0) + 8 * i + 2 * (t % 4);

@@ -359,6 +359,12 @@ __device__ __forceinline__ void bulk_add_f32(float* global, u32 shared, int byte
                ::"l"(global), "r"(shared), "r"(bytes) : "memory");
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }
+// The same as a plain copy of `bytes` from shared memory to global memory.
+__device__ __forceinline__ void bulk_store_f32(float* global, u32 shared, int bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(global), "r"(shared), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 

@@ -716,7 +716,8 @@ def test_fused_query_accumulator_order(head_dim, dtype):
     puts every float where the dK/dV kernel's layout says (two 64 x 64 units a tile, each in its
     warpgroup's register order: float4 i of thread t at i * 128 + t; thread 32 warp + 4 g + tq
     holds row 16 warp + 8 hf + g, column 8 n + 2 tq + e at float 4 n + 2 hf + e), rounded to the
-    input dtype as MLX rounds, and writes no row past Nq (the emulator poisons outputs)."""
+    input dtype as MLX rounds, writes no row past Nq (the emulator poisons outputs), and writes
+    zeros for the tiles whose count is 0 (no key block wrote them: their floats are garbage)."""
     from dataclasses import replace
 
     from mlx_flash import inspect
@@ -736,11 +737,41 @@ def test_fused_query_accumulator_order(head_dim, dtype):
             t = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
             at = unit * 4096 + ((cc // 8) * 128 + t) * 4 + 2 * ((rr % 16) // 8) + cc % 2
             want[:, :, i, c] = acc[:, :, i // bn, at]
+    counts = np.arange(B * H * blocks, dtype=np.int32).reshape(B, H, blocks) % 3  # every third tile unwritten
+    want[np.repeat(counts == 0, bn, axis=2)] = 0.0
     backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory())
-    dq = backend.query_from_accumulator(mx.array(acc), variant, spec)
+    dq = backend.query_from_accumulator(mx.array(acc), mx.array(counts), variant, spec)
     assert dq.shape == (B, H, N, head_dim) and dq.dtype == spec.dtype
     expected = mx.array(want[:, :, :N]).astype(spec.dtype)
     assert np.array_equal(np.array(dq.astype(mx.float32)), np.array(expected.astype(mx.float32)))
+
+
+@emulator
+@pytest.mark.parametrize("q_len", [1, 150, 257])
+def test_fused_query_counts_start_at_zero(q_len):
+    """Before a fused dK/dV kernel the prepare kernel (run by the CPU emulator, which poisons
+    outputs) zeroes one count per (batch, query head, query block) that the kernel then updates,
+    and computes delta and lse2 as it does without them."""
+    from dataclasses import replace
+
+    from mlx_flash import inspect
+    B, H, D = 2, 3, 128
+    spec = replace(inspect.make_spec(D, "bfloat16", "none", q_len=q_len), batch=B, q_heads=H, kv_heads=H)
+    variant = cuda_source.make_variant("backward_key_value", spec, None, SM90, Tuning(fused_query=True),
+                                       real_sm90=True)
+    assert variant.fused_query
+    rng = np.random.default_rng(q_len)
+    out, d_out = (mx.array(rng.standard_normal((B, H, q_len, D)).astype(np.float32)).astype(mx.bfloat16)
+                  for _ in range(2))
+    lse = mx.array(rng.standard_normal((B, H, q_len)).astype(np.float32))
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory())
+    delta, lse2, counts = backend.prepare_backward(out, lse, d_out, None, spec, variant)
+    assert counts.shape == (B, H, -(-q_len // variant.traversal_block)) and counts.dtype == mx.int32
+    assert not np.array(counts).any()
+    want = backend.prepare_backward(out, lse, d_out, None, spec)
+    assert len(want) == 2
+    for got, expected in zip((delta, lse2), want):
+        assert np.array_equal(np.array(got), np.array(expected))
 
 
 # ----------------------------------------------------------------------------- first contact
@@ -835,5 +866,10 @@ def test_wgmma_kernels_compile_with_nvcc():
             # and the kernel that makes dQ of its accumulator
             text = module.compile_unit(f"dq_from_acc_{head_dim}", module.wrapped(
                 cuda_source.query_from_accumulator_source(variant.input_type, head_dim, variant.traversal_block),
+                variant.input_type), "sm_90a", tmp)
+            assert not text.startswith("ERROR"), text
+            # and the prepare kernel that zeroes its counts
+            text = module.compile_unit(f"prepare_counts_{head_dim}", module.wrapped(
+                cuda_source.prepare_source(variant.input_type, head_dim, False, variant.traversal_block),
                 variant.input_type), "sm_90a", tmp)
             assert not text.startswith("ERROR"), text

@@ -231,15 +231,17 @@ class CUDABackend:
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = self.variants(spec, None if mask is None else mask.dtype)
-        delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
         if variants.backward_key_value.fused_query:
-            dk, dv, dq = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, lse2, delta,
-                                                  spec, with_query=True)
+            prepared = self.prepare_backward(out, lse, d_out, d_lse, spec, variants.backward_key_value)
+            dk, dv, dq = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, prepared, spec,
+                                                  with_query=True)
             return dq, dk, dv, None
+        prepared = self.prepare_backward(out, lse, d_out, d_lse, spec)
+        delta, lse2 = prepared
         dq, d_sinks_part = self._backward_query(variants.backward_query, q, k, v, mask, d_out, lse2, delta, spec,
                                                 sinks)
         d_sinks = None if sinks is None else d_sinks_part.sum(axis=(0, 2)).astype(sinks.dtype)
-        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, lse2, delta, spec)
+        dk, dv = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, prepared, spec)
         return dq, dk, dv, d_sinks
 
     # -- the backward kernels separately (the benchmark times them apart) ------------------------
@@ -257,14 +259,18 @@ class CUDABackend:
         if is_empty(spec):
             return empty_backward(q, k, v)[1:]
         variant = self.variants(spec, None if mask is None else mask.dtype).backward_key_value
-        delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
-        return self._backward_key_value(variant, q, k, v, mask, d_out, lse2, delta, spec)
+        prepared = self.prepare_backward(out, lse, d_out, d_lse, spec, variant)
+        return self._backward_key_value(variant, q, k, v, mask, d_out, prepared, spec)
 
-    def prepare_backward(self, out, lse, d_out, d_lse, spec: AttentionSpec) -> Tuple[mx.array, mx.array]:
-        """(delta, lse2): delta = rowsum(dO * O) - dL and lse in base 2 (+inf for rows with no key)."""
+    def prepare_backward(self, out, lse, d_out, d_lse, spec: AttentionSpec,
+                         key_value: Optional[KernelVariant] = None) -> Tuple[mx.array, ...]:
+        """(delta, lse2[, counts]): delta = rowsum(dO * O) - dL and lse in base 2 (+inf for rows with no key).
+        Where key_value (the dK/dV variant) accumulates dQ as well (fused_query), also the counts
+        that order its adds, zeroed (kernels/attention_backward_prepare.cu says why here)."""
         rows = spec.batch * spec.q_heads * spec.q_len
         has_d_lse = d_lse is not None
-        key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse)
+        count_block = key_value.traversal_block if key_value is not None and key_value.fused_query else 0
+        key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse, count_block)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]),
@@ -273,11 +279,12 @@ class CUDABackend:
         grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
         d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
+        counts = [(spec.batch, spec.q_heads, -(-spec.q_len // count_block))] if count_block else []
         lse, d_lse = contiguous_operands([lse, d_lse])  # out and d_out: read through their strides
-        delta, lse2 = kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
-                             output_shapes=[shape, shape], output_dtypes=[mx.float32, mx.float32],
-                             grid=grid, threadgroup=group)
-        return delta, lse2
+        return tuple(kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
+                            output_shapes=[shape, shape] + counts,
+                            output_dtypes=[mx.float32, mx.float32] + [mx.int32] * len(counts),
+                            grid=grid, threadgroup=group))
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -294,29 +301,33 @@ class CUDABackend:
                                heads=spec.q_heads, output_shapes=shapes, output_dtypes=dtypes, sinks=sinks)
         return heads_view(results[0]), (results[1] if sinks is not None else None)
 
-    def _backward_key_value(self, variant, q, k, v, mask, d_out, lse2, delta, spec, with_query: bool = False):
-        """(dk, dv), and dq last if with_query (a fused_query variant only).
+    def _backward_key_value(self, variant, q, k, v, mask, d_out, prepared, spec, with_query: bool = False):
+        """(dk, dv), and dq last if with_query (a fused_query variant only). prepared:
+        prepare_backward's arrays for this variant.
 
-        A fused_query variant also writes dQ's fp32 accumulator (zero-filled first: the kernel adds
-        into it) and the counts that order its adds (kernels/attention_backward_key_value_wgmma.cu);
-        query_from_accumulator makes dQ of it."""
+        A fused_query variant also takes the counts that order its adds (prepare_backward's, zeroed)
+        and updates them, and writes dQ's fp32 accumulator, whose tiles the first key block stores
+        and the others add to (kernels/attention_backward_key_value_wgmma.cu); query_from_accumulator
+        makes dQ of it."""
+        delta, lse2, counts = prepared if variant.fused_query else (*prepared, None)
         shapes = [token_major_shape(k.shape), token_major_shape(v.shape)]
         dtypes = [spec.dtype, spec.dtype]
         if variant.fused_query:
-            tiles = (spec.batch, spec.q_heads, -(-spec.q_len // variant.traversal_block))
-            shapes += [tiles + (fused_tile_floats(variant),), tiles]
-            dtypes += [mx.float32, mx.int32]
+            shapes.append(counts.shape + (fused_tile_floats(variant),))
+            dtypes.append(mx.float32)
         results = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
                                heads=spec.kv_heads, output_shapes=shapes, output_dtypes=dtypes,
-                               init_value=0 if variant.fused_query else None)
+                               counts=counts)
         dk, dv = heads_view(results[0]), heads_view(results[1])
         if with_query:
-            return dk, dv, self.query_from_accumulator(results[2], variant, spec)
+            return dk, dv, self.query_from_accumulator(results[2], counts, variant, spec)
         return dk, dv
 
-    def query_from_accumulator(self, acc: mx.array, variant: KernelVariant, spec: AttentionSpec) -> mx.array:
+    def query_from_accumulator(self, acc: mx.array, counts: mx.array, variant: KernelVariant,
+                               spec: AttentionSpec) -> mx.array:
         """dQ [B, Hq, Nq, D] in the input dtype (a view of a [B, Nq, Hq, D] buffer) from the fused
-        dK/dV kernel's accumulator [B, Hq, query blocks, tile] (already scaled): one kernel that
+        dK/dV kernel's accumulator [B, Hq, query blocks, tile] (already scaled) and its counts [B,
+        Hq, query blocks] (0: no key block wrote the tile, whose dQ is zero): one kernel that
         reorders and rounds it (kernels/attention_backward_query_from_accumulator.cu says how the
         tiles lie)."""
         key = ("query_from_accumulator", CUDA_TYPES[spec.dtype], spec.head_dim, variant.traversal_block)
@@ -327,7 +338,7 @@ class CUDABackend:
                 cuda_source.query_from_accumulator_shared_bytes(*key[2:])))
         tiles = acc.shape[0] * acc.shape[1] * acc.shape[2]
         grid, group = _grid(tiles, cuda_source.QUERY_FROM_ACCUMULATOR_THREADS)
-        dq, = kernel(inputs=[acc, _int_params(spec, acc.shape[2], tiles, False)],
+        dq, = kernel(inputs=[acc, counts, _int_params(spec, acc.shape[2], tiles, False)],
                      output_shapes=[(spec.batch, spec.q_len, spec.q_heads, spec.head_dim)],
                      output_dtypes=[spec.dtype], grid=grid, threadgroup=group)
         return heads_view(dq)
@@ -361,27 +372,26 @@ class CUDABackend:
         return len(self._kernels)
 
     def _launch(self, variant: KernelVariant, spec, arrays, mask, rows: int, heads: int, output_shapes,
-                output_dtypes, sinks=None, init_value=None):
+                output_dtypes, sinks=None, counts=None):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
-        of parallel_block rows and column slice; the mask, the sinks (fp32) and the parameter
-        arrays go last. q, k, v and d_out are passed as they lie; the mask and the sinks are read
-        row-contiguous (made so: a copy only of a broadcast or strided one). init_value: every
-        output filled with it before the kernel runs (None: not filled)."""
+        of parallel_block rows and column slice; the mask, the sinks (fp32), the fused dQ's counts
+        and the parameter arrays go last. q, k, v and d_out are passed as they lie; the mask and
+        the sinks are read row-contiguous (made so: a copy only of a broadcast or strided one)."""
         blocks = -(-rows // variant.parallel_block)
         total = spec.batch * heads * blocks * variant.slices
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
-        inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + [
+        inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + (
+            [counts] if counts is not None else []) + [
             _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
-        filled = {} if init_value is None else {"init_value": init_value}
         if not variant.tensor_maps:
             return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
-                                        grid=grid, threadgroup=group, **filled)
+                                        grid=grid, threadgroup=group)
         # TMA loads: the template in, a scratch output for every CTA's published maps (dropped).
         outputs = self.kernel(variant)(
             inputs=inputs + [tensor_map.panel_template(variant.traversal_block, variant.tensor_map_rank)],
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
-            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group, **filled)
+            output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
         return outputs[:-1]
 
 

@@ -43,9 +43,9 @@ from .cuda import CUDABackend
 from .cuda_source import Tuning
 
 _C_TYPES = MappingProxyType({mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
-                             mx.int64: "int64_t", mx.bool_: "bool"})
+                             mx.int64: "int64_t", mx.int32: "int32_t", mx.bool_: "bool"})
 _NP_STORAGE = MappingProxyType({mx.bfloat16: np.uint16, mx.float16: np.uint16, mx.float32: np.float32,
-                                mx.int64: np.int64, mx.bool_: np.bool_})
+                                mx.int64: np.int64, mx.int32: np.int32, mx.bool_: np.bool_})
 
 
 def compiler() -> Optional[str]:

@@ -633,9 +633,10 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
     body that names them: common.STRIDED_INPUTS). The forward and dQ kernels take a sinks pointer
     after the mask (null without sinks); the dQ kernel also writes d_sinks_part after dq (null
-    without sinks). The wgmma dK/dV kernel (fused_query not None) writes dq_acc and dq_order after dv
-    (null unless fused_query). With tensor_maps (the wgmma kernels) the tensor-map template
-    follows the parameters and a scratch output for the CTAs' maps comes last."""
+    without sinks). The wgmma dK/dV kernel (fused_query not None) writes dq_acc after dv and takes
+    dq_order (the prepare kernel's zeroed counts, which it updates) after the mask; both null unless
+    fused_query. With tensor_maps (the wgmma kernels) the tensor-map template follows the
+    parameters and a scratch output for the CTAs' maps comes last."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
@@ -645,14 +646,17 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     args = strided + [_layout(name) for name in strided] + inputs[len(strided):] + [mask_arg]
     if kernel != "backward_key_value":
         args.append("sinks" if sinks else "(const float*)nullptr")
-    inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + ["params", "fparams"]
+    fused = kernel == "backward_key_value" and bool(fused_query)
+    inputs += (["mask"] if has_mask else []) + (["sinks"] if sinks else []) + (["dq_order"] if fused else []) + [
+        "params", "fparams"]
     args += ["params", "fparams"] + (["tensor_map"] if tensor_maps else []) + outputs
     if kernel == "backward_query":
         outputs = outputs + (["d_sinks_part"] if sinks else [])
         args.append("d_sinks_part" if sinks else "(float*)nullptr")
     if kernel == "backward_key_value" and fused_query is not None:
-        outputs = outputs + (["dq_acc", "dq_order"] if fused_query else [])
-        args += ["dq_acc", "dq_order"] if fused_query else ["(float*)nullptr", "(int*)nullptr"]
+        # dq_order is an input (MLX declares it const) that the kernel updates: see prepare_source.
+        outputs = outputs + (["dq_acc"] if fused else [])
+        args += ["dq_acc", "const_cast<int*>(dq_order)"] if fused else ["(float*)nullptr", "(int*)nullptr"]
     if tensor_maps:
         inputs.append("tensor_map")
         outputs = outputs + ["tensor_maps"]
@@ -666,17 +670,23 @@ def _layout(name: str) -> str:
     return f"mlxflash::layout_of({name}_strides)"
 
 
-def prepare_source(input_type: str, head_dim: int, has_d_lse: bool) -> Tuple[str, str, List[str], List[str]]:
-    """(header, body, inputs, outputs) of the backward preprocessing kernel."""
+def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0
+                   ) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, inputs, outputs) of the backward preprocessing kernel. count_block > 0: it
+    also writes dq_order, the fused dQ's counts (one per block of count_block queries), zeroed."""
     header = template_text(HEADER) + "\n" + render(
-        "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse)
+        "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse,
+        count_block=count_block)
+    counts = "dq_order" if count_block else "(int*)nullptr"
     body = (f"mlxflash::attention_backward_prepare(out, d_out, {_layout('out')}, {_layout('d_out')}, lse, d_lse, "
-            "params, delta, lse2);")
-    return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"]
+            f"params, delta, lse2, {counts});")
+    return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"] + (
+        ["dq_order"] if count_block else [])
 
 
-def prepare_name(input_type: str, head_dim: int, has_d_lse: bool) -> str:
-    return f"mlxflash_prepare_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_{int(has_d_lse)}"
+def prepare_name(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0) -> str:
+    counts = f"_c{count_block}" if count_block else ""
+    return f"mlxflash_prepare_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_{int(has_d_lse)}{counts}"
 
 
 QUERY_FROM_ACCUMULATOR_THREADS = 256  # THREADS of kernels/attention_backward_query_from_accumulator.cu
@@ -690,8 +700,8 @@ def query_from_accumulator_source(input_type: str, head_dim: int, traversal_bloc
         "attention_backward_query_from_accumulator.cu", input_type=input_type, head_dim=head_dim,
         traversal_block=traversal_block, tile_columns=_round_up(head_dim, 64),
         threads=QUERY_FROM_ACCUMULATOR_THREADS)
-    body = "mlxflash::attention_backward_query_from_accumulator(acc, params, dq);"
-    return header, body, ["acc", "params"], ["dq"]
+    body = "mlxflash::attention_backward_query_from_accumulator(acc, counts, params, dq);"
+    return header, body, ["acc", "counts", "params"], ["dq"]
 
 
 def query_from_accumulator_shared_bytes(head_dim: int, traversal_block: int) -> int:
