@@ -75,12 +75,10 @@ __device__ void attention_backward_key_value(
 
   const Rows<const T> kg = head_rows(k, lk, b, hk).from(k0);
   const Rows<const T> vg = head_rows(v, lv, b, hk).from(k0);
-  // Each operand by its own path: a broadcast (out.sum()'s cotangent, column stride 0) is read
-  // element by element, the others in 16-byte chunks.
-  // Q / dO: for all of the group's query heads (the head stride too).
-  const bool vec_kv = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
-  const bool vec_q = vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0;
-  const bool vec_do = vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
@@ -101,9 +99,9 @@ __device__ void attention_backward_key_value(
     const int h = hk * group + gi;
     const i64 bh = (i64)b * Hq + h;
     load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, head_rows(q, lq, b, h).from(qs), Nq - qs, 0, HEAD_DIM,
-                                    vec_q, tid);
+                                    vec, tid);
     load_tile<BN, DS, ROW, THREADS>(dOs + stage * Q_ELEMS, head_rows(d_out, ldo, b, h).from(qs), Nq - qs, 0,
-                                    HEAD_DIM, vec_do, tid);
+                                    HEAD_DIM, vec, tid);
     for (int c = tid; c < BN; c += THREADS) {
       const bool ok = qs + c < Nq;
       Ls[stage * BN + c] = ok ? lse2[bh * Nq + qs + c] : INFINITY;
@@ -112,8 +110,8 @@ __device__ void attention_backward_key_value(
   };
 
   if (items > 0) {
-    load_tile<BM, DS, ROW, THREADS>(Ks, kg, Nk - k0, 0, HEAD_DIM, vec_kv, tid);
-    load_tile<BM, DS, ROW, THREADS>(Vs, vg, Nk - k0, 0, HEAD_DIM, vec_kv, tid);
+    load_tile<BM, DS, ROW, THREADS>(Ks, kg, Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BM, DS, ROW, THREADS>(Vs, vg, Nk - k0, 0, HEAD_DIM, vec, tid);
     load_item(0, 0);
     cp_async_commit();
   }

@@ -182,12 +182,10 @@ __device__ void attention_backward_key_value_wgmma(
   const int k0 = kb * BM;
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  // Each operand by its own path: a broadcast (out.sum()'s cotangent, column stride 0) is read
-  // element by element, the others in 16-byte chunks.
-  // Q / dO: for all of the group's query heads (the head stride too).
-  const bool vec_kv = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
-  const bool vec_q = vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0;
-  const bool vec_do = vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
+  // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
+  const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
   // TMA: one map per operand spans the group's query heads (a third dimension of `group` heads).
   const bool tma = tma_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) &&
                    tma_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) &&
@@ -310,16 +308,16 @@ __device__ void attention_backward_key_value_wgmma(
       load_stats(it + 1);
       mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
       load_swizzled<BN, TILE_PANELS, COPY_THREADS, HEAD_DIM>(Qs + stage * TILE_BYTES, head_rows(q, lq, b, h).from(qs),
-                                                             Nq - qs, vec_q, ptid);
-      announce_tile(full_q(stage), vec_q);
+                                                             Nq - qs, vec, ptid);
+      announce_tile(full_q(stage), vec);
       if (stats_thread) {
 #pragma unroll
         for (int r = 0; r < STATS_ROWS; ++r) Ls[stage * BN + ptid + r * STATS_THREADS] = l[r];
         mbarrier_arrive(full_q(stage));
       }
       load_swizzled<BN, TILE_PANELS, COPY_THREADS, HEAD_DIM>(dOs + stage * TILE_BYTES,
-                                                             head_rows(d_out, ldo, b, h).from(qs), Nq - qs, vec_do, ptid);
-      announce_tile(full_do(stage), vec_do);
+                                                             head_rows(d_out, ldo, b, h).from(qs), Nq - qs, vec, ptid);
+      announce_tile(full_do(stage), vec);
       if (stats_thread) {
 #pragma unroll
         for (int r = 0; r < STATS_ROWS; ++r) Dls[stage * BN + ptid + r * STATS_THREADS] = d[r];
@@ -353,9 +351,9 @@ __device__ void attention_backward_key_value_wgmma(
     unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
     const int kv_row = min(key_first, Nk - 1);
     if (scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec_kv, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec_kv, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 k_addr = smem_u32(k_tile), v_addr = smem_u32(v_tile);

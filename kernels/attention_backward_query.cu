@@ -75,10 +75,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   const Rows<const T> dog = head_rows(d_out, ldo, b, h).from(q0);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  // Each operand by its own path: a broadcast (out.sum()'s cotangent, column stride 0) is read
-  // element by element, the others still in 16-byte chunks.
-  const bool vec_q = vector_rows<HEAD_DIM>(qg), vec_do = vector_rows<HEAD_DIM>(dog);
-  const bool vec_kv = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
+                   vector_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
   int kb_begin, kb_end;  // the key blocks any row of this block may see
@@ -115,11 +113,11 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
   }
 
   if (kb_begin < kb_end) {
-    load_tile<BM, DS, ROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec_q, tid);
-    load_tile<BM, DS, ROW, THREADS>(dOs, dog, Nq - q0, 0, HEAD_DIM, vec_do, tid);
+    load_tile<BM, DS, ROW, THREADS>(Qs, qg, Nq - q0, 0, HEAD_DIM, vec, tid);
+    load_tile<BM, DS, ROW, THREADS>(dOs, dog, Nq - q0, 0, HEAD_DIM, vec, tid);
     const int k0 = kb_begin * BN;
-    load_tile<BN, DS, ROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, vec_kv, tid);
-    load_tile<BN, DS, ROW, THREADS>(Vs, vg.from(k0), Nk - k0, 0, HEAD_DIM, vec_kv, tid);
+    load_tile<BN, DS, ROW, THREADS>(Ks, kg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
+    load_tile<BN, DS, ROW, THREADS>(Vs, vg.from(k0), Nk - k0, 0, HEAD_DIM, vec, tid);
     cp_async_commit();
   }
 
@@ -127,8 +125,8 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
     const int stage = (kb - kb_begin) & 1;
     if (kb + 1 < kb_end) {
       const int k1 = (kb + 1) * BN;
-      load_tile<BN, DS, ROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, vec_kv, tid);
-      load_tile<BN, DS, ROW, THREADS>(Vs + (stage ^ 1) * K_ELEMS, vg.from(k1), Nk - k1, 0, HEAD_DIM, vec_kv, tid);
+      load_tile<BN, DS, ROW, THREADS>(Ks + (stage ^ 1) * K_ELEMS, kg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
+      load_tile<BN, DS, ROW, THREADS>(Vs + (stage ^ 1) * K_ELEMS, vg.from(k1), Nk - k1, 0, HEAD_DIM, vec, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();

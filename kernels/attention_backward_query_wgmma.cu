@@ -99,10 +99,8 @@ __device__ void attention_backward_query_wgmma(
   const Rows<const T> dog = head_rows(d_out, ldo, b, h);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
-  // Each operand by its own path: a broadcast (out.sum()'s cotangent, column stride 0) is read
-  // element by element, the others still in 16-byte chunks.
-  const bool vec_q = vector_rows<HEAD_DIM>(qg), vec_do = vector_rows<HEAD_DIM>(dog);
-  const bool vec_kv = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg);
+  const bool vec = vector_rows<HEAD_DIM>(qg) && vector_rows<HEAD_DIM>(dog) && vector_rows<HEAD_DIM>(kg) &&
+                   vector_rows<HEAD_DIM>(vg);
   const bool tma = tma_rows<HEAD_DIM>(kg) && tma_rows<HEAD_DIM>(vg);
 
   const int q_last = min(q0 + BM, Nq) - 1;
@@ -115,7 +113,7 @@ __device__ void attention_backward_query_wgmma(
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
-    produce_key_value_tiles<BN, TILE_PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec_kv, tma,
+    produce_key_value_tiles<BN, TILE_PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
                                                                {tensor_map, tensor_map_slots(tensor_maps, bid)},
                                                                tid - 128 * CONSUMERS);
     return;
@@ -165,9 +163,9 @@ __device__ void attention_backward_query_wgmma(
     unsigned char* q_tile = Qs + row_group * Q_GROUP_BYTES;
     unsigned char* do_tile = dOs + row_group * Q_GROUP_BYTES;
     const int q_row = min(query_first, Nq - 1);
-    if (scores_side) load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec_q, tid % 128);
+    if (scores_side) load_swizzled<64, PANELS, 128, HEAD_DIM>(q_tile, qg.from(q_row), Nq - query_first, vec, tid % 128);
     if (CG == 1 || !scores_side)
-      load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec_do, tid % 128);
+      load_swizzled<64, PANELS, 128, HEAD_DIM>(do_tile, dog.from(q_row), Nq - query_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);

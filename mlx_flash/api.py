@@ -37,14 +37,6 @@ def writes_token_major(backend) -> bool:
     return bool(getattr(backend, "token_major_outputs", False))
 
 
-def reads_any_cotangent(backend) -> bool:
-    """Whether `backend`'s kernels read the output's cotangent as it lies whatever its strides, at
-    full speed wherever it has unit-stride rows (a broadcast one, out.sum()'s, element by element:
-    each operand by its own path). Declared with a `cotangent_as_it_lies` attribute; the others
-    get d_out made row-contiguous in the layout of the out they returned."""
-    return bool(getattr(backend, "cotangent_as_it_lies", False))
-
-
 def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     """A custom_function (q, k, v[, mask][, sinks]) -> (out, lse) whose VJP runs the backend's backward.
 
@@ -55,17 +47,14 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     strided q, k, v), ~224 MiB of copies per mlx-lm Llama layer at N = 16K (Hq 16, Hkv 4, D 128, bf16).
 
     For a backend that writes token-major outputs, the custom function returns out as its
-    [B, N, H, D] buffer (the caller takes the [B, H, N, D] view), so d_out arrives [B, N, H, D]-shaped.
-    A backend that reads any cotangent as it lies ("cuda") takes its [B, H, N, D] view: no copy
-    whether a model transposes and reshapes the output (mlx-lm: a row-contiguous [B, N, H, D]
-    cotangent) or takes a loss of the [B, H, N, D] output itself. For the others it is made
-    row-contiguous here (no copy in mlx-lm's case, one otherwise): a broadcast cotangent
-    (out.sum()'s) read element by element along with every other operand made fwd+bwd take 6-12x
-    as long on an H100 before the CUDA kernels gave each operand its own path.
+    [B, N, H, D] buffer (the caller takes the [B, H, N, D] view), so d_out arrives [B, N, H, D]-shaped
+    and is made row-contiguous here: no copy where a model transposes and reshapes the output
+    (mlx-lm: the cotangent is then row-contiguous already), one copy of a broadcast cotangent
+    (out.sum()'s), which the kernels would otherwise read element by element (fwd+bwd took 6-12x
+    as long on an H100).
     """
     token_major = writes_token_major(backend)
     contiguous_d_out = takes_row_contiguous(backend)
-    any_cotangent = reads_any_cotangent(backend)
 
     def split(primals):
         q, k, v = primals[:3]
@@ -86,7 +75,7 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
         d_out, d_lse = cotangents
         out, lse = outputs
         if token_major:
-            out, d_out = heads_view(out), heads_view(d_out if any_cotangent else mx.contiguous(d_out))
+            out, d_out = heads_view(out), heads_view(mx.contiguous(d_out))
         elif contiguous_d_out:
             d_out = mx.contiguous(d_out)  # no copy when it is row-contiguous already
         dq, dk, dv, d_sinks = backend.backward(q, k, v, mask, out, lse, d_out,

@@ -109,7 +109,7 @@ def test_emulated_broadcast_cotangent(capability, head_dim):
 @gpu
 @pytest.mark.parametrize("head_dim", [64, 80, 128, 256])
 def test_broadcast_cotangent(head_dim):
-    """out.sum()'s cotangent is a broadcast on MLX (all strides 0); the kernels read it as it lies."""
+    """out.sum()'s cotangent is a broadcast on MLX (all strides 0); flash_attention makes it contiguous."""
     case = Case(head_dim=head_dim, q_len=300, kv_len=257, dtype="bfloat16", mask="causal", group=4, kv_heads=2)
     for error in _sum_cotangent_errors(case, "cuda"):
         assert error < GRADIENT_TOLERANCE["bfloat16"]

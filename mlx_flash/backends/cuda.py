@@ -117,10 +117,6 @@ class CUDABackend:
     # out, dq, dk, dv are views of [B, N, H, D] buffers.
     row_contiguous_inputs = False
     token_major_outputs = True
-    # d_out too, whatever its strides: the backward kernels pick each operand's copy path alone, so
-    # a broadcast cotangent is read element by element and the other operands still in 16-byte
-    # chunks (or by TMA); flash_attention's VJP copies no cotangent.
-    cotangent_as_it_lies = True
 
     def __init__(self, tuning: Tuning = Tuning(), kernel_factory: Optional[Callable] = None,
                  capability: Optional[int] = None):
