@@ -57,8 +57,9 @@
 // (they are 0.. the last, without a window), each writer waiting on a per-(query head, query
 // block) count (zeroed by the prepare kernel; an input this kernel updates). Key block 0 stores
 // its part instead (one TMA bulk copy), so nothing fills the accumulator first; the tiles no key
-// block sees keep a count of 0, which tells the dQ kernel they are zero. A CTA waits only on CTAs of lower index (started no earlier), so the wait ends;
-// the order makes dQ bitwise reproducible. The consumers never wait on the order, only on the
+// block sees keep a count of 0, which tells the dQ kernel they are zero. A CTA waits only on
+// CTAs of lower index (started no earlier), so the wait ends; the order makes dQ bitwise
+// reproducible. The consumers never wait on the order, only on the
 // staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
