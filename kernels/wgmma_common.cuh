@@ -336,10 +336,11 @@ __device__ __forceinline__ void store_scores_rows(const u32 (&a)[BN / 16][4], un
   fence_proxy_async();
 }
 
-// Ordered adds into global memory by other CTAs (the fused dQ): a count each adder waits on.
-// wait_for_count spins until *count (global) reaches `value`; its acquire orders this thread's
-// later bulk adds after the adds the count published (completed: the adder waited for its bulk
-// group before releasing the count). No proxy fence: both sides' adds are the async proxy's, and
+// Ordered writes into global memory by other CTAs (the fused dQ: the first a bulk store, the
+// rest bulk adds): a count each writer waits on. wait_for_count spins until *count (global)
+// reaches `value`; its acquire orders this thread's later bulk adds after the writes the count
+// published (completed: the writer waited for its bulk group before releasing the count). No
+// proxy fence: both sides' stores and adds are the async proxy's, and
 // a fence.proxy.async.global in the dK/dV kernel made ptxas spill 150-470 bytes (nvcc 13.0).
 __device__ __forceinline__ void wait_for_count(const int* count, int value) {
   int seen;
