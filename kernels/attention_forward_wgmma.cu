@@ -54,10 +54,6 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
-// P_j through shared memory (FlashAttention-3's D <= 64 forward): each warpgroup stores its P tile
-// (64 rows x BN keys, K-major) with stmatrix and O += P V reads both operands there, so P holds no
-// registers and BN can be wider.
-constexpr bool SHARED_P = {{shared_p}};
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
 // time against rescaling every step, D=256 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower.
 constexpr bool LAZY_RESCALE = DV > 128;
@@ -70,10 +66,8 @@ constexpr int PANELS = CG == 2 ? 2 * DV / 64 : (DP + 63) / 64;
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
 // Column groups: the parts of S swapped between the warpgroups, double-buffered (one barrier per step).
 constexpr int SWAP_BYTES = CG == 2 ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
-constexpr int P_BYTES = SHARED_P ? CONSUMERS * BN * 128 : 0;  // a warpgroup's P: BN / 64 panels of 64 rows
-static_assert(!SHARED_P || (BN % 64 == 0 && CG == 1), "P in shared memory: whole 64-key panels, no column groups");
-constexpr int SMEM_BYTES = 1024 + ROW_GROUPS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + P_BYTES + SWAP_BYTES +
-                           KeyValueRing<STAGES>::BYTES;
+constexpr int SMEM_BYTES =
+    1024 + ROW_GROUPS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + SWAP_BYTES + KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
 // to 8: 168 with two consumers). setmaxnreg moves registers only inside the CTA's allocation, so
@@ -85,7 +79,7 @@ constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // kernel's 24 / 32 (its TMA path fits) lost here: H100, kernel time against 48, B=4 H=16 N=4096,
 // D=64 BN = 96 1.045x (causal 1.051x), BN = 128 (no longer spilling on 160) 0.953x (1.014x); D=256
 // 1.030x (1.002x).
-constexpr int PRODUCER_REGS = SHARED_P && BN > 128 ? 32 : 48;
+constexpr int PRODUCER_REGS = 48;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");
@@ -111,9 +105,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   unsigned char* Qs = base;
   unsigned char* Ks = Qs + ROW_GROUPS * Q_GROUP_BYTES;
   unsigned char* Vs = Ks + STAGES * K_BYTES;
-  unsigned char* Ps = Vs + STAGES * V_BYTES;  // SHARED_P: [CONSUMERS] P tiles
-  float4* swap = reinterpret_cast<float4*>(Ps + P_BYTES);  // [2 buffers][2 warpgroups]
-  const KeyValueRing<STAGES> ring{smem_u32(Ps + P_BYTES + SWAP_BYTES)};
+  float4* swap = reinterpret_cast<float4*>(Vs + STAGES * V_BYTES);  // [2 buffers][2 warpgroups]
+  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * V_BYTES + SWAP_BYTES)};
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -204,10 +197,6 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&o_flat)[DV / 2] = *reinterpret_cast<float(*)[DV / 2]>(&o[0][0]);
     u32 p[BN / 16][4];  // P_j as bf16 / fp16 A fragments: two n8 accumulator tiles = one k16 fragment
-    // SHARED_P: this warpgroup's P tile; lane l stores row l % 8 of stmatrix's matrix l / 8 (rows
-    // 8 (l / 8 % 2) of the warp's 16, columns 8 (l / 16) of a k16 fragment).
-    const u32 p_tile = smem_u32(Ps) + (SHARED_P ? warpgroup * BN * 128 : 0);
-    const u32 p_row = p_tile + (warp * 16 + (lane / 8) % 2 * 8 + lane % 8) * 128;
 
     // S = Q K_j^T from K buffer j % STAGES.
     auto issue_scores = [&](int it) {
@@ -224,12 +213,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     auto issue_values = [&](int it) {
       fence_registers(o_flat);
       wgmma_fence();
-      const u32 v_at = smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part;
-      if constexpr (SHARED_P) {
-        wgmma_shared_values<DV, BN, T>(o_flat, p_tile, v_at, v_leading, v_stride);
-      } else {
-        wgmma_registers_shared<DV, BN, T>(o_flat, p, v_at, v_leading, v_stride);
-      }
+      wgmma_registers_shared<DV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part, v_leading,
+                                        v_stride);
       wgmma_commit();
     };
     // Scores of step j -> P_j in fp32 (masks, log2 units, online softmax); corr rescales O.
@@ -242,24 +227,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
                                                                             wright, scale, scale_log2, cap, tq);
     };
     // P_j to the A fragments of O += P_j V_j: only once O += P_{j-1} V_{j-1} is done reading them.
-    // SHARED_P: into the P tile (swizzled panels), then ordered before wgmma's reads (async proxy)
-    // for the whole warpgroup.
     auto convert = [&]() {
-      if constexpr (SHARED_P) {
 #pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          u32 a[4];
-          accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], a);
-          const int chunk = ((2 * kk + lane / 16) % 8) ^ (lane % 8);
-          stmatrix_x4(p_row + (kk / 4) * 64 * 128 + chunk * 16, a);
-        }
-        fence_proxy_async();
-        named_barrier_sync(1 + warpgroup, 128);
-      } else {
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-          accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], p[kk]);
-        }
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], p[kk]);
       }
     };
     auto release = [&](u32 barrier) {  // this warp is done reading the buffer

@@ -220,25 +220,6 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
   for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::rs(acc, a[kk], b.at(kk * 16 * 128), 1);
 }
 
-//   acc (64 x N) += A (64 x K from a_addr: a 64-row K-major tile, P in shared memory) * B (as in
-//   wgmma_registers_shared, MN-major): O += P V where P goes through shared memory (SHARED_P).
-template <int N, int K, typename T>
-__device__ __forceinline__ void wgmma_shared_values(float (&acc)[N / 2], u32 a_addr, u32 b_addr, u32 leading,
-                                                    u32 stride) {
-  const SmemDescriptor a(a_addr, 16, 1024), b(b_addr, leading, stride);
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) Wgmma<N, T>::ss_v(acc, a.at((kk / 4) * 64 * 128 + (kk % 4) * 32), b.at(kk * 16 * 128), 1);
-}
-
-// stmatrix (PTX ISA "stmatrix", sm_90): four 8 x 8 matrices of 16-bit elements, register i of each
-// thread holding row lane / 4, columns 2 (lane % 4) (+1) of matrix i (mma's A / C fragment
-// layout); lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void stmatrix_x4(u32 address, const u32 (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address), "r"(r[0]),
-               "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
-
 // Copies rows [0, rows_valid) x columns [0, cols) of g (rows through their strides; cols <=
 // HEAD_DIM, a multiple of 8 with vec: the forward's column groups load a part of Q) into a
 // ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:

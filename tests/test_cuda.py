@@ -564,33 +564,6 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 
 @gpu
 @sm90_only
-@pytest.mark.parametrize("keys", [128, 192])
-@pytest.mark.parametrize("case", [
-    Case(head_dim=64, q_len=450, kv_len=391, dtype="bfloat16", mask="bool", softcap=20.0, group=2),
-    Case(head_dim=40, q_len=200, kv_len=260, dtype="float16", mask="causal_window", window=(50, -1)),
-    Case(head_dim=64, q_len=700, kv_len=1100, dtype="bfloat16", mask="causal", group=4, sinks=True),
-    Case(head_dim=17, q_len=90, kv_len=333, dtype="float16", mask="additive"),
-    Case(head_dim=64, q_len=1000, kv_len=1000, dtype="bfloat16", mask=None),
-], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else ""))
-def test_wgmma_forward_shared_p(case, keys):
-    """P through shared memory (SHARED_P: stmatrix into a swizzled tile, O += P V with both
-    operands there) at T = 128 and 192 keys a step: against the float64 reference and against the
-    kernel that keeps P in registers (same P in bf16 / fp16; other step boundaries)."""
-    reset_fallback_counts()
-    tuning = Tuning(shared_p=True, blocks={"forward_wgmma": (192, keys, 64, 12)})
-    backend = cuda.CUDABackend(tuning=tuning)
-    a = make_arrays(case)
-    spec, _ = check_inputs(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, **a.kwargs)
-    assert backend.variants(spec, a.mask.dtype if isinstance(a.mask, mx.array) else None).forward.shared_p
-    check_case(case, backend=backend, gradients=False)
-    outs = [flash_attention(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, return_lse=True, backend=b, **a.kwargs)
-            for b in (backend, cuda.CUDABackend(tuning=Tuning(shared_p=False)))]
-    assert relative_error(to_numpy(outs[0][0]), to_numpy(outs[1][0])) < 1e-2
-    assert not fallback_counts(), fallback_counts()
-
-
-@gpu
-@sm90_only
 @pytest.mark.parametrize("head_dim,kv_len,dtype,mask", [
     (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
     (176, 333, "bfloat16", "causal"), (256, 150, "float16", None), (512, 333, "bfloat16", "causal"),

@@ -55,7 +55,6 @@ WGMMA_MAP_BYTES = tensor_map.SLOT_BYTES
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
-SHARED_P = "shared_p"
 # ... and masked_t<N> / window_t<N>: the row's T for calls with an array mask (bool or additive) /
 # a sliding window on a wgmma row, where the row's own T spills with the mask's loads or the
 # window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
@@ -176,8 +175,6 @@ class Tuning:
             True / False forces one order (see `block_major`).
         fused_query: None = the table's options column (by the call's length); True / False
             forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
-        shared_p: None = the table's options column; True / False forces the wgmma forward's P
-            through shared memory (where T is whole 64-key panels and O is not split), or not.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -188,7 +185,6 @@ class Tuning:
     pingpong: Optional[bool] = None
     block_major: Optional[bool] = None
     fused_query: Optional[bool] = None
-    shared_p: Optional[bool] = None
     table: Optional[planner.Table] = None
 
     def __post_init__(self):
@@ -247,8 +243,6 @@ class KernelVariant:
         causal, window, softcap: which index masks / transforms are compiled in.
         mask_kind: 0 none, 1 bool, 2 additive; mask_type: CUDA type of the mask elements.
         pingpong: wgmma forward: the consumer warpgroups take turns issuing their MMAs.
-        shared_p: wgmma forward: P goes through shared memory (SHARED_P), both operands of
-            O += P V read there.
         fused_query: wgmma dK/dV: the kernel accumulates dQ as well (FUSED_QUERY); the dQ kernel
             does not run.
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
@@ -276,7 +270,6 @@ class KernelVariant:
     pingpong: bool = False
     sinks: bool = False
     fused_query: bool = False
-    shared_p: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -310,8 +303,7 @@ class KernelVariant:
             ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
             if self.kernel == "forward":  # Q; K and V rings (column groups: panels of both, S's parts swapped)
                 tile_row = max(row, cg * self.head_block * 2)
-                shared_p = (self.warps // 4) * bn * 128 if self.shared_p else 0  # a P tile per warpgroup
-                return 1024 + tile_row * (bm + 2 * stages * bn) + (1024 * bn if cg == 2 else 0) + shared_p + ring
+                return 1024 + tile_row * (bm + 2 * stages * bn) + (1024 * bn if cg == 2 else 0) + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings (column groups: panels of both, a swap)
                 tile_row = max(row, cg * self.head_block * 2)
                 return 1024 + row * 2 * bm + tile_row * 2 * stages * bn + (1024 * bn if cg == 2 else 0) + ring
@@ -345,8 +337,7 @@ class KernelVariant:
     @property
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
-                                         ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
-                                         ("v", self.shared_p)) if on)
+                                         ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -362,8 +353,7 @@ class KernelVariant:
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
-                values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups,
-                              shared_p=self.shared_p)
+                values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
                               fused_query=self.fused_query)
@@ -598,8 +588,6 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # Column groups run in step (they swap S every step): no turns to take.
     pingpong = kernel == "forward" and col_groups == 1 and (
         plan.is_cached(PINGPONG) if tuning.pingpong is None else tuning.pingpong)
-    shared_p = kernel == "forward" and col_groups == 1 and keys % 64 == 0 and padded <= 64 and (
-        plan.is_cached(SHARED_P) if tuning.shared_p is None else tuning.shared_p)
     # Fused dQ by the row's length (measured without array masks: blocks_cuda.txt), or forced.
     option = fused_query_option(spec)
     by_length = long_queries and option is not None and option_keys(plan.cached, option, where) is not None
@@ -608,7 +596,7 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
         fused_query_fits(spec, keys, padded, col_groups * slices))
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
-                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong, shared_p=shared_p,
+                         traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
                          fused_query=fused_query, tuning=tuning, **features)
 
 
