@@ -480,6 +480,26 @@ __device__ void attention_backward_key_value_wgmma(
             dp[n][2 * hf + 1] = p1 * (dp[n][2 * hf + 1] - dl.y);
           }
         }
+      } else if (MASK_KIND != 0 && full_block) {
+        // Interior tile with an array mask: only the mask decides, no clamped indices
+        // (softmax_scores_tile says why).
+        const MaskT* mbase = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH] + (i64)(qs + 2 * tq) * msq;
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int col = n * 8 + 2 * tq + e;
+              float t = 0.f;
+              const MaskT* mp = mbase + (i64)(n * 8 + e) * msq + (i64)(row0 + 8 * hf) * msk;
+              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, mp, scale, scale_log2, cap, t);
+              const float p = fast_exp2(s2 - Lst[col]);
+              float ds = p * (dp[n][2 * hf + e] - Dst[col]);
+              if (SOFTCAP) ds *= 1.f - t * t;
+              s[n][2 * hf + e] = p;
+              dp[n][2 * hf + e] = ds;
+            }
       } else {
         const MaskT* mhead = nullptr;
         if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];

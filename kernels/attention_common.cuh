@@ -415,6 +415,11 @@ struct MaskRegs {
     if (MASK_KIND == 0) return 0.f;
     return to_float(rows[hf][(i64)min(c0 + 8 * n + e, climit - 1) * cstride]);
   }
+  // The same where every column of the tile lies before climit (no clamp).
+  __device__ __forceinline__ float value_inside(int hf, int n, int e) const {
+    if (MASK_KIND == 0) return 0.f;
+    return to_float(rows[hf][(i64)(c0 + 8 * n + e) * cstride]);
+  }
 };
 
 // Lazy rescaling (LAZY): the running max of a softmax row moves only when a block's maximum
@@ -454,6 +459,22 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
         s[n][e] *= scale_log2;
         mx[e / 2] = fmaxf(mx[e / 2], s[n][e]);
       }
+  } else if (MASK_KIND != 0 && full_block) {
+    // Interior tile with an array mask: every score is inside the problem and the band, so only
+    // the mask decides (no index tests, no clamped columns; rows past Nq read row Nq - 1's
+    // entries and are never stored).
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+      for (int n = 0; n < NS; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float t;
+          const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, masks.value_inside(hf, n, e), scale,
+                                                          scale_log2, cap, t);
+          s[n][2 * hf + e] = v2;
+          mx[hf] = fmaxf(mx[hf], v2);
+        }
   } else {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {

@@ -563,6 +563,25 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 
 
 @gpu
+@pytest.mark.parametrize("case", [
+    Case(head_dim=64, q_len=900, kv_len=1000, dtype="bfloat16", mask="bool", group=2),
+    Case(head_dim=128, q_len=1000, kv_len=777, dtype="float16", mask="additive", mask_shape=(True, False, True, True),
+         batch=2, softcap=20.0),
+    Case(head_dim=96, q_len=700, kv_len=700, dtype="bfloat16", mask="bool", mask_shape=(False, True, False, True)),
+    Case(head_dim=256, q_len=600, kv_len=650, dtype="bfloat16", mask="additive", group=2, lse_gradient=True),
+    Case(head_dim=160, q_len=650, kv_len=600, dtype="float16", mask="bool", mask_shape=(True, True, True, False)),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}")
+def test_array_masks_on_interior_blocks(case):
+    """Array masks where most blocks lie wholly inside the problem (the kernels' interior-tile path
+    reads the mask without index tests or clamps): rows broadcast along the batch, heads, queries
+    (one mask row for every query) or keys; softcap, GQA and an lse gradient. Every kernel
+    against the float64 reference, forward and gradients."""
+    reset_fallback_counts()
+    check_case(case, backend="cuda")
+    assert not fallback_counts(), fallback_counts()
+
+
+@gpu
 @sm90_only
 @pytest.mark.parametrize("head_dim,kv_len,dtype,mask", [
     (128, 517, "bfloat16", "causal"), (64, 390, "float16", None), (96, 200, "bfloat16", None),
