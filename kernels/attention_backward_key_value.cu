@@ -149,10 +149,12 @@ __device__ void attention_backward_key_value(
           for (int e = 0; e < 2; ++e) {
             const int cl = qcol + n * 8 + 2 * tq + e, i = qs + cl;  // query
             float t = 0.f;
+            // Inside a full block every index is in range and in the band (an array mask too).
             bool visible = true;
-            if (!full_block || MASK_KIND != 0)
-              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-            const MaskT* mp = MASK_KIND != 0 ? mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk : nullptr;
+            if (!full_block) visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+            const MaskT* mp = MASK_KIND == 0 ? nullptr
+                              : full_block   ? mhead + (i64)i * msq + (i64)j * msk
+                                             : mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk;
             const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
             const float p = fast_exp2(s2 - Lst[cl]);
             float ds = p * (dp[mt][n][2 * hf + e] - Dst[cl]);

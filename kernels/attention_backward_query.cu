@@ -153,10 +153,10 @@ __device__ void attention_backward_query(const bwdq::T* __restrict__ q, const bw
           for (int e = 0; e < 2; ++e) {
             const int j = key0 + kcol + n * 8 + 2 * tq + e;
             float t = 0.f;
+            // Inside a full block every index is in range and in the band (an array mask too).
             bool visible = true;
-            if (!full_block || MASK_KIND != 0)
-              visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-            const MaskT* mp = MASK_KIND != 0 ? mrow[mt][hf] + (i64)min(j, Nk - 1) * msk : nullptr;
+            if (!full_block) visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
+            const MaskT* mp = MASK_KIND != 0 ? mrow[mt][hf] + (i64)(full_block ? j : min(j, Nk - 1)) * msk : nullptr;
             const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[mt][n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
             const float p = fast_exp2(s2 - row_l2[mt][hf]);
             float ds = p * (dp[mt][n][2 * hf + e] - row_d[mt][hf]);

@@ -571,13 +571,14 @@ def test_wgmma_forward_matches_reference_and_mma(case):
     Case(head_dim=256, q_len=600, kv_len=650, dtype="bfloat16", mask="additive", group=2, lse_gradient=True),
     Case(head_dim=160, q_len=650, kv_len=600, dtype="float16", mask="bool", mask_shape=(True, True, True, False)),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}")
-def test_array_masks_on_interior_blocks(case):
+@pytest.mark.parametrize("wgmma", [None, False], ids=["table", "mma-sync"])
+def test_array_masks_on_interior_blocks(case, wgmma):
     """Array masks where most blocks lie wholly inside the problem (the kernels' interior-tile path
     reads the mask without index tests or clamps): rows broadcast along the batch, heads, queries
-    (one mask row for every query) or keys; softcap, GQA and an lse gradient. Every kernel
-    against the float64 reference, forward and gradients."""
+    (one mask row for every query) or keys; softcap, GQA and an lse gradient. Every kernel of the
+    table's plan and of the mma.sync plan against the float64 reference, forward and gradients."""
     reset_fallback_counts()
-    check_case(case, backend="cuda")
+    check_case(case, backend=cuda.CUDABackend(tuning=Tuning(wgmma_forward=wgmma, wgmma_backward=wgmma)))
     assert not fallback_counts(), fallback_counts()
 
 
