@@ -54,6 +54,8 @@ EMULATED_CASES = [
      "sm86: forward 2 column groups of 2 warps, dQ 2 warps, dK/dV 1 warp x 4 CTA slices"),
     (Case(head_dim=300, q_len=33, kv_len=30, dtype="bfloat16", mask="bool", lse_gradient=True), 86,
      "sm86: dK/dV 2 warps x 2 CTA slices, 16 x 16 tiles"),
+    (Case(head_dim=40, q_len=140, kv_len=130, dtype="float16", mask="additive", mask_shape=(True, False, True, False),
+          group=2), 86, "sm86: interior tiles of every kernel with a mask broadcast along heads and keys"),
 ]
 
 
