@@ -236,20 +236,32 @@ __device__ void attention_backward_query_wgmma(
           }
       } else if (MASK_KIND != 0 && full_block) {
         // Interior tile with an array mask: only the mask decides (softmax_scores_tile says why).
+        auto masked_ds = [&](int n, int hf, int e, float m) {
+          float t = 0.f;
+          const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, m, scale, scale_log2, cap, t);
+          const float p = fast_exp2(s2 - row_l2[hf]);
+          float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
+          if (SOFTCAP) ds *= 1.f - t * t;
+          s[n][2 * hf + e] = ds;
+        };
+        if (masks.paired) {
 #pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
+          for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
-          for (int hf = 0; hf < 2; ++hf)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float t = 0.f;
-              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, masks.value_inside(hf, n, e),
-                                                              scale, scale_log2, cap, t);
-              const float p = fast_exp2(s2 - row_l2[hf]);
-              float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
-              if (SOFTCAP) ds *= 1.f - t * t;
-              s[n][2 * hf + e] = ds;
+            for (int hf = 0; hf < 2; ++hf) {
+              float m[2];
+              masks.pair_inside(hf, n, m);
+              masked_ds(n, hf, 0, m[0]);
+              masked_ds(n, hf, 1, m[1]);
             }
+        } else {
+#pragma unroll
+          for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+              for (int e = 0; e < 2; ++e) masked_ds(n, hf, e, masks.value_inside(hf, n, e));
+        }
       } else {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)

@@ -394,11 +394,35 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, M m, float 
 // forward at D=128 0.80x its time, fwd+bwd 0.90x; bool unchanged (H100, N=4096,
 // benchmarks/RESULTS.md). Holding a tile's entries in registers instead (two per integer load,
 // issued beside the MMAs) made ptxas spill in dK/dV and was never measured on a GPU: not kept.
+// Two adjacent mask entries (columns c, c + 1) in one load (p aligned to both), as floats.
+template <int BYTES>
+struct PairWord;
+template <>
+struct PairWord<1> {
+  typedef unsigned short type;
+};
+template <>
+struct PairWord<2> {
+  typedef unsigned type;
+};
+template <>
+struct PairWord<4> {
+  typedef unsigned long long type;
+};
+template <typename MaskT>
+__device__ __forceinline__ void load_mask_pair(const MaskT* p, float (&v)[2]) {
+  const typename PairWord<sizeof(MaskT)>::type word = *reinterpret_cast<const typename PairWord<sizeof(MaskT)>::type*>(p);
+  const MaskT* e = reinterpret_cast<const MaskT*>(&word);
+  v[0] = to_float(e[0]);
+  v[1] = to_float(e[1]);
+}
+
 template <int MASK_KIND, int NS, typename MaskT>
 struct MaskRegs {
   const MaskT* rows[2];
   int c0, climit;
   i64 cstride;
+  bool paired;  // every thread of the warp may read its entries in pairs (pair_inside)
 
   // rows_[hf]: the mask entry of this thread's row hf at column 0 (a row past the problem clamped
   // to its last); columns at or past climit read column climit - 1 (their scores are not visible).
@@ -409,6 +433,10 @@ struct MaskRegs {
     c0 = c0_ + 2 * tq;
     climit = climit_;
     cstride = cstride_;
+    // Pairs: entries contiguous along the columns and each pair aligned to its size (c0 is even).
+    constexpr unsigned PAIR = 2 * sizeof(MaskT);
+    const bool aligned = (((unsigned long long)(rows[0] + c0) | (unsigned long long)(rows[1] + c0)) % PAIR) == 0;
+    paired = __all_sync(0xffffffffu, cstride == 1 && aligned);
   }
 
   __device__ __forceinline__ float value(int hf, int n, int e) const {
@@ -419,6 +447,10 @@ struct MaskRegs {
   __device__ __forceinline__ float value_inside(int hf, int n, int e) const {
     if (MASK_KIND == 0) return 0.f;
     return to_float(rows[hf][(i64)(c0 + 8 * n + e) * cstride]);
+  }
+  // Both entries (e = 0, 1) of n8 tile n in one load, inside the tile: only where paired.
+  __device__ __forceinline__ void pair_inside(int hf, int n, float (&v)[2]) const {
+    load_mask_pair(rows[hf] + c0 + 8 * n, v);
   }
 };
 
@@ -465,18 +497,35 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
     // entries and are never stored). Masked tiles used to take the edge path below (ncu, D=128
     // forward: 2.5x / 2.9x the unmasked kernel's instructions, additive / bool); with this path
     // in every kernel a masked fwd+bwd takes 0.31-0.46x its time (H100, N=4096, RESULTS.md).
+    if (masks.paired) {
 #pragma unroll
-    for (int hf = 0; hf < 2; ++hf)
+      for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-      for (int n = 0; n < NS; ++n)
+        for (int n = 0; n < NS; ++n) {
+          float m[2];
+          masks.pair_inside(hf, n, m);
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float t;
-          const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, masks.value_inside(hf, n, e), scale,
-                                                          scale_log2, cap, t);
-          s[n][2 * hf + e] = v2;
-          mx[hf] = fmaxf(mx[hf], v2);
+          for (int e = 0; e < 2; ++e) {
+            float t;
+            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, m[e], scale, scale_log2, cap, t);
+            s[n][2 * hf + e] = v2;
+            mx[hf] = fmaxf(mx[hf], v2);
+          }
         }
+    } else {
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+        for (int n = 0; n < NS; ++n)
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float t;
+            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, masks.value_inside(hf, n, e),
+                                                            scale, scale_log2, cap, t);
+            s[n][2 * hf + e] = v2;
+            mx[hf] = fmaxf(mx[hf], v2);
+          }
+    }
   } else {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {

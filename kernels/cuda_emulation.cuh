@@ -275,6 +275,8 @@ inline int __any_sync(unsigned, int predicate) {
   return emu::me().ival;
 }
 
+inline int __all_sync(unsigned mask, int predicate) { return !__any_sync(mask, !predicate); }
+
 namespace mlxflash {
 typedef unsigned int u32;
 
