@@ -387,13 +387,6 @@ __device__ __forceinline__ float score_log2(float raw, bool visible, M m, float 
   return s * LOG2E;
 }
 
-// An array mask's entries for one thread's scores of a tile, in the MMA accumulator layout: two
-// rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e. load() sets
-// where they lie (beside the tile's MMAs); value() reads an entry where the softmax uses it.
-// Against reading through a pointer built per element in the softmax loop: additive-masked wgmma
-// forward at D=128 0.80x its time, fwd+bwd 0.90x; bool unchanged (H100, N=4096,
-// benchmarks/RESULTS.md). Holding a tile's entries in registers instead (two per integer load,
-// issued beside the MMAs) made ptxas spill in dK/dV and was never measured on a GPU: not kept.
 // Two adjacent mask entries (columns c, c + 1) in one load (p aligned to both), as floats.
 template <int BYTES>
 struct PairWord;
@@ -417,6 +410,13 @@ __device__ __forceinline__ void load_mask_pair(const MaskT* p, float (&v)[2]) {
   v[1] = to_float(e[1]);
 }
 
+// An array mask's entries for one thread's scores of a tile, in the MMA accumulator layout: two
+// rows (hf) x NS n8 tiles (n) x two adjacent columns (e), column c0 + 8 n + 2 tq + e. load() sets
+// where they lie (beside the tile's MMAs); value() reads an entry where the softmax uses it.
+// Against reading through a pointer built per element in the softmax loop: additive-masked wgmma
+// forward at D=128 0.80x its time, fwd+bwd 0.90x; bool unchanged (H100, N=4096,
+// benchmarks/RESULTS.md). Holding a tile's entries in registers instead (two per integer load,
+// issued beside the MMAs) made ptxas spill in dK/dV and was never measured on a GPU: not kept.
 template <int MASK_KIND, int NS, typename MaskT>
 struct MaskRegs {
   const MaskT* rows[2];
@@ -499,6 +499,12 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
     // forward: 2.5x / 2.9x the unmasked kernel's instructions, additive / bool); with this path
     // in every kernel a masked fwd+bwd took 0.49-0.51x (bool) / 0.81x (additive) its time, with
     // the pairs 0.41-0.43x / 0.67-0.75x (H100, D = 64 / 128, N=4096; RESULTS.md).
+    auto masked_score = [&](int hf, int n, int e, float m) {
+      float t;
+      const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, m, scale, scale_log2, cap, t);
+      s[n][2 * hf + e] = v2;
+      mx[hf] = fmaxf(mx[hf], v2);
+    };
     if (masks.paired) {
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf)
@@ -506,13 +512,8 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
         for (int n = 0; n < NS; ++n) {
           float m[2];
           masks.pair_inside(hf, n, m);
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float t;
-            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, m[e], scale, scale_log2, cap, t);
-            s[n][2 * hf + e] = v2;
-            mx[hf] = fmaxf(mx[hf], v2);
-          }
+          masked_score(hf, n, 0, m[0]);
+          masked_score(hf, n, 1, m[1]);
         }
     } else {
 #pragma unroll
@@ -520,13 +521,7 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
 #pragma unroll
         for (int n = 0; n < NS; ++n)
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float t;
-            const float v2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, masks.value_inside(hf, n, e),
-                                                            scale, scale_log2, cap, t);
-            s[n][2 * hf + e] = v2;
-            mx[hf] = fmaxf(mx[hf], v2);
-          }
+          for (int e = 0; e < 2; ++e) masked_score(hf, n, e, masks.value_inside(hf, n, e));
     }
   } else {
 #pragma unroll
