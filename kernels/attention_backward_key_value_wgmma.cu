@@ -463,6 +463,17 @@ __device__ void attention_backward_key_value_wgmma(
       // P^T into s, dS^T into dp. Thread element (n, hf, e): key row0 + 8 hf, query qs + col.
       const bool full_block = qs + BN <= Nq && key_first + 64 <= Nk &&
           band_covers_tile<CAUSAL, WINDOW>(qs, qs + BN - 1, key_first, key_first + 63, diag, wleft, wright);
+      // One score of the masked or edge paths: P^T into s, dS^T into dp (mp: its mask entry).
+      auto gradient_scores = [&](int n, int hf, int e, bool visible, const MaskT* mp) {
+        const int col = n * 8 + 2 * tq + e;
+        float t = 0.f;
+        const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
+        const float p = fast_exp2(s2 - Lst[col]);
+        float ds = p * (dp[n][2 * hf + e] - Dst[col]);
+        if (SOFTCAP) ds *= 1.f - t * t;
+        s[n][2 * hf + e] = p;
+        dp[n][2 * hf + e] = ds;
+      };
       if (MASK_KIND == 0 && !SOFTCAP && full_block) {
         // Interior tile, no mask: no index arithmetic (see softmax_scores_tile).
 #pragma unroll
@@ -489,17 +500,8 @@ __device__ void attention_backward_key_value_wgmma(
 #pragma unroll
           for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              const int col = n * 8 + 2 * tq + e;
-              float t = 0.f;
-              const MaskT* mp = mbase + (i64)(n * 8 + e) * msq + (i64)(row0 + 8 * hf) * msk;
-              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, mp, scale, scale_log2, cap, t);
-              const float p = fast_exp2(s2 - Lst[col]);
-              float ds = p * (dp[n][2 * hf + e] - Dst[col]);
-              if (SOFTCAP) ds *= 1.f - t * t;
-              s[n][2 * hf + e] = p;
-              dp[n][2 * hf + e] = ds;
-            }
+            for (int e = 0; e < 2; ++e)
+              gradient_scores(n, hf, e, true, mbase + (i64)(n * 8 + e) * msq + (i64)(row0 + 8 * hf) * msk);
       } else {
         const MaskT* mhead = nullptr;
         if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
@@ -510,15 +512,9 @@ __device__ void attention_backward_key_value_wgmma(
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int j = row0 + 8 * hf, col = n * 8 + 2 * tq + e, i = qs + col;
-              float t = 0.f;
               const bool visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-              const MaskT* mp = MASK_KIND != 0 ? mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk : nullptr;
-              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
-              const float p = fast_exp2(s2 - Lst[col]);
-              float ds = p * (dp[n][2 * hf + e] - Dst[col]);
-              if (SOFTCAP) ds *= 1.f - t * t;
-              s[n][2 * hf + e] = p;
-              dp[n][2 * hf + e] = ds;
+              gradient_scores(n, hf, e, visible,
+                              MASK_KIND != 0 ? mhead + (i64)min(i, Nq - 1) * msq + (i64)min(j, Nk - 1) * msk : nullptr);
             }
       }
 

@@ -226,6 +226,15 @@ __device__ void attention_backward_query_wgmma(
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
+      // One score of the masked or edge paths (m: its mask entry's value).
+      auto gradient_score = [&](int n, int hf, int e, bool visible, float m) {
+        float t = 0.f;
+        const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, m, scale, scale_log2, cap, t);
+        const float p = fast_exp2(s2 - row_l2[hf]);
+        float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
+        if (SOFTCAP) ds *= 1.f - t * t;
+        s[n][2 * hf + e] = ds;
+      };
       if (MASK_KIND == 0 && !SOFTCAP && full_block) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
@@ -236,14 +245,6 @@ __device__ void attention_backward_query_wgmma(
           }
       } else if (MASK_KIND != 0 && full_block) {
         // Interior tile with an array mask: only the mask decides (softmax_scores_tile says why).
-        auto masked_ds = [&](int n, int hf, int e, float m) {
-          float t = 0.f;
-          const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], true, m, scale, scale_log2, cap, t);
-          const float p = fast_exp2(s2 - row_l2[hf]);
-          float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
-          if (SOFTCAP) ds *= 1.f - t * t;
-          s[n][2 * hf + e] = ds;
-        };
         if (masks.paired) {
 #pragma unroll
           for (int n = 0; n < BN / 8; ++n)
@@ -251,8 +252,8 @@ __device__ void attention_backward_query_wgmma(
             for (int hf = 0; hf < 2; ++hf) {
               float m[2];
               masks.pair_inside(hf, n, m);
-              masked_ds(n, hf, 0, m[0]);
-              masked_ds(n, hf, 1, m[1]);
+              gradient_score(n, hf, 0, true, m[0]);
+              gradient_score(n, hf, 1, true, m[1]);
             }
         } else {
 #pragma unroll
@@ -260,7 +261,7 @@ __device__ void attention_backward_query_wgmma(
 #pragma unroll
             for (int hf = 0; hf < 2; ++hf)
 #pragma unroll
-              for (int e = 0; e < 2; ++e) masked_ds(n, hf, e, masks.value_inside(hf, n, e));
+              for (int e = 0; e < 2; ++e) gradient_score(n, hf, e, true, masks.value_inside(hf, n, e));
         }
       } else {
 #pragma unroll
@@ -270,14 +271,8 @@ __device__ void attention_backward_query_wgmma(
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int i = row0 + 8 * hf, j = key0 + n * 8 + 2 * tq + e;
-              float t = 0.f;
               const bool visible = j < Nk && i < Nq && band_visible<CAUSAL, WINDOW>(i, j, diag, wleft, wright);
-              const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, masks.value(hf, n, e), scale,
-                                                              scale_log2, cap, t);
-              const float p = fast_exp2(s2 - row_l2[hf]);
-              float ds = p * (dp[n][2 * hf + e] - row_d[hf]);
-              if (SOFTCAP) ds *= 1.f - t * t;
-              s[n][2 * hf + e] = ds;
+              gradient_score(n, hf, e, visible, masks.value(hf, n, e));
             }
       }
 
