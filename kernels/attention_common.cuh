@@ -473,16 +473,39 @@ constexpr float MAX_SLACK = 8.f;
 // 8 n + 2 tq (+1) of the BN keys from key0. Scores become log2 units with the masks applied,
 // then P = exp2(S - running max) replaces them in s; row sums grow, and corr receives the factor
 // exp2(old max - new max) that O must be scaled by (rescale_output) before P V is added: exactly
-// 1 where the running max stays (LAZY: MAX_SLACK).
+// 1 where the running max stays (LAZY: MAX_SLACK). FOLD: interior tiles without a mask or softcap
+// keep the raw scores and scale them in exp2's FFMA (where the scale is positive; see below).
 // full_block: every element is visible (skips the index tests).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, int NS, typename MaskT>
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, bool FOLD = false, int NS,
+          typename MaskT>
 __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&corr)[2], float (&row_max)[2],
                                                     float (&row_sum)[2], const MaskRegs<MASK_KIND, NS, MaskT>& masks,
                                                     int row0, int key0, bool full_block, int Nq, int Nk, int diag,
                                                     int wleft, int wright, float scale, float scale_log2, float cap,
                                                     int tq) {
   float mx[2] = {row_max[0], row_max[1]};  // the two rows' running maxima
-  if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+  // P = exp2(s * exp_scale - max) below: s is in log2 units (exp_scale 1, an exact product) or,
+  // where the scale is folded, the raw q . k (exp_scale scale_log2).
+  constexpr bool FOLDS = FOLD && MASK_KIND == 0 && !SOFTCAP;
+  float exp_scale = 1.f;
+  if (FOLDS && full_block && scale_log2 > 0.f) {
+    // Interior tile, no mask, positive scale: the scale folded into exp2's FFMA, one instruction
+    // per score fewer. The maximum of the raw scores times scale_log2 is the maximum of the
+    // scaled ones (rounding is monotone); a negative scale would reverse it, and a zero or
+    // negative one takes the unfolded path. The same fold as a patched template against the
+    // unfolded wgmma forward (H100, B=1 H=16 N=4096, one A/B): 0.932x (D = 64) / 0.952x (D = 128)
+    // the time, fwd+bwd 0.988x; without the branch, before the TMA loads, it had measured 3-6 %
+    // slower (docs/cuda_notes.md). The mma.sync forward does not fold: there ptxas spilled
+    // (sm_86 D = 128: 0 -> 40 bytes), and it was never timed.
+    exp_scale = scale_log2;
+    float raw[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < NS; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) raw[e / 2] = fmaxf(raw[e / 2], s[n][e]);
+    mx[0] = fmaxf(mx[0], raw[0] * scale_log2);
+    mx[1] = fmaxf(mx[1], raw[1] * scale_log2);
+  } else if (MASK_KIND == 0 && !SOFTCAP && full_block) {
     // Interior tile, no mask: no index arithmetic. (The general loop below, for every tile, made
     // the wgmma forward issue ~25 instructions per score on H100, most of them integer ones.)
 #pragma unroll
@@ -557,7 +580,7 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
     for (int n = 0; n < NS; ++n)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float p = fast_exp2(s[n][2 * hf + e] - m_use);
+        const float p = fast_exp2(FOLDS ? fmaf(s[n][2 * hf + e], exp_scale, -m_use) : s[n][2 * hf + e] - m_use);
         s[n][2 * hf + e] = p;
         sum += p;
       }

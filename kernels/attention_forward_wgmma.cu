@@ -222,9 +222,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       const int key0 = (kb_begin + it) * BN;
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE>(s, corr, row_max, row_sum, masks, row0,
-                                                                            key0, full_block, Nq, Nk, diag, wleft,
-                                                                            wright, scale, scale_log2, cap, tq);
+      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE, true>(
+          s, corr, row_max, row_sum, masks, row0, key0, full_block, Nq, Nk, diag, wleft, wright, scale, scale_log2, cap,
+          tq);
     };
     // P_j to the A fragments of O += P_j V_j: only once O += P_{j-1} V_{j-1} is done reading them.
     auto convert = [&]() {

@@ -796,6 +796,84 @@ def test_fused_query_counts_start_at_zero(q_len):
         assert np.array_equal(np.array(got), np.array(expected))
 
 
+_SOFTMAX_STEPS, _SOFTMAX_KEYS = 5, 48  # steps of one 16-row m-tile over 48 keys (NS = 6 n8 tiles)
+
+
+def _emulated_softmax_steps(raw: np.ndarray, scale: float, lazy: bool, fold: bool):
+    """softmax_scores_tile (kernels/attention_common.cuh) over the interior tiles of one warp's 16
+    rows, step by step, on the CPU emulator: P of each step, corr of each step, the final running
+    max (log2 units) and sum of each row."""
+    from mlx_flash.render import template_text
+    ns = _SOFTMAX_KEYS // 8
+    body = f"""
+  using namespace mlxflash;
+  const int lane = threadIdx.x, g = lane / 4, tq = lane % 4;
+  const float scale = fparams[0];
+  const float scale_log2 = scale * 1.4426950408889634f;
+  MaskRegs<0, {ns}, float> masks;
+  float row_max[2] = {{-INFINITY, -INFINITY}}, row_sum[2] = {{0.f, 0.f}};
+  for (int step = 0; step < {_SOFTMAX_STEPS}; ++step) {{
+    float s[{ns}][4], corr[2];
+    for (int n = 0; n < {ns}; ++n)
+      for (int e = 0; e < 4; ++e) s[n][e] = scores[(step * 16 + g + 8 * (e / 2)) * {_SOFTMAX_KEYS} + 8 * n + 2 * tq + e % 2];
+    softmax_scores_tile<false, false, false, 0, {str(lazy).lower()}, {str(fold).lower()}>(
+        s, corr, row_max, row_sum, masks, 0, 0, true, 16, {_SOFTMAX_KEYS}, 0, 0, 0, scale, scale_log2, 0.f, tq);
+    for (int n = 0; n < {ns}; ++n)
+      for (int e = 0; e < 4; ++e) p[(step * 16 + g + 8 * (e / 2)) * {_SOFTMAX_KEYS} + 8 * n + 2 * tq + e % 2] = s[n][e];
+    if (tq == 0) {{ corr_out[step * 16 + g] = corr[0]; corr_out[step * 16 + g + 8] = corr[1]; }}
+  }}
+  const float sum0 = quad_sum(row_sum[0]), sum1 = quad_sum(row_sum[1]);  // each thread holds its columns' part
+  if (tq == 0) {{ stats[g] = row_max[0]; stats[g + 8] = row_max[1]; stats[16 + g] = sum0; stats[24 + g] = sum1; }}"""
+    kernel = cuda_emulator.EmulatedKernel("softmax_steps", ["scores", "fparams"], ["p", "corr_out", "stats"], body,
+                                          template_text("attention_common.cuh"), seed=1)
+    p, corr, stats = kernel(inputs=[mx.array(raw), mx.array(np.array([scale, 0.0], np.float32))],
+                            output_shapes=[raw.shape, (_SOFTMAX_STEPS * 16,), (32,)],
+                            output_dtypes=[mx.float32] * 3, grid=(32, 1, 1), threadgroup=(32, 1, 1))
+    stats = np.array(stats)
+    return (np.array(p).reshape(_SOFTMAX_STEPS, 16, _SOFTMAX_KEYS), np.array(corr).reshape(_SOFTMAX_STEPS, 16),
+            stats[:16], np.concatenate([stats[16:24], stats[24:32]]))
+
+
+@emulator
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager-rescale", "lazy-rescale"])
+@pytest.mark.parametrize("scale", [0.125, 3.0, -1.0, 0.0])
+def test_emulated_softmax_fold(scale, lazy):
+    """The forward's online softmax with the scale folded into exp2's FFMA (FOLD, which the wgmma
+    forward uses and the emulator cannot run) against the unfolded one and float64: the same
+    running maxima (the maximum of raw scores times a positive scale is the maximum of the scaled
+    ones, bitwise), the same probabilities and log-sum-exp within float32 rounding. A negative or
+    zero scale takes the unfolded path, bitwise; the scores span +-100, so a maximum taken the
+    wrong way round overflows exp2 (2^288)."""
+    rng = np.random.default_rng(7)
+    raw = (rng.uniform(-100, 100, (_SOFTMAX_STEPS * 16, _SOFTMAX_KEYS)) * rng.uniform(0.01, 1, (_SOFTMAX_STEPS * 16, 1))
+           ).astype(np.float32)
+    scale_log2 = np.float32(scale) * np.float32(1.4426950408889634)
+    scaled = (raw * scale_log2).reshape(_SOFTMAX_STEPS, 16, _SOFTMAX_KEYS)  # float32 products, as the kernel's
+    runs = {fold: _emulated_softmax_steps(raw, scale, lazy, fold) for fold in (False, True)}
+    for fold, (p, corr, row_max, row_sum) in runs.items():
+        assert np.isfinite(p).all() and np.isfinite(row_sum).all(), fold
+        # P relative to the running max (folded: exp2 of the max's rounding error, 2^-15 at |max| = 424)
+        assert (p <= (2.0 ** 8 if lazy else 1.0) * (1 + 1e-4)).all(), fold
+        if not lazy:  # the running max is the scaled scores' maximum, to the bit
+            assert np.array_equal(row_max, scaled.max(axis=(0, 2))), fold
+        # probabilities: P of step j times the later steps' corrections, over the final sum
+        later = np.flip(np.cumprod(np.flip(np.concatenate([corr[1:], np.ones((1, 16), np.float32)]), 0), 0), 0)
+        probs = p.astype(np.float64) * later[:, :, None] / row_sum[None, :, None]
+        x = scaled.astype(np.float64) * np.log(2.0)
+        want = np.exp(x - x.max(axis=(0, 2), keepdims=True))
+        want /= want.sum(axis=(0, 2), keepdims=True)
+        assert np.abs(probs - want).max() < 1e-5, (fold, np.abs(probs - want).max())
+        lse2 = row_max + np.log2(row_sum.astype(np.float64))
+        want_lse2 = np.log2(np.exp2(scaled.astype(np.float64)).sum(axis=(0, 2)))
+        assert np.abs(lse2 - want_lse2).max() < 1e-5 * max(1.0, np.abs(want_lse2).max()), fold
+    if scale <= 0:  # the unfolded path, to the bit
+        for a, b in zip(runs[False], runs[True]):
+            assert np.array_equal(a, b)
+    else:  # within rounding: exp2(fma(s, c, -m)) against exp2(round(s c) - m)
+        assert not np.array_equal(runs[False][0], runs[True][0])
+        assert np.abs(runs[False][0] - runs[True][0]).max() < 1e-4
+
+
 # ----------------------------------------------------------------------------- first contact
 @dataclass(frozen=True)
 class BrokenTemplate(cuda_emulator.KernelFactory):
