@@ -318,6 +318,53 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _version_tree(folder: Path, doubled: bool) -> Path:
+    """A copy of this tree's mlx_flash/ and kernels/ (what ab_versions.py takes as --against);
+    doubled: its flash_attention returns twice the output, so that a report can tell the trees apart."""
+    import shutil
+    shutil.copytree(ROOT / "kernels", folder / "kernels")
+    shutil.copytree(ROOT / "mlx_flash", folder / "mlx_flash", symlinks=True,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    if doubled:
+        with open(folder / "mlx_flash" / "__init__.py", "a") as f:
+            f.write("\n_undoubled = flash_attention\n\n\ndef flash_attention(*args, **kwargs):\n"
+                    "    return _undoubled(*args, **kwargs) * 2\n")
+    return folder
+
+
+@pytest.mark.parametrize("doubled", [False, True], ids=["same-tree", "other-tree"])
+def test_ab_versions_times_both_trees_in_turn(tmp_path, doubled):
+    """benchmarks/ab_versions.py: a worker per tree, each importing its own mlx_flash (a tree whose
+    output is doubled shows an output difference of 1, the same tree 0), every sample recorded."""
+    other = _version_tree(tmp_path / "other", doubled)
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(other), "--backend",
+               "mlx", "--shapes", "1,2,64,32,none", "1,2,48,16,causal,1", "--rounds", "2", "--back-to-back", "2",
+               "--out", str(tmp_path / "ab.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=ENV, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((tmp_path / "ab.json").read_text())
+    assert payload["packages"] == {"this": str(ROOT / "mlx_flash"), "other": str(other / "mlx_flash")}
+    assert [(r["label"], r["pass"]) for r in payload["rows"]] == [
+        (label, p) for label in ("B=1 H=2 N=64 D=32 bfloat16", "B=1 H=2/1 N=48 D=16 bfloat16 causal")
+        for p in ("forward", "forward_backward")]
+    for row in payload["rows"]:
+        assert sorted(row["samples_ms"]) == ["other/flash", "this/fast", "this/flash"]
+        assert all(len(s) == 2 and min(s) > 0 for s in row["samples_ms"].values())
+        assert row["output_difference"] == pytest.approx(1.0 if doubled else 0.0, abs=1e-6)
+    assert done.stdout.count("forward_backward") == 2
+
+
+def test_ab_versions_bad_arguments_are_named(tmp_path):
+    script = str(ROOT / "benchmarks" / "ab_versions.py")
+    for arguments, message in [([], "--against is required"),
+                               (["--against", str(tmp_path)], "mlx_flash/ missing"),
+                               (["--against", "no-such-revision-x"], "neither a folder nor a git revision"),
+                               (["--against", "HEAD", "--shapes", "1,2,64"], "--shapes takes B,H,N,D,mask")]:
+        done = subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, timeout=60,
+                              env=ENV, cwd=tmp_path)
+        assert done.returncode != 0 and message in done.stdout + done.stderr, (arguments, done.stderr)
+
+
 def test_bench_array_masks_recorded_plotted_and_named(tmp_path, capsys):
     bench = load_bench()
     bench.main(["--seq-lens", "32", "--heads", "2", "--masks", "bool", "additive", "--head-dims", "16",

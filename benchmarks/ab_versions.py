@@ -1,0 +1,234 @@
+"""This tree's kernels against another version's, on one GPU, in interleaved rounds.
+
+    python benchmarks/ab_versions.py --against REV [--backend cuda] [--shapes 4,16,4096,64,none ...]
+        [--passes forward forward_backward] [--rounds 15] [--back-to-back 8] [--out FILE.json]
+
+REV is a git revision (its mlx_flash/ and kernels/ are extracted with git archive) or a folder
+that holds a version's mlx_flash/ and kernels/: the GPU machine's copy of the tree has no .git, so
+extract the revision here and carry the folder, e.g.
+    mkdir -p .ab/BASE && git archive BASE mlx_flash kernels | tar -x -C .ab/BASE
+(.ab/ in .git/info/exclude), then run with --against .ab/BASE.
+
+How: each version runs in a process of its own that imports its mlx_flash (planner, block table
+and templates together), as benchmarks/host_time.py does for host time. The processes take turns
+sample by sample (which one goes first alternates), so both versions and MLX's own
+mx.fast.scaled_dot_product_attention (timed in this tree's process) meet the same clocks and the
+same neighbours. A sample is --back-to-back calls issued one after another and waited for once
+(mlx_flash.benchmark.Call), reported per call; each version's first sample is a warm-up (kernel
+compilation, first-contact probes). Outputs: each version's forward output on the same inputs,
+as the largest difference over the largest value of this tree's (reordered arithmetic shows as a
+few bf16 roundings; a broken kernel as O(1)).
+
+Prints one row per shape and pass, medians in ms: this tree, REV, the ratio this / REV (below 1:
+this tree is faster), its spread (the ratio of the quartiles, q1 / q3 and q3 / q1), mx.fast, and
+the output difference. --out writes every sample and the environment as JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).resolve()
+DEFAULT_SHAPES = ("4,16,4096,64,none", "4,16,4096,128,none", "4,16,4096,128,causal", "1,16,16384,128,none")
+
+
+@functools.lru_cache(maxsize=None)
+def _benchmark_helpers():
+    """This tree's mlx_flash/benchmark.py as a module of its own name (the timing helpers, the
+    same in both processes whichever version of mlx_flash a process imports)."""
+    name = "ab_benchmark_helpers"
+    spec = importlib.util.spec_from_file_location(name, ROOT / "mlx_flash" / "benchmark.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_shape(text: str):
+    """"B,H,N,D,mask" or "B,H,N,D,mask,KV_HEADS" (mask: none or causal) -> a BenchCase of bf16."""
+    from mlx_flash import benchmark as bm
+    parts = text.split(",")
+    if len(parts) not in (5, 6) or parts[4] not in ("none", "causal"):
+        raise argparse.ArgumentTypeError(f"--shapes takes B,H,N,D,mask[,KV_HEADS] with mask none or causal, "
+                                         f"got {text!r}")
+    try:
+        b, h, n, d = (int(p) for p in parts[:4])
+        kv = int(parts[5]) if len(parts) == 6 else h
+        return bm.BenchCase(b, h, kv, n, n, d, "bfloat16", causal=parts[4] == "causal")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"--shapes {text!r}: {error}") from None
+
+
+def serve(backend: str) -> None:
+    """Worker: time what the driver asks for, one JSON line per request and per answer. It
+    imports mlx_flash from PYTHONPATH (its version's tree) and the timing helpers from this tree."""
+    import mlx.core as mx
+    import numpy as np
+
+    import mlx_flash
+    bm = _benchmark_helpers()
+    print(json.dumps({"ready": str(Path(mlx_flash.__file__).resolve().parent)}), flush=True)
+    calls, inputs = {}, {}
+
+    def flash(q, k, v, mask, scale):
+        return mlx_flash.flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
+
+    for line in sys.stdin:
+        request = json.loads(line)
+        case = bm.case_of(request["case"])
+        if case not in inputs:
+            inputs[case] = bm.random_inputs(case, seed=0)
+        if request["op"] == "output":
+            q, k, v, _ = inputs[case]
+            out = flash(q, k, v, "causal" if case.causal else None, case.scale)
+            np.save(request["path"], np.array(out.astype(mx.float32)))
+            print(json.dumps({"ok": True}), flush=True)
+            continue
+        key = (case, request["pass"], request["impl"])
+        if key not in calls:
+            attention = flash if request["impl"] == "flash" else bm.fast_attention
+            prepare, run = bm.mlx_pass(attention, case, inputs[case], request["pass"])
+            calls[key] = bm.Call(run, prepare, back_to_back=request["back_to_back"])
+        print(json.dumps({"seconds": calls[key].timed_once()}), flush=True)
+
+
+class Worker:
+    """This script in --serve mode, importing mlx_flash from `tree`."""
+
+    def __init__(self, tree: str, backend: str):
+        self.tree = tree
+        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backend", backend],
+                                        env=dict(os.environ, PYTHONPATH=tree), cwd=tree, text=True,
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.package = self._answer("start")["ready"]
+
+    def _answer(self, what: str) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the worker for {self.tree} failed at {what} (its error is above)")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return self._answer(f"{request['op']} {request['case']}")
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait(timeout=60)
+
+
+def reference_tree(against: str, scratch: str) -> str:
+    """The folder holding the other version's mlx_flash/ and kernels/."""
+    if os.path.isdir(against):
+        for part in ("mlx_flash", "kernels"):
+            if not os.path.isdir(os.path.join(against, part)):
+                raise SystemExit(f"--against {against!r}: a folder must hold mlx_flash/ and kernels/ ({part}/ missing)")
+        return os.path.abspath(against)
+    archive = subprocess.run(["git", "archive", against, "mlx_flash", "kernels"], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--against {against!r} is neither a folder nor a git revision here: "
+                         f"{archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", scratch], input=archive.stdout, check=True)
+    return scratch
+
+
+def quartiles(samples):
+    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+    return q[0], statistics.median(samples), q[2]
+
+
+def compare(args) -> dict:
+    """Both versions and mx.fast, sample by sample, per shape and pass."""
+    import numpy as np
+
+    from mlx_flash import benchmark as bm
+    results = {"against": args.against, "backend": args.backend, "back_to_back": args.back_to_back,
+               "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
+    with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
+        tree = reference_tree(args.against, scratch)
+        workers = {"this": Worker(str(ROOT), args.backend), "other": Worker(tree, args.backend)}
+        results["packages"] = {name: worker.package for name, worker in workers.items()}
+        print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"
+              f"{'shape':<40} {'pass':<16} {'this ms':>9} {'other ms':>9} {'ratio':>7} {'(spread)':<13} "
+              f"{'mx.fast':>9} {'out diff':>9}", flush=True)
+        try:
+            for case in args.shapes:
+                described = bm.as_dict(case)
+                diffs = {}
+                for name, worker in workers.items():
+                    path = os.path.join(scratch, f"out_{name}.npy")
+                    worker.ask(op="output", case=described, path=path)
+                    diffs[name] = path
+                mine, theirs = np.load(diffs["this"]), np.load(diffs["other"])
+                difference = float(np.abs(mine - theirs).max() / max(np.abs(mine).max(), 1e-30))
+                for pass_name in args.passes:
+                    timed = [("this", "flash"), ("other", "flash"), ("this", "fast")]
+                    samples = {entry: [] for entry in timed}
+                    for round_ in range(args.rounds + 1):  # round 0: warm-up
+                        order = timed if round_ % 2 == 0 else timed[::-1]
+                        for worker_name, impl in order:
+                            seconds = workers[worker_name].ask(op="sample", case=described, impl=impl,
+                                                               back_to_back=args.back_to_back,
+                                                               **{"pass": pass_name})["seconds"]
+                            if round_:
+                                samples[(worker_name, impl)].append(seconds * 1e3)
+                    row = {"case": described, "label": case.label(), "pass": pass_name, "output_difference": difference,
+                           "samples_ms": {f"{w}/{i}": s for (w, i), s in samples.items()}}
+                    results["rows"].append(row)
+                    print(format_row(row), flush=True)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    return results
+
+
+def format_row(row) -> str:
+    this_q1, this, this_q3 = quartiles(row["samples_ms"]["this/flash"])
+    other_q1, other, other_q3 = quartiles(row["samples_ms"]["other/flash"])
+    fast = statistics.median(row["samples_ms"]["this/fast"])
+    return (f"{row['label']:<40} {row['pass']:<16} {this:9.3f} {other:9.3f} {this / other:7.3f} "
+            f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast:9.3f} {row['output_difference']:9.2e}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", help="a git revision, or a folder with mlx_flash/ and kernels/")
+    parser.add_argument("--backend", default="cuda", help="the mlx_flash backend both versions run (default cuda)")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
+                        help=f"B,H,N,D,mask[,KV_HEADS] (bf16), default {' '.join(DEFAULT_SHAPES)}")
+    parser.add_argument("--passes", nargs="+", default=["forward", "forward_backward"],
+                        choices=["forward", "forward_backward"])
+    parser.add_argument("--rounds", type=int, default=15, help="timed samples of each (default 15)")
+    parser.add_argument("--back-to-back", type=int, default=8, help="calls per sample (default 8)")
+    parser.add_argument("--out", help="write every sample and the environment here (JSON)")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    if "--serve" not in (sys.argv[1:] if argv is None else argv):
+        sys.path.insert(0, str(ROOT))  # the driver: this tree's mlx_flash (a worker imports its own)
+    args = parser.parse_args(argv)
+    if args.serve:
+        serve(args.backend)
+        return 0
+    if not args.against:
+        parser.error("--against is required: a git revision, or a folder with mlx_flash/ and kernels/")
+    if args.rounds < 1 or args.back_to_back < 1:
+        parser.error(f"--rounds and --back-to-back must be >= 1, got {args.rounds} and {args.back_to_back}")
+    args.shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
+    results = compare(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
