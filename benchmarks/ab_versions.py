@@ -106,8 +106,11 @@ class Worker:
 
     def __init__(self, tree: str, backend: str):
         self.tree = tree
+        # Its tree first on the path, then the caller's entries (benchmarks/gpu_env.sh puts MLX's
+        # CUDA wheels there).
+        path = [tree] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backend", backend],
-                                        env=dict(os.environ, PYTHONPATH=tree), cwd=tree, text=True,
+                                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), cwd=tree, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.package = self._answer("start")["ready"]
 
