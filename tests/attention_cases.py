@@ -76,6 +76,7 @@ class Case:
     sinks: bool = False             # per-head attention sinks (a learnable logit, gradient checked)
     seed: int = 0
     layout: str = "row"             # how q, k, v and d_out lie in memory: one of LAYOUTS
+    scale: Optional[float] = None   # None: 1 / sqrt(D); zero and negative scales are valid too
 
     @property
     def q_heads(self) -> int:
@@ -115,6 +116,9 @@ def cases(max_batch=3, max_kv_heads=4, max_group=4, max_len=300, max_head_dim=32
             sinks=draw(st.sampled_from(sinks)),
             seed=draw(st.integers(0, 2**31 - 1)),
             layout=draw(st.sampled_from(layouts)),
+            # a zero scale (uniform attention), a negative one (the row maximum of the scaled scores
+            # is the minimum of the raw ones) and a large one (peaked rows)
+            scale=draw(st.one_of(st.none(), st.sampled_from([0.0, -0.7, 2.0]))),
         )
 
     return build()
@@ -158,6 +162,8 @@ def make_arrays(case: Case) -> Arrays:
         mask = mx.array(values).astype(dtype)
     if case.softcap is not None:
         kwargs["softcap"] = case.softcap
+    if case.scale is not None:
+        kwargs["scale"] = case.scale
     # Sinks of a few units, as learned ones are: comparable to the scores, so p_sink spans (0, 1).
     sinks = normal(Hq) * 2 if case.sinks else None
     q, k, v, d_out = (laid_out(normal(B, h, n, D), case.layout)

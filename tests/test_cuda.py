@@ -56,6 +56,8 @@ EMULATED_CASES = [
      "sm86: dK/dV 2 warps x 2 CTA slices, 16 x 16 tiles"),
     (Case(head_dim=40, q_len=140, kv_len=130, dtype="float16", mask="additive", mask_shape=(True, False, True, False),
           group=2), 86, "sm86: interior tiles of every kernel with a mask broadcast along heads and keys"),
+    (Case(head_dim=64, q_len=130, kv_len=150, dtype="bfloat16", scale=-0.7, lse_gradient=True), 90,
+     "a negative scale on interior tiles without a mask"),
 ]
 
 
@@ -549,7 +551,14 @@ def test_empty_calls_with_sinks_match_the_mlx_backend():
     Case(head_dim=300, q_len=150, kv_len=90, dtype="float16", mask="additive", softcap=10.0),
     Case(head_dim=448, q_len=130, kv_len=170, dtype="bfloat16", mask="bool", sinks=True),
     Case(head_dim=500, q_len=70, kv_len=260, dtype="float16", mask="causal_window", window=(40, -1)),
-], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else ""))
+    # Scales the interior softmax's fold must not take (zero, negative: the row maximum of the
+    # scaled scores is then the raw minimum), a large one, and column groups with lazy rescaling.
+    Case(head_dim=64, q_len=400, kv_len=500, dtype="bfloat16", scale=-0.7),
+    Case(head_dim=128, q_len=450, kv_len=400, dtype="float16", mask="causal", scale=0.0),
+    Case(head_dim=128, q_len=300, kv_len=520, dtype="bfloat16", scale=2.0, group=2),
+    Case(head_dim=512, q_len=200, kv_len=390, dtype="bfloat16", scale=-0.7, sinks=True),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else "")
+   + ("" if c.scale is None else f"-scale{c.scale:g}"))
 def test_wgmma_forward_matches_reference_and_mma(case):
     reset_fallback_counts()
     check_case(case, backend="cuda", gradients=False)
