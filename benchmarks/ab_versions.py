@@ -230,6 +230,7 @@ def main(argv=None) -> int:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+        print(f"wrote {args.out}")
     return 0
 
 

@@ -10,7 +10,9 @@
 #
 # Usage, from the repository root (on the device machine, with .whl/ carried):
 #     benchmarks/gpu_suite.sh [OUT_DIR]             # all phases
-#     PHASES="tests" benchmarks/gpu_suite.sh        # some of them: tests, sanitize, bench
+#     PHASES="tests" benchmarks/gpu_suite.sh        # some of them: tests, sanitize, bench, ab
+#     AB_AGAINST=.ab/BASE PHASES=ab benchmarks/gpu_suite.sh   # benchmarks/ab_versions.py against BASE
+#                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every phase and step has a time
 # limit (TESTS_S, SANITIZE_S, BENCH_S seconds: 240 + 160 + 150 by default, under 600 s with setup)
 # and reports TIMEOUT rather than running past it. For the thorough run, two commands:
@@ -72,7 +74,14 @@ for phase in $phases; do
         step bench_gpu_preset "$budget" python3 benchmarks/bench.py --preset gpu --backend cuda --no-plots \
             --time-budget-s $(( budget - 30 )) --out "$out_dir" --name bench_gpu_suite
         ;;
-    *) say "unknown phase $phase (tests, sanitize, bench)";;
+    ab)
+        # This tree's kernels against AB_AGAINST's (a folder carried with the call: the machine's
+        # copy has no .git; benchmarks/ab_versions.py says how to make one), interleaved.
+        if [ -z "${AB_AGAINST:-}" ]; then say "ab: set AB_AGAINST to a folder with mlx_flash/ and kernels/"; continue; fi
+        step ab_versions "${AB_S:-240}" python3 benchmarks/ab_versions.py --against "$AB_AGAINST" \
+            --out "$out_dir/ab_versions.json" ${AB_ARGS:-}
+        ;;
+    *) say "unknown phase $phase (tests, sanitize, bench, ab)";;
     esac
 done
 say "done: $out_dir"
