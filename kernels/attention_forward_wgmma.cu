@@ -54,6 +54,8 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
+// Interior tiles without a mask or softcap fold a positive scale into exp2's FFMA (attention_common.cuh).
+constexpr bool SCALE_FOLD = {{scale_fold}};
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
 // time against rescaling every step, D=256 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower.
 constexpr bool LAZY_RESCALE = DV > 128;
@@ -222,7 +224,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       const int key0 = (kb_begin + it) * BN;
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE, true>(
+      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE, SCALE_FOLD>(
           s, corr, row_max, row_sum, masks, row0, key0, full_block, Nq, Nk, diag, wleft, wright, scale, scale_log2, cap,
           tq);
     };

@@ -560,16 +560,23 @@ def test_empty_calls_with_sinks_match_the_mlx_backend():
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else "")
    + ("" if c.scale is None else f"-scale{c.scale:g}"))
 def test_wgmma_forward_matches_reference_and_mma(case):
+    """The wgmma forward, as the table plans it and with the scale fold forced on (SCALE_FOLD),
+    against float64 and against the mma.sync forward."""
     reset_fallback_counts()
     check_case(case, backend="cuda", gradients=False)
+    check_case(case, backend=cuda.CUDABackend(tuning=Tuning(scale_fold=True)), gradients=False)
     a = make_arrays(case)
     outs = [flash_attention(a.q, a.k, a.v, mask=a.mask, return_lse=True, backend=cuda.CUDABackend(tuning=tuning),
-                            **a.kwargs) for tuning in (Tuning(wgmma_forward=True), Tuning(wgmma_forward=False))]
-    assert relative_error(to_numpy(outs[0][0]), to_numpy(outs[1][0])) < 1e-2
-    lse_wgmma, lse_mma = np.array(outs[0][1]), np.array(outs[1][1])
-    assert np.array_equal(np.isfinite(lse_wgmma), np.isfinite(lse_mma))
+                            **a.kwargs)
+            for tuning in (Tuning(wgmma_forward=False), Tuning(wgmma_forward=True),
+                           Tuning(wgmma_forward=True, scale_fold=True))]
+    lse_mma = np.array(outs[0][1])
     finite = np.isfinite(lse_mma)
-    assert relative_error(lse_wgmma[finite], lse_mma[finite]) < 1e-4
+    for out, lse in outs[1:]:
+        assert relative_error(to_numpy(out), to_numpy(outs[0][0])) < 1e-2
+        lse_wgmma = np.array(lse)
+        assert np.array_equal(np.isfinite(lse_wgmma), finite)
+        assert relative_error(lse_wgmma[finite], lse_mma[finite]) < 1e-4
     assert not fallback_counts(), fallback_counts()  # every call ran the kernels (none failed to build)
 
 
@@ -966,6 +973,11 @@ def test_wgmma_kernels_compile_with_nvcc():
         # every D once failed to compile there, and the calls fell back)
         for kernel, head_dim in [(kernel, d) for d in (37, 128, 512) for kernel in planner.KERNELS]:
             line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
+            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
+        for head_dim in (64, 128, 512):  # the forward with the scale fold (no table row turns it on yet)
+            variant = _variant("forward", head_dim, Tuning(scale_fold=True), real_sm90=True)
+            assert variant.scale_fold
+            line = module.compile_variant(variant, "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
         for head_dim in (64, 128):  # the dK/dV kernel with fused dQ (off on every table row)
             variant = _variant("backward_key_value", head_dim, Tuning(fused_query=True), real_sm90=True)
