@@ -3,7 +3,8 @@
 mma.sync rows: P, T (multiples of 16), H (output columns per warp) halved or doubled, warps 4 <-> 8.
 wgmma rows (sm_90): T by 16 either way and halved / doubled; the forward and dQ between two
 (P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64; the forward's
-pingpong option on and off. A row the kernels cannot take is rejected by make_variant's own checks.
+pingpong and scale_fold options on and off. A row the kernels cannot take is rejected by
+make_variant's own checks.
 """
 from __future__ import annotations
 
@@ -70,7 +71,9 @@ class CudaSpace:
         out += [dataclasses.replace(row, parallel_block=p, warps=w) for p, w in shapes
                 if (p, w) != (row.parallel_block, row.warps)]
         if row.kernel == "forward":
-            out.append(dataclasses.replace(row, cached=row.cached ^ {"pingpong"}))
+            from .backends import cuda_source
+            out += [dataclasses.replace(row, cached=row.cached ^ {option})
+                    for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
         return out
 
     def invalid_reason(self, table: planner.Table, point) -> Optional[str]:
