@@ -1,7 +1,9 @@
 """This tree's kernels against another version's, on one GPU, in interleaved rounds.
 
     python benchmarks/ab_versions.py --against REV [--backend cuda] [--shapes 4,16,4096,64,none ...]
-        [--passes forward forward_backward] [--rounds 15] [--back-to-back 8] [--out FILE.json]
+        [--passes forward forward_backward] [--rounds 15] [--back-to-back 8] [--tuning KEY=VALUE ...]
+        [--out FILE.json]
+    python benchmarks/ab_versions.py --against . --tuning scale_fold=True   # one option, this tree
 
 REV is a git revision (its mlx_flash/ and kernels/ are extracted with git archive) or a folder
 that holds a version's mlx_flash/ and kernels/: the GPU machine's copy of the tree has no .git, so
@@ -18,6 +20,12 @@ same neighbours. A sample is --back-to-back calls issued one after another and w
 compilation, first-contact probes). Outputs: each version's forward output on the same inputs,
 as the largest difference over the largest value of this tree's (reordered arithmetic shows as a
 few bf16 roundings; a broken kernel as O(1)).
+
+--tuning sets fields of this tree's cuda_source.Tuning (this tree's side only: another version's
+Tuning may lack them), so `--against .` times one option against the table. With a CUDA backend
+each row records the kernels both sides ran (variant names: their flags show options such as the
+scale fold's "f"). --backend cuda-emulated runs the CUDA kernels on the CPU emulator (a check of
+the tool, not a timing).
 
 Prints one row per shape and pass, medians in ms: this tree, REV, the ratio this / REV (below 1:
 this tree is faster), its spread (the ratio of the quartiles, q1 / q3 and q3 / q1), mx.fast, and
@@ -68,19 +76,53 @@ def parse_shape(text: str):
         raise argparse.ArgumentTypeError(f"--shapes {text!r}: {error}") from None
 
 
-def serve(backend: str) -> None:
+def parse_tuning(text: str):
+    """KEY=VALUE with VALUE a Python literal (True, False, None, a number)."""
+    import ast
+    key, sep, value = text.partition("=")
+    try:
+        if not sep or not key.isidentifier():
+            raise ValueError
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        raise argparse.ArgumentTypeError(f"--tuning takes KEY=VALUE with VALUE a Python literal (e.g. "
+                                         f"scale_fold=True), got {text!r}") from None
+
+
+def _backend(name: str, tuning: dict):
+    """What the worker passes as flash_attention's backend: the name, or a CUDA backend object
+    (with `tuning`, or the CPU emulator's)."""
+    if name not in ("cuda", "cuda-emulated"):
+        return name
+    from mlx_flash.backends import cuda, cuda_emulator, cuda_source
+    value = cuda_source.Tuning(**tuning)
+    return cuda.CUDABackend(tuning=value) if name == "cuda" else cuda_emulator.backend(seed=1, tuning=value)
+
+
+def serve(backend_name: str, tuning: dict) -> None:
     """Worker: time what the driver asks for, one JSON line per request and per answer. It
     imports mlx_flash from PYTHONPATH (its version's tree) and the timing helpers from this tree."""
     import mlx.core as mx
     import numpy as np
 
     import mlx_flash
+    from mlx_flash.spec import check_inputs
     bm = _benchmark_helpers()
+    backend = _backend(backend_name, tuning)
     print(json.dumps({"ready": str(Path(mlx_flash.__file__).resolve().parent)}), flush=True)
     calls, inputs = {}, {}
 
     def flash(q, k, v, mask, scale):
         return mlx_flash.flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
+
+    def kernels(case) -> list:
+        """The CUDA variants that serve the case (names), [] on other backends."""
+        if not hasattr(backend, "variants"):
+            return []
+        q, k, v, _ = inputs[case]
+        spec, _ = check_inputs(q, k, v, mask="causal" if case.causal else None, scale=case.scale)
+        chosen = backend.variants(spec)
+        return [getattr(chosen, kernel).name for kernel in ("forward", "backward_query", "backward_key_value")]
 
     for line in sys.stdin:
         request = json.loads(line)
@@ -91,7 +133,7 @@ def serve(backend: str) -> None:
             q, k, v, _ = inputs[case]
             out = flash(q, k, v, "causal" if case.causal else None, case.scale)
             np.save(request["path"], np.array(out.astype(mx.float32)))
-            print(json.dumps({"ok": True}), flush=True)
+            print(json.dumps({"kernels": kernels(case)}), flush=True)
             continue
         key = (case, request["pass"], request["impl"])
         if key not in calls:
@@ -104,12 +146,14 @@ def serve(backend: str) -> None:
 class Worker:
     """This script in --serve mode, importing mlx_flash from `tree`."""
 
-    def __init__(self, tree: str, backend: str):
+    def __init__(self, tree: str, backend: str, tuning: dict):
         self.tree = tree
         # Its tree first on the path, then the caller's entries (benchmarks/gpu_env.sh puts MLX's
         # CUDA wheels there).
         path = [tree] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backend", backend],
+        tuning_arguments = [f"{key}={value!r}" for key, value in tuning.items()]
+        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backend", backend]
+                                        + (["--tuning", *tuning_arguments] if tuning_arguments else []),
                                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), cwd=tree, text=True,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.package = self._answer("start")["ready"]
@@ -155,11 +199,12 @@ def compare(args) -> dict:
     import numpy as np
 
     from mlx_flash import benchmark as bm
-    results = {"against": args.against, "backend": args.backend, "back_to_back": args.back_to_back,
+    results = {"against": args.against, "backend": args.backend, "tuning": {k: repr(v) for k, v in args.tuning},
+               "back_to_back": args.back_to_back,
                "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
         tree = reference_tree(args.against, scratch)
-        workers = {"this": Worker(str(ROOT), args.backend), "other": Worker(tree, args.backend)}
+        workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)), "other": Worker(tree, args.backend, {})}
         results["packages"] = {name: worker.package for name, worker in workers.items()}
         print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"
               f"{'shape':<40} {'pass':<16} {'this ms':>9} {'other ms':>9} {'ratio':>7} {'(spread)':<13} "
@@ -167,11 +212,14 @@ def compare(args) -> dict:
         try:
             for case in args.shapes:
                 described = bm.as_dict(case)
-                diffs = {}
+                diffs, kernels = {}, {}
                 for name, worker in workers.items():
                     path = os.path.join(scratch, f"out_{name}.npy")
-                    worker.ask(op="output", case=described, path=path)
+                    kernels[name] = worker.ask(op="output", case=described, path=path)["kernels"]
                     diffs[name] = path
+                if kernels["this"]:
+                    print(f"# {case.label()}: this {' '.join(kernels['this'])}; other {' '.join(kernels['other'])}",
+                          flush=True)
                 mine, theirs = np.load(diffs["this"]), np.load(diffs["other"])
                 difference = float(np.abs(mine - theirs).max() / max(np.abs(mine).max(), 1e-30))
                 for pass_name in args.passes:
@@ -185,7 +233,8 @@ def compare(args) -> dict:
                                                                **{"pass": pass_name})["seconds"]
                             if round_:
                                 samples[(worker_name, impl)].append(seconds * 1e3)
-                    row = {"case": described, "label": case.label(), "pass": pass_name, "output_difference": difference,
+                    row = {"case": described, "label": case.label(), "pass": pass_name, "kernels": kernels,
+                           "output_difference": difference,
                            "samples_ms": {f"{w}/{i}": s for (w, i), s in samples.items()}}
                     results["rows"].append(row)
                     print(format_row(row), flush=True)
@@ -213,16 +262,21 @@ def main(argv=None) -> int:
                         choices=["forward", "forward_backward"])
     parser.add_argument("--rounds", type=int, default=15, help="timed samples of each (default 15)")
     parser.add_argument("--back-to-back", type=int, default=8, help="calls per sample (default 8)")
+    parser.add_argument("--tuning", nargs="+", type=parse_tuning, default=[],
+                        help="KEY=VALUE fields of this tree's cuda_source.Tuning (cuda backends only)")
     parser.add_argument("--out", help="write every sample and the environment here (JSON)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     if "--serve" not in (sys.argv[1:] if argv is None else argv):
         sys.path.insert(0, str(ROOT))  # the driver: this tree's mlx_flash (a worker imports its own)
     args = parser.parse_args(argv)
     if args.serve:
-        serve(args.backend)
+        serve(args.backend, dict(args.tuning))
         return 0
     if not args.against:
         parser.error("--against is required: a git revision, or a folder with mlx_flash/ and kernels/")
+    if args.tuning and args.backend not in ("cuda", "cuda-emulated"):
+        parser.error(f"--tuning sets the CUDA backend's Tuning: it needs --backend cuda or cuda-emulated, "
+                     f"got --backend {args.backend}")
     if args.rounds < 1 or args.back_to_back < 1:
         parser.error(f"--rounds and --back-to-back must be >= 1, got {args.rounds} and {args.back_to_back}")
     args.shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]

@@ -354,12 +354,32 @@ def test_ab_versions_times_both_trees_in_turn(tmp_path, doubled):
     assert done.stdout.count("forward_backward") == 2
 
 
+def test_ab_versions_tuning_applies_to_this_tree_and_names_the_kernels(tmp_path):
+    """--tuning builds this tree's CUDA backend with those Tuning fields (here on the CPU emulator):
+    the rows record the kernels each side ran, and only this side's forward takes the override."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
+               "cuda-emulated", "--tuning", "blocks={'forward': (64, 16, 32)}", "--shapes", "1,2,40,32,none",
+               "--passes", "forward", "--rounds", "1", "--back-to-back", "1", "--out", str(tmp_path / "ab.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((tmp_path / "ab.json").read_text())
+    assert payload["tuning"] == {"blocks": "{'forward': (64, 16, 32)}"}
+    (row,) = payload["rows"]
+    this, other = row["kernels"]["this"], row["kernels"]["other"]
+    assert this[0].startswith("mlxflash_forward_") and "_n16_" in this[0] and this[0] != other[0]
+    assert this[1:] == other[1:]  # the backward kernels keep the table's blocks
+    assert 0 < row["output_difference"] < 2e-2  # the same function, summed in another order
+
+
 def test_ab_versions_bad_arguments_are_named(tmp_path):
     script = str(ROOT / "benchmarks" / "ab_versions.py")
     for arguments, message in [([], "--against is required"),
                                (["--against", str(tmp_path)], "mlx_flash/ missing"),
                                (["--against", "no-such-revision-x"], "neither a folder nor a git revision"),
-                               (["--against", "HEAD", "--shapes", "1,2,64"], "--shapes takes B,H,N,D,mask")]:
+                               (["--against", "HEAD", "--shapes", "1,2,64"], "--shapes takes B,H,N,D,mask"),
+                               (["--against", "HEAD", "--tuning", "scale_fold"], "--tuning takes KEY=VALUE"),
+                               (["--against", "HEAD", "--backend", "mlx", "--tuning", "scale_fold=True"],
+                                "needs --backend cuda")]:
         done = subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, timeout=60,
                               env=ENV, cwd=tmp_path)
         assert done.returncode != 0 and message in done.stdout + done.stderr, (arguments, done.stderr)
