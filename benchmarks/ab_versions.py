@@ -38,7 +38,6 @@ import functools
 import importlib.util
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,11 +188,6 @@ def reference_tree(against: str, scratch: str) -> str:
     return scratch
 
 
-def quartiles(samples):
-    q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
-    return q[0], statistics.median(samples), q[2]
-
-
 def compare(args) -> dict:
     """Both versions and mx.fast, sample by sample, per shape and pass."""
     import numpy as np
@@ -245,9 +239,15 @@ def compare(args) -> dict:
 
 
 def format_row(row) -> str:
+    from mlx_flash.benchmark import Timing  # its quantiles, as bench.py's tables use
+
+    def quartiles(samples):
+        timing = Timing(samples)
+        return timing.quantile(0.25), timing.median, timing.quantile(0.75)
+
     this_q1, this, this_q3 = quartiles(row["samples_ms"]["this/flash"])
     other_q1, other, other_q3 = quartiles(row["samples_ms"]["other/flash"])
-    fast = statistics.median(row["samples_ms"]["this/fast"])
+    fast = Timing(row["samples_ms"]["this/fast"]).median
     return (f"{row['label']:<40} {row['pass']:<16} {this:9.3f} {other:9.3f} {this / other:7.3f} "
             f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast:9.3f} {row['output_difference']:9.2e}")
 
