@@ -13,9 +13,12 @@
 #     PHASES="tests" benchmarks/gpu_suite.sh        # some of them: tests, sanitize, bench, ab
 #     AB_AGAINST=.ab/BASE PHASES=ab benchmarks/gpu_suite.sh   # benchmarks/ab_versions.py against BASE
 #                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
-# OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every phase and step has a time
-# limit (TESTS_S, SANITIZE_S, BENCH_S seconds: 240 + 160 + 150 by default, under 600 s with setup)
-# and reports TIMEOUT rather than running past it. For the thorough run, two commands:
+# OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
+# reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
+# once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
+# 8: NVRTC compiles one kernel at a time per process, and 141 native tests took ~15 minutes in
+# one process on an H200 machine's host), SANITIZE_S (160) for memcheck and racecheck side by
+# side, BENCH_S (150): under 600 s with setup. For the thorough run, two commands:
 #     PHASES=tests TESTS_S=540 benchmarks/gpu_suite.sh
 #     PHASES="sanitize bench" SANITIZE_S=300 BENCH_S=240 benchmarks/gpu_suite.sh
 # SANITIZE_CAPS (default "80 86 120 native") picks the families the sanitizers run.
@@ -41,6 +44,22 @@ step() {
     say "$name: $verdict ($(( $(date +%s) - t0 ))s) | $(grep -E 'passed|failed|error|ERROR SUMMARY|RACECHECK SUMMARY|Hazard|done|capability|wrote|skipped' "$out_dir/$name.log" | tail -4 | tr '\n' ' ')"
 }
 
+# sharded NAME LIMIT SHARDS K_EXPR [VAR=VALUE...]: the tests of tests/test_cuda.py that K_EXPR
+# selects (under the VAR=VALUE environment), dealt round-robin to SHARDS pytest processes started
+# in the background (the caller waits), each a step NAME_<i> with its own log.
+sharded() {
+    local name="$1" limit="$2" shards="$3" kexpr="$4"; shift 4
+    env "$@" python3 -m pytest tests/test_cuda.py --collect-only -q -p no:cacheprovider -k "$kexpr" \
+        2> /dev/null | grep '::' > "$out_dir/$name.ids"
+    [ -s "$out_dir/$name.ids" ] || { say "$name: no tests collected"; return; }
+    local i ids
+    for (( i = 0; i < shards; i++ )); do
+        mapfile -t ids < <(awk -v n="$shards" -v i="$i" '(NR - 1) % n == i' "$out_dir/$name.ids")
+        [ ${#ids[@]} -gt 0 ] || continue
+        step "${name}_$i" "$limit" env "$@" python3 -m pytest -q -p no:cacheprovider "${ids[@]}" &
+    done
+}
+
 {
     echo "== benchmarks/gpu_suite.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm), phases: $phases"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "(no nvidia-smi)"
@@ -53,21 +72,23 @@ python3 -c "import mlx.core as mx; print('MLX', mx.__version__, mx.device_info()
 for phase in $phases; do
     case "$phase" in
     tests)
-        budget="${TESTS_S:-240}"; each=$(( budget * 2 / 9 ))  # 3 families x 2/9, native the rest
+        # Kernel compilation (NVRTC, one kernel at a time per process) bounds this phase, not the
+        # GPU: every family and the native run are split into pytest processes that run at once.
+        budget="${TESTS_S:-240}"
         for cap in 80 86 120; do
-            step "tests_sm$cap" "$each" env MLX_FLASH_CUDA_CAPABILITY=$cap MLX_FLASH_CUDA_EXAMPLES=8 \
-                python3 -m pytest tests/test_cuda.py -q -x -p no:cacheprovider \
-                -k "edge_cases or property_suite or block_orders or bitwise or separately or grid_y"
+            sharded "tests_sm$cap" "$budget" "${FAMILY_SHARDS:-2}" \
+                "edge_cases or property_suite or block_orders or bitwise or separately or grid_y" \
+                MLX_FLASH_CUDA_CAPABILITY=$cap MLX_FLASH_CUDA_EXAMPLES=8
         done
-        step tests_native "$(( budget - 3 * each ))" python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider \
-            -k "not property_suite and not large_against and not emulated"
+        sharded tests_native "$budget" "${NATIVE_SHARDS:-8}" "not property_suite and not large_against and not emulated"
+        wait
         ;;
     sanitize)
-        each=$(( ${SANITIZE_S:-160} / 2 ))
         for tool in memcheck racecheck; do
-            step "sanitizer_$tool" "$each" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-                python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native}
+            step "sanitizer_$tool" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native} &
         done
+        wait
         ;;
     bench)
         budget="${BENCH_S:-150}"

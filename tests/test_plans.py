@@ -134,7 +134,7 @@ def test_cuda_masked_keys_option():
 def test_scale_fold_by_row_option_or_tuning():
     """The wgmma forward's scale fold (cuda_source.SCALE_FOLD) comes from its row's options or a
     Tuning, only where the kernel has the path it changes (no array mask, no softcap), and is part
-    of the variant's name and key; the shipped table turns it on nowhere yet."""
+    of the variant's name and key; the shipped table turns it on where it was measured (D <= 128)."""
     import dataclasses
 
     import mlx.core as mx
@@ -148,25 +148,30 @@ def test_scale_fold_by_row_option_or_tuning():
         spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask), softcap=softcap)
         return cuda_source.make_variant(kernel, spec, mask_dtype, sm90, tuning, True, table)
 
-    assert not any(cuda_source.SCALE_FOLD in r.cached for r in shipped.rows)
-    assert not any(variant(m, head_dim=d).scale_fold for m in ("none", "causal") for d in (64, 128, 256, 512))
-    on = Tuning(scale_fold=True)
-    assert variant("none", on).scale_fold and variant("causal", on, head_dim=512).scale_fold
-    assert variant("none", on).name == variant("none").name[:-1] + "pf"  # the flags: pingpong, fold
-    assert variant("none", on) != variant("none")
-    assert variant("none", on).constants()["scale_fold"] is True
-    assert not variant("none").constants()["scale_fold"]
-    assert not any((variant("bool", on).scale_fold, variant("additive", on).scale_fold,
-                    variant("none", on, softcap=20.0).scale_fold,
+    folding = {(r.kernel, r.family, r.max_head_dim) for r in shipped.rows if cuda_source.SCALE_FOLD in r.cached}
+    assert folding == {("forward", "sm90_wgmma", 64), ("forward", "sm90_wgmma", 128)}  # the rows measured
+    assert all(variant(m, head_dim=d).scale_fold for m in ("none", "causal") for d in (64, 128))
+    assert not any(variant(m, head_dim=d).scale_fold for m in ("none", "causal") for d in (192, 256, 512))
+    off, on = Tuning(scale_fold=False), Tuning(scale_fold=True)
+    assert not variant("none", off).scale_fold and not variant("causal", off, head_dim=64).scale_fold
+    assert variant("none", on, head_dim=256).scale_fold and variant("causal", on, head_dim=512).scale_fold
+    assert variant("none").name == variant("none", off).name + "f"  # the flags: pingpong, fold
+    assert variant("none").name.endswith("_pf") and variant("none", off) != variant("none")
+    assert variant("none").constants()["scale_fold"] is True
+    assert not variant("none", off).constants()["scale_fold"]
+    # only where the kernel has the path it changes
+    assert not any((variant("bool").scale_fold, variant("additive", on).scale_fold,
+                    variant("none", softcap=20.0).scale_fold,
                     variant("none", on, kernel="backward_query").scale_fold,
                     variant("none", Tuning(scale_fold=True, wgmma_forward=False)).scale_fold))
-    rows = tuple(dataclasses.replace(r, cached=r.cached | {cuda_source.SCALE_FOLD})
+    # a table's row option, row by row
+    rows = tuple(dataclasses.replace(r, cached=r.cached - {cuda_source.SCALE_FOLD})
                  if (r.kernel, r.family, r.max_head_dim) == ("forward", "sm90_wgmma", 128) else r
                  for r in shipped.rows)
     table = planner.Table("cuda", "test", rows)
-    assert variant("none", table=table).scale_fold and variant("causal", table=table).scale_fold
-    assert not variant("none", Tuning(scale_fold=False), table).scale_fold
-    assert not variant("none", table=table, head_dim=256).scale_fold  # another row
+    assert not variant("none", table=table).scale_fold and not variant("causal", table=table).scale_fold
+    assert variant("none", on, table).scale_fold
+    assert variant("none", table=table, head_dim=64).scale_fold  # another row
 
 
 @pytest.mark.parametrize("family", ["m1", "m3"])

@@ -205,13 +205,14 @@ def test_cuda_tuned_table_of_the_wgmma_family_is_read_back(monkeypatch, tmp_path
 
 def test_cuda_wgmma_forward_candidates_toggle_its_options():
     """The tuner's wgmma forward candidates include the row with pingpong and with the scale fold
-    each toggled (the fold is on no shipped row: a tuned table turns it on where it wins)."""
+    each toggled (on where the row has it, off where not): a tuned table keeps what wins."""
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
-    row = planner.find_row(planner.shipped_table("cuda"), "forward", 128, "mixed", "sm90_wgmma")
-    assert cuda_source.PINGPONG in row.cached and cuda_source.SCALE_FOLD not in row.cached
-    options = [c.cached for c in CudaSpace(family="sm90").candidates(row, 128, quick=True)
-               if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
-    assert sorted(options, key=sorted) == sorted([row.cached - {cuda_source.PINGPONG},
-                                                  row.cached | {cuda_source.SCALE_FOLD}], key=sorted)
+    for head_dim in (128, 256):  # the shipped rows: with the fold, without it
+        row = planner.find_row(planner.shipped_table("cuda"), "forward", head_dim, "mixed", "sm90_wgmma")
+        assert (cuda_source.SCALE_FOLD in row.cached) == (head_dim == 128)
+        options = [c.cached for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
+                   if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
+        toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
+        assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
