@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The CUDA backend's GPU run, for one NVIDIA H100 and one 10-minute command:
+# The CUDA backend's GPU run, for one NVIDIA H100 / H200 and one 10-minute command:
 #   1. tests/test_cuda.py with every GPU family's plans (MLX_FLASH_CUDA_CAPABILITY=80, 86, 120:
 #      edge cases D = 1..512, the bounded property suite, block orders, determinism) and natively
 #      (sm_90: the wgmma kernels too; the property suite and the N = 16K cases left to the full run);
 #   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family;
 #   3. the speed table of benchmarks/RESULTS.md: bench.py --preset gpu (its shapes and columns:
 #      B=4 H=16 N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512,
-#      causal and not, bf16, forward and forward+backward, implementations interleaved).
+#      causal and not, bf16, forward and forward+backward, implementations interleaved, each sample
+#      8 calls back to back as the table's).
 #
 # Usage, from the repository root (on the device machine, with .whl/ carried):
 #     benchmarks/gpu_suite.sh [OUT_DIR]             # all phases
@@ -93,7 +94,7 @@ for phase in $phases; do
     bench)
         budget="${BENCH_S:-150}"
         step bench_gpu_preset "$budget" python3 benchmarks/bench.py --preset gpu --backend cuda --no-plots \
-            --time-budget-s $(( budget - 30 )) --out "$out_dir" --name bench_gpu_suite
+            --back-to-back 8 --time-budget-s $(( budget - 30 )) --out "$out_dir" --name bench_gpu_suite
         ;;
     ab)
         # This tree's kernels against AB_AGAINST's (a folder carried with the call: the machine's

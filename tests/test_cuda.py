@@ -557,6 +557,8 @@ def test_empty_calls_with_sinks_match_the_mlx_backend():
     Case(head_dim=128, q_len=450, kv_len=400, dtype="float16", mask="causal", scale=0.0),
     Case(head_dim=128, q_len=300, kv_len=520, dtype="bfloat16", scale=2.0, group=2),
     Case(head_dim=512, q_len=200, kv_len=390, dtype="bfloat16", scale=-0.7, sinks=True),
+    Case(head_dim=256, q_len=330, kv_len=410, dtype="bfloat16", scale=0.3),  # rows that fold
+    Case(head_dim=192, q_len=260, kv_len=300, dtype="float16", mask="causal", scale=1.5),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}" + ("-sinks" if c.sinks else "")
    + ("" if c.scale is None else f"-scale{c.scale:g}"))
 def test_wgmma_forward_matches_reference_and_mma(case):
@@ -974,7 +976,7 @@ def test_wgmma_kernels_compile_with_nvcc():
         for kernel, head_dim in [(kernel, d) for d in (37, 128, 512) for kernel in planner.KERNELS]:
             line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
-        for head_dim in (64, 128, 512):  # the forward with the scale fold (forced past D = 128)
+        for head_dim in (64, 128, 512):  # the forward with the scale fold (forced at D = 512)
             variant = _variant("forward", head_dim, Tuning(scale_fold=True), real_sm90=True)
             assert variant.scale_fold
             line = module.compile_variant(variant, "sm_90a", tmp)

@@ -209,9 +209,9 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
-    for head_dim in (128, 256):  # the shipped rows: with the fold, without it
+    for head_dim in (128, 512):  # the shipped rows: with the fold, without it
         row = planner.find_row(planner.shipped_table("cuda"), "forward", head_dim, "mixed", "sm90_wgmma")
-        assert (cuda_source.SCALE_FOLD in row.cached) == (head_dim == 128)
+        assert (cuda_source.SCALE_FOLD in row.cached) == (head_dim <= 256)
         options = [c.cached for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
                    if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
         toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]

@@ -71,8 +71,8 @@ FUSED_QUERY = "fused_dq_from"
 FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # ... and scale_fold: the wgmma forward's interior tiles without an array mask or softcap fold the
 # scale into exp2's FFMA where it is positive (kernels/attention_common.cuh, FOLD: one instruction
-# per score fewer). On the D <= 128 rows: 0.914x (D = 64) / 0.941x (D = 128) the forward time on an
-# H200 (blocks_cuda.txt has the numbers).
+# per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
+# on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
 
 
