@@ -22,7 +22,8 @@
 # side, BENCH_S (150): under 600 s with setup. For the thorough run, two commands:
 #     PHASES=tests TESTS_S=540 benchmarks/gpu_suite.sh
 #     PHASES="sanitize bench" SANITIZE_S=300 BENCH_S=240 benchmarks/gpu_suite.sh
-# SANITIZE_CAPS (default "80 86 120 native") picks the families the sanitizers run.
+# SANITIZE_CAPS (default "80 86 120 native") picks the families the sanitizers run, FAMILIES
+# (default "80 86 120"; empty: none) the families the tests phase runs beside the native run.
 # Logs: suite.log (one line per step) and one log per step.
 # MLX's CUDA build is installed from .whl/*.whl exactly as benchmarks/run_on_gpu.sh does.
 set -uo pipefail
@@ -76,7 +77,7 @@ for phase in $phases; do
         # Kernel compilation (NVRTC, one kernel at a time per process) bounds this phase, not the
         # GPU: every family and the native run are split into pytest processes that run at once.
         budget="${TESTS_S:-240}"
-        for cap in 80 86 120; do
+        for cap in ${FAMILIES-80 86 120}; do
             sharded "tests_sm$cap" "$budget" "${FAMILY_SHARDS:-2}" \
                 "edge_cases or property_suite or block_orders or bitwise or separately or grid_y" \
                 MLX_FLASH_CUDA_CAPABILITY=$cap MLX_FLASH_CUDA_EXAMPLES=8
