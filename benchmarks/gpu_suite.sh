@@ -24,7 +24,7 @@
 #     PHASES="sanitize bench" SANITIZE_S=300 BENCH_S=240 benchmarks/gpu_suite.sh
 # SANITIZE_CAPS (default "80 86 120 native") picks the families the sanitizers run, FAMILIES
 # (default "80 86 120"; empty: none) the families the tests phase runs beside the native run.
-# Logs: suite.log (one line per step) and one log per step.
+# Logs: suite.log (one line per step) and one log per step, a sharded run's shards in one.
 # MLX's CUDA build is installed from .whl/*.whl exactly as benchmarks/run_on_gpu.sh does.
 set -uo pipefail
 
@@ -62,6 +62,17 @@ sharded() {
     done
 }
 
+# merge_shards NAME: NAME_<i>.log into NAME.log, each under its test ids' count (a device call
+# brings back a few files only).
+merge_shards() {
+    local name="$1" f
+    compgen -G "$out_dir/${name}_*.log" > /dev/null || return 0
+    for f in "$out_dir/${name}"_*.log; do
+        echo "== $(basename "$f" .log)"; cat "$f"; echo
+    done > "$out_dir/$name.log"
+    rm -f "$out_dir/${name}"_*.log "$out_dir/$name.ids"
+}
+
 {
     echo "== benchmarks/gpu_suite.sh, $(date -u +%Y-%m-%dT%H:%M:%SZ), $(uname -srm), phases: $phases"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "(no nvidia-smi)"
@@ -84,6 +95,7 @@ for phase in $phases; do
         done
         sharded tests_native "$budget" "${NATIVE_SHARDS:-8}" "not property_suite and not large_against and not emulated"
         wait
+        for name in tests_sm80 tests_sm86 tests_sm120 tests_native; do merge_shards "$name"; done
         ;;
     sanitize)
         for tool in memcheck racecheck; do
