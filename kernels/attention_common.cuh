@@ -492,10 +492,10 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
     // Interior tile, no mask, positive scale: the scale folded into exp2's FFMA, one instruction
     // per score fewer. The maximum of the raw scores times scale_log2 is the maximum of the
     // scaled ones (rounding is monotone); a negative scale would reverse it, and a zero or
-    // negative one takes the unfolded path. The same fold as a patched template against the
-    // unfolded wgmma forward (H100, B=1 H=16 N=4096, one A/B): 0.932x (D = 64) / 0.952x (D = 128)
-    // the time, fwd+bwd 0.988x; without the branch, before the TMA loads, it had measured 3-6 %
-    // slower (docs/cuda_notes.md). Only the wgmma forward takes FOLD, where its table row has
+    // negative one takes the unfolded path. Against the unfolded wgmma forward (H200, B=4 H=16
+    // N=4096, interleaved): 0.914x (D = 64) / 0.941x (D = 128) the time, 0.97-0.98x at D = 192 /
+    // 256; without the branch, before the TMA loads, it had measured 3-6 % slower
+    // (docs/cuda_notes.md). Only the wgmma forward takes FOLD, where its table row has
     // the scale_fold option (cuda_source.SCALE_FOLD); the mma.sync forward does not: there
     // ptxas spilled with it (sm_86 D = 128: 0 -> 40 bytes), and it was never timed.
     exp_scale = scale_log2;
