@@ -11,4 +11,14 @@ else
     say "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-export MLX_FLASH_COMMIT="${MLX_FLASH_COMMIT:-$(git rev-parse --verify -q HEAD 2> /dev/null || echo unknown)}"
+# A copied tree may carry a .git older than its files (the device machine's copy does): HEAD names
+# the tree only where the sources match it, else it is recorded as HEAD+modified (pass
+# MLX_FLASH_COMMIT=<commit> for the tree's own).
+if [ -z "${MLX_FLASH_COMMIT:-}" ]; then
+    MLX_FLASH_COMMIT=$(git rev-parse --verify -q HEAD 2> /dev/null || echo unknown)
+    if [ "$MLX_FLASH_COMMIT" != unknown ] && ! git diff --quiet HEAD -- mlx_flash kernels benchmarks 2> /dev/null; then
+        say "the sources differ from .git's HEAD $MLX_FLASH_COMMIT: recorded as $MLX_FLASH_COMMIT+modified"
+        MLX_FLASH_COMMIT="$MLX_FLASH_COMMIT+modified"
+    fi
+fi
+export MLX_FLASH_COMMIT
