@@ -65,11 +65,19 @@ class Point:
 
 @dataclass(frozen=True)
 class Problem:
-    """The timed problem's sizes (B, H, N)."""
+    """The timed problem: its sizes (B, H, N) and how calls are issued.
+
+    back_to_back: calls per timed sample, issued one after another and waited for once
+    (benchmark.Call), as a training step issues them; 1 waits for each call, which adds the
+    host's launch and synchronization to every sample. On an H200 (B=4 H=16 N=4096, D=64) a
+    forward that timed 0.860x the table's row one call at a time was 1.014x its time back to
+    back (benchmarks/RESULTS.md, "The tuner on the H200"), so the GPU problems time 8.
+    """
 
     batch: int
     heads: int
     length: int
+    back_to_back: int = 1
 
 
 @dataclass
@@ -208,7 +216,8 @@ def time_tables(space, tables: Dict[planner.Row, planner.Table], point: Point, p
         job = Job(point.kernel, spec_for(point, mask, problem.length, problem.length, problem.batch,
                                          problem.heads), checked=False)
         backends = {row: space.backend(table) for row, table in tables.items()}
-        calls = {row: bm.Call(run=lambda _, b=backend: job.run(b)) for row, backend in backends.items()}
+        calls = {row: bm.Call(run=lambda _, b=backend: job.run(b), back_to_back=problem.back_to_back)
+                 for row, backend in backends.items()}
         errors: Dict[planner.Row, str] = {}
         timings = bm.time_calls(calls, warmup=settings.warmup, min_repeats=settings.min_repeats,
                                 max_repeats=settings.max_repeats, target_seconds=settings.target_seconds,
@@ -311,7 +320,7 @@ def ab_whole_call(space, tables: Dict[str, planner.Table], head_dim: int, dtype:
         def run(_):
             out, lse = backend.forward(q, k, v, None, spec)
             return (out,) + tuple(backend.backward(q, k, v, None, out, lse, d_out, None, spec)[:3])
-        return bm.Call(run=run)
+        return bm.Call(run=run, back_to_back=problem.back_to_back)
 
     calls = {name: call(space.backend(table)) for name, table in tables.items()}
     timings = bm.time_calls(calls, warmup=settings.warmup, min_repeats=settings.min_repeats,
@@ -329,7 +338,8 @@ def apply(table: planner.Table, outcomes: Sequence[Outcome], origin: str) -> pla
 
 def notes(outcomes: Sequence[Outcome], problem: Problem, settings: bm.Settings) -> Tuple[str, ...]:
     """The comment lines a tuned table carries: the problem and, per point, what was measured."""
-    lines = [f"problem: B={problem.batch} H={problem.heads} N={problem.length}; harness: warm-up {settings.warmup}, "
+    lines = [f"problem: B={problem.batch} H={problem.heads} N={problem.length}, {problem.back_to_back} call(s) "
+             f"back to back per sample; harness: warm-up {settings.warmup}, "
              f"{settings.min_repeats}-{settings.max_repeats} interleaved repetitions, medians"]
     for o in outcomes:
         verdict = (f"{row_label(o.best)} replaces {row_label(o.base)}: {o.ratio:.3f}x its time in the A/B"

@@ -23,7 +23,7 @@ from .cli import dtype_argument, positive_int
 # Timed problems. GPUs: the sizes the shipped tables' comments were measured at (CUDA) or MFA's
 # (Metal); the Metal simulator runs kernels on the CPU at a thousandth of a GPU's speed, so it
 # gets a problem that only exercises the mechanism.
-PROBLEMS = {"cuda": tune.Problem(4, 16, 4096), "cuda_quick": tune.Problem(1, 16, 2048),
+PROBLEMS = {"cuda": tune.Problem(4, 16, 4096, 8), "cuda_quick": tune.Problem(1, 16, 2048, 8),
             "metal": tune.Problem(1, 8, 2048), "metal_quick": tune.Problem(1, 8, 1024),
             "metalsim": tune.Problem(1, 1, 64)}
 SETTINGS = {"full": bm.Settings(warmup=2, min_repeats=5, max_repeats=15, target_seconds=0.3),
@@ -75,6 +75,9 @@ def add_tune_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=positive_int, help="N of the timed problem")
     parser.add_argument("--batch", type=positive_int, help="B of the timed problem")
     parser.add_argument("--heads", type=positive_int, help="H of the timed problem")
+    parser.add_argument("--back-to-back", type=positive_int,
+                        help="calls per timed sample, issued back to back and waited for once "
+                             "(default 8 on CUDA, 1 on Metal)")
     parser.add_argument("--out-dir", type=Path, help="write the table here instead of the cache directory "
                                                      "(the planner reads only the cache directory)")
     parser.add_argument("--update", action="store_true",
@@ -139,14 +142,16 @@ def run_tune(args) -> int:
     todo = points(args, space, table, target)
     simulated = target == "metal" and metal_simulated()
     problem = PROBLEMS["metalsim" if simulated else f"{target}_quick" if args.quick else target]
-    problem = tune.Problem(args.batch or problem.batch, args.heads or problem.heads, args.seq_len or problem.length)
+    problem = tune.Problem(args.batch or problem.batch, args.heads or problem.heads, args.seq_len or problem.length,
+                           args.back_to_back or problem.back_to_back)
     settings = SETTINGS["quick" if args.quick else "full"]
     budget = args.budget_s if args.budget_s is not None else (180.0 if args.quick else 900.0)
     started = time.monotonic()
     deadline = started + budget
     device, architecture = tuned.device_identity(target)
     print(f"tuning {target} family {family} on {device} ({architecture}): {len(todo)} points, "
-          f"problem B={problem.batch} H={problem.heads} N={problem.length}, budget {budget:.0f} s")
+          f"problem B={problem.batch} H={problem.heads} N={problem.length}, {problem.back_to_back} call(s) back to "
+          f"back per sample, budget {budget:.0f} s")
     outcomes = []
     with tqdm(total=len(todo), unit="point", file=sys.stderr, dynamic_ncols=True) as bar:
         for point in todo:

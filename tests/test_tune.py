@@ -216,3 +216,44 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
                    if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
         toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
         assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
+
+
+def test_timed_samples_issue_the_problems_calls_back_to_back(sim, monkeypatch):
+    """Each timed sample of a candidate (and of the closing A/B) is the problem's back_to_back
+    calls issued one after another and waited for once (benchmark.Call)."""
+    runs, given = [], []
+    real_time_calls = bm.time_calls
+
+    def time_calls(calls, **kwargs):
+        given.extend(call.back_to_back for call in calls.values())
+        return real_time_calls(calls, **kwargs)
+
+    monkeypatch.setattr(bm, "time_calls", time_calls)
+    space, table = MetalSpace("m3"), planner.shipped_table("metal")
+
+    class Counting:
+        def __init__(self, backend):
+            self.backend = backend
+
+        def forward(self, *args):
+            runs.append(1)
+            return self.backend.forward(*args)
+
+        def backward(self, *args):
+            return self.backend.backward(*args)
+
+    monkeypatch.setattr(space, "backend", lambda t, make=space.backend: Counting(make(t)))
+    settings = bm.Settings(warmup=0, min_repeats=2, max_repeats=2, target_seconds=0.0)
+    point = tune.Point("forward", D, "float32")
+    for n in (1, 3):
+        runs.clear()
+        given.clear()
+        medians = tune.time_tables(space, {BASE: table}, point, tune.Problem(1, 1, 32, n), settings)
+        assert medians[point.masks[0]][BASE] > 0
+        assert given == [n] and len(runs) >= 2 * n and len(runs) % n == 0, (n, len(runs))
+        runs.clear()
+        given.clear()
+        times = tune.ab_whole_call(space, {"a": table, "b": table}, D, "float32", "none", tune.Problem(1, 1, 32, n), settings)
+        assert set(times) == {"a", "b"} and given == [n, n] and len(runs) >= 4 * n and len(runs) % n == 0
+    with pytest.raises(ValueError, match="back_to_back"):
+        tune.time_tables(space, {BASE: table}, point, tune.Problem(1, 1, 32, 0), settings)
