@@ -2,7 +2,8 @@
 # The CUDA backend's GPU run, for one NVIDIA H100 / H200 and one 10-minute command:
 #   1. tests/test_cuda.py with every GPU family's plans (MLX_FLASH_CUDA_CAPABILITY=80, 86, 120:
 #      edge cases D = 1..512, the bounded property suite, block orders, determinism) and natively
-#      (sm_90: the wgmma kernels too; the property suite and the N = 16K cases left to the full run);
+#      (sm_90: the wgmma kernels too, and the property suite in PROPERTY_SHARDS = 4 processes of
+#      PROPERTY_EXAMPLES = 6 examples, hypothesis seeds 0..3; the N = 16K cases left to the full run);
 #   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family;
 #   3. the speed table of benchmarks/RESULTS.md: bench.py --preset gpu (its shapes and columns:
 #      B=4 H=16 N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512,
@@ -94,8 +95,14 @@ for phase in $phases; do
                 MLX_FLASH_CUDA_CAPABILITY=$cap MLX_FLASH_CUDA_EXAMPLES=8
         done
         sharded tests_native "$budget" "${NATIVE_SHARDS:-8}" "not property_suite and not large_against and not emulated"
+        # The float64 property suite on this GPU's own plans (the wgmma kernels): PROPERTY_SHARDS
+        # processes of PROPERTY_EXAMPLES examples each, each drawing its own (hypothesis seed i).
+        for (( i = 0; i < ${PROPERTY_SHARDS:-4}; i++ )); do
+            step "property_native_$i" "$budget" env HYPOTHESIS_PROFILE=dev MLX_FLASH_CUDA_EXAMPLES="${PROPERTY_EXAMPLES:-6}" \
+                python3 -m pytest tests/test_cuda.py -q -p no:cacheprovider -k property_suite --hypothesis-seed="$i" &
+        done
         wait
-        for name in tests_sm80 tests_sm86 tests_sm120 tests_native; do merge_shards "$name"; done
+        for name in tests_sm80 tests_sm86 tests_sm120 tests_native property_native; do merge_shards "$name"; done
         ;;
     sanitize)
         for tool in memcheck racecheck; do
