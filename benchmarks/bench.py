@@ -14,7 +14,7 @@ What each pass times, and the metric formulas, are in mlx_flash/benchmark.py's d
 Outputs: the table on stdout, <out>/<name>.json (rows + environment, rewritten after every
 case so an interrupted run keeps what it measured) and <out>/<name>_d<D>_<dtype>.png. <out> is
 outside the source tree unless you name one (--out); published results are copied into
-benchmarks/results/ by hand, one JSON and plot per table.
+benchmarks/results/ by hand, one JSON per table (the plots are redrawn from runs, not kept).
 """
 from __future__ import annotations
 
