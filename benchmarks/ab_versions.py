@@ -38,10 +38,11 @@ import functools
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import versions  # benchmarks/versions.py: the other version's tree and its server process
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
@@ -143,49 +144,19 @@ def serve(backend_name: str, tuning: dict) -> None:
 
 
 class Worker:
-    """This script in --serve mode, importing mlx_flash from `tree`."""
+    """This script in --serve mode under `tree` (versions.Server), JSON lines both ways."""
 
     def __init__(self, tree: str, backend: str, tuning: dict):
-        self.tree = tree
-        # Its tree first on the path, then the caller's entries (benchmarks/gpu_env.sh puts MLX's
-        # CUDA wheels there).
-        path = [tree] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         tuning_arguments = [f"{key}={value!r}" for key, value in tuning.items()]
-        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backend", backend]
-                                        + (["--tuning", *tuning_arguments] if tuning_arguments else []),
-                                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), cwd=tree, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self.package = self._answer("start")["ready"]
-
-    def _answer(self, what: str) -> dict:
-        line = self.process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the worker for {self.tree} failed at {what} (its error is above)")
-        return json.loads(line)
+        self.server = versions.Server(SCRIPT, tree, ["--backend", backend]
+                                      + (["--tuning", *tuning_arguments] if tuning_arguments else []))
+        self.package = json.loads(self.server.ready)["ready"]
 
     def ask(self, **request) -> dict:
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        return self._answer(f"{request['op']} {request['case']}")
+        return json.loads(self.server.ask(json.dumps(request), f"{request['op']} {request['case']}"))
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
-
-
-def reference_tree(against: str, scratch: str) -> str:
-    """The folder holding the other version's mlx_flash/ and kernels/."""
-    if os.path.isdir(against):
-        for part in ("mlx_flash", "kernels"):
-            if not os.path.isdir(os.path.join(against, part)):
-                raise SystemExit(f"--against {against!r}: a folder must hold mlx_flash/ and kernels/ ({part}/ missing)")
-        return os.path.abspath(against)
-    archive = subprocess.run(["git", "archive", against, "mlx_flash", "kernels"], cwd=ROOT, capture_output=True)
-    if archive.returncode != 0:
-        raise SystemExit(f"--against {against!r} is neither a folder nor a git revision here: "
-                         f"{archive.stderr.decode().strip()}")
-    subprocess.run(["tar", "-x", "-C", scratch], input=archive.stdout, check=True)
-    return scratch
+        self.server.close()
 
 
 def compare(args) -> dict:
@@ -197,7 +168,7 @@ def compare(args) -> dict:
                "back_to_back": args.back_to_back,
                "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
-        tree = reference_tree(args.against, scratch)
+        tree = versions.version_tree(args.against, scratch)
         workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)), "other": Worker(tree, args.backend, {})}
         results["packages"] = {name: worker.package for name, worker in workers.items()}
         print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"

@@ -23,8 +23,9 @@ shared machine, time spent descheduled does not count. The first call of each ro
     python benchmarks/host_time.py --against HEAD~3     # and a git revision, interleaved rounds
     python benchmarks/host_time.py --profile            # + cProfile top entries (cuda, metal)
 
---against extracts REV's mlx_flash/ and kernels/ (git archive) to a temporary directory and runs this script
-on it and on this checkout in subprocesses, alternating, so both columns come from one run.
+--against takes REV's mlx_flash/ and kernels/ (a folder holding them, or a git revision's, extracted
+to a temporary directory: benchmarks/versions.py) and runs this script on it and on this checkout in
+subprocesses, alternating, so both columns come from one run.
 """
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import versions  # benchmarks/versions.py: the other version's tree and its server process
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
@@ -242,35 +245,25 @@ def profile(backend_name: str, mode: str, repeats: int, top: int) -> str:
 
 
 class Child:
-    """This script in --serve mode, importing mlx_flash from `pythonpath`."""
+    """This script in --serve mode under `tree` (versions.Server)."""
 
-    def __init__(self, pythonpath: str, backends):
-        self.process = subprocess.Popen([sys.executable, str(SCRIPT), "--serve", "--backends", ",".join(backends)],
-                                        env=dict(os.environ, PYTHONPATH=pythonpath), cwd=pythonpath, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        if self.process.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"measuring under {pythonpath} failed to start (see its error above)")
+    def __init__(self, tree: str, backends):
+        self.server = versions.Server(SCRIPT, tree, ["--backends", ",".join(backends)])
+        if self.server.ready != "ready":
+            raise RuntimeError(f"measuring under {tree} failed to start: {self.server.ready!r}")
 
     def row(self, name: str, label: str, mode: str, repeats: int) -> float:
-        self.process.stdin.write(f"{name}|{label}|{mode}|{repeats}\n")
-        self.process.stdin.flush()
-        answer = self.process.stdout.readline()
-        if not answer:
-            raise RuntimeError(f"measuring {name} {mode} {label} failed (see its error above)")
-        return float(answer)
+        return float(self.server.ask(f"{name}|{label}|{mode}|{repeats}", f"{name} {mode} {label}"))
 
     def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait()
+        self.server.close()
 
 
 def compare(args) -> None:
     """This checkout against `args.against`: two processes, alternating row by row (which one goes
     first alternates too), so that the machine's slow spells fall on both columns alike."""
-    with tempfile.TemporaryDirectory(prefix="host_time_ref_") as ref:
-        archive = subprocess.run(["git", "archive", args.against, "mlx_flash", "kernels"], cwd=ROOT, capture_output=True,
-                                 check=True).stdout
-        subprocess.run(["tar", "-x", "-C", ref], input=archive, check=True)
+    with tempfile.TemporaryDirectory(prefix="host_time_ref_") as scratch:
+        ref = versions.version_tree(args.against, scratch)
         children = [Child(ref, args.backends), Child(str(ROOT), args.backends)]
         before, after = {}, {}
         try:
@@ -299,14 +292,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per row (default 200)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each row keeps its best (default 3)")
     parser.add_argument("--backends", type=lambda s: s.split(","), default=["cuda", "metal", "null", "mx.fast"])
-    parser.add_argument("--against", help="a git revision to measure too (its mlx_flash/ and kernels/, extracted)")
+    parser.add_argument("--against", help="a git revision or a folder with mlx_flash/ and kernels/, measured too")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries too")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown (default 25)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     _environment()
-    if args.serve:
-        sys.path.insert(0, os.environ.get("PYTHONPATH") or str(ROOT))
+    if args.serve:  # under versions.Server: the working folder is the version's tree
+        sys.path.insert(0, os.getcwd())
         serve(args.backends)
         return
     if args.against:
