@@ -6,8 +6,9 @@
     python benchmarks/ab_versions.py --against . --tuning scale_fold=True   # one option, this tree
 
 REV is a git revision (its mlx_flash/ and kernels/ are extracted with git archive) or a folder
-that holds a version's mlx_flash/ and kernels/: the GPU machine's copy of the tree has no .git, so
-extract the revision here and carry the folder, e.g.
+that holds a version's mlx_flash/ and kernels/ (benchmarks/versions.py): the GPU machine's copy of
+the tree has no usable .git (one older than its files), so extract the revision here and carry the
+folder, e.g.
     mkdir -p .ab/BASE && git archive BASE mlx_flash kernels | tar -x -C .ab/BASE
 (.ab/ in .git/info/exclude), then run with --against .ab/BASE.
 

@@ -18,8 +18,8 @@
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
-# 8: NVRTC compiles one kernel at a time per process, and 141 native tests took ~15 minutes in
-# one process on an H200 machine's host), SANITIZE_S (160) for memcheck and racecheck side by
+# 8: NVRTC compiles one kernel at a time per process; in one process on an H200 machine 16 of the
+# 141 native tests took 102 s), SANITIZE_S (160) for memcheck and racecheck side by
 # side, BENCH_S (150): under 600 s with setup. For the thorough run, two commands:
 #     PHASES=tests TESTS_S=540 benchmarks/gpu_suite.sh
 #     PHASES="sanitize bench" SANITIZE_S=300 BENCH_S=240 benchmarks/gpu_suite.sh
@@ -63,7 +63,7 @@ sharded() {
     done
 }
 
-# merge_shards NAME: NAME_<i>.log into NAME.log, each under its test ids' count (a device call
+# merge_shards NAME: NAME_<i>.log into NAME.log, each under a "== NAME_<i>" line (a device call
 # brings back a few files only).
 merge_shards() {
     local name="$1" f
@@ -118,7 +118,7 @@ for phase in $phases; do
         ;;
     ab)
         # This tree's kernels against AB_AGAINST's (a folder carried with the call: the machine's
-        # copy has no .git; benchmarks/ab_versions.py says how to make one), interleaved.
+        # copy of the tree has no usable .git; benchmarks/ab_versions.py says how to make one).
         if [ -z "${AB_AGAINST:-}" ]; then say "ab: set AB_AGAINST to a folder with mlx_flash/ and kernels/"; continue; fi
         step ab_versions "${AB_S:-240}" python3 benchmarks/ab_versions.py --against "$AB_AGAINST" \
             --out "$out_dir/ab_versions.json" ${AB_ARGS:-}
