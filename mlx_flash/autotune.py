@@ -106,7 +106,7 @@ class FirstUse:
             problem = SIMULATOR_PROBLEM
         else:
             problem = tune.Problem(min(spec.batch, MAX_BATCH), min(spec.q_heads, MAX_HEADS),
-                                   min(max(spec.q_len, spec.kv_len, 128), MAX_LENGTH))
+                                   min(max(spec.q_len, spec.kv_len, 128), MAX_LENGTH), tune.calls_per_sample(target))
         started = time.monotonic()
         deadline = started + budget_s()
         table = planner.active_table(target, family)

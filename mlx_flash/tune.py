@@ -68,16 +68,24 @@ class Problem:
     """The timed problem: its sizes (B, H, N) and how calls are issued.
 
     back_to_back: calls per timed sample, issued one after another and waited for once
-    (benchmark.Call), as a training step issues them; 1 waits for each call, which adds the
-    host's launch and synchronization to every sample. On an H200 (B=4 H=16 N=4096, D=64) a
-    forward that timed 0.860x the table's row one call at a time was 1.014x its time back to
-    back (benchmarks/RESULTS.md, "The tuner on the H200"), so the GPU problems time 8.
+    (benchmark.Call); `calls_per_sample` says how many each target's problems take.
     """
 
     batch: int
     heads: int
     length: int
     back_to_back: int = 1
+
+
+def calls_per_sample(target: str) -> int:
+    """Problem.back_to_back for `target`'s problems (the tune command's and the autotuner's).
+
+    CUDA: 8 calls back to back, as a training step issues them. One call waited for at a time adds
+    the host's launch and wait to every sample, and on an H200 (B=4 H=16 N=4096, D=64) a forward
+    that timed 0.860x the table's row that way was 1.014x its time back to back
+    (benchmarks/RESULTS.md, "The tuner on the H200"). Metal: one call (not measured on an Apple GPU).
+    """
+    return 8 if target == "cuda" else 1
 
 
 @dataclass

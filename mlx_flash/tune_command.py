@@ -23,7 +23,8 @@ from .cli import dtype_argument, positive_int
 # Timed problems. GPUs: the sizes the shipped tables' comments were measured at (CUDA) or MFA's
 # (Metal); the Metal simulator runs kernels on the CPU at a thousandth of a GPU's speed, so it
 # gets a problem that only exercises the mechanism.
-PROBLEMS = {"cuda": tune.Problem(4, 16, 4096, 8), "cuda_quick": tune.Problem(1, 16, 2048, 8),
+PROBLEMS = {"cuda": tune.Problem(4, 16, 4096, tune.calls_per_sample("cuda")),
+            "cuda_quick": tune.Problem(1, 16, 2048, tune.calls_per_sample("cuda")),
             "metal": tune.Problem(1, 8, 2048), "metal_quick": tune.Problem(1, 8, 1024),
             "metalsim": tune.Problem(1, 1, 64)}
 SETTINGS = {"full": bm.Settings(warmup=2, min_repeats=5, max_repeats=15, target_seconds=0.3),

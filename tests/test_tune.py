@@ -257,3 +257,13 @@ def test_timed_samples_issue_the_problems_calls_back_to_back(sim, monkeypatch):
         assert set(times) == {"a", "b"} and given == [n, n] and len(runs) >= 4 * n and len(runs) % n == 0
     with pytest.raises(ValueError, match="back_to_back"):
         tune.time_tables(space, {BASE: table}, point, tune.Problem(1, 1, 32, 0), settings)
+
+
+def test_cuda_problems_time_calls_back_to_back():
+    """The tune command's CUDA problems and the autotuner's (tune.calls_per_sample) time 8 calls
+    back to back per sample; Metal's one."""
+    from mlx_flash import tune_command
+
+    assert tune.calls_per_sample("cuda") == 8 and tune.calls_per_sample("metal") == 1
+    assert {name: p.back_to_back for name, p in tune_command.PROBLEMS.items()} == {
+        "cuda": 8, "cuda_quick": 8, "metal": 1, "metal_quick": 1, "metalsim": 1}
