@@ -153,13 +153,17 @@ def test_one_copy_of_strided_inputs_per_call():
     alive (in mlx-lm nothing else holds it, and the copy takes its place). The CPU stream frees
     buffers when its worker finishes a task, so one run's peak takes one of two values, the lower
     when buffers were freed early (seen, 6 runs each: per launch 23.1-24.1, once 14.0-19.1, strided
-    14.0-18.1 MiB, the lower of the two in most runs). Each figure is the lowest of 6 runs: the
-    highest failed when one kind never met its higher value in 6 runs."""
-    per_launch, once, strided = (min(step_peak(KernelStubs(copies, contiguous)) for _ in range(6))
+    14.0-18.1 MiB; which one is more frequent changes with the machine's load: a later 15
+    runs gave once 19.1 x 11, 18.1 x 3, 14.1 x 1 and strided 18.1 x 14, 14.1 x 1). So neither the
+    lowest nor the highest of 6 runs alone compares like with like: each failed once, when one
+    kind never met the mode the other met. Once against strided holds if it holds for the lowest
+    or for the highest of the runs; a copy too many (2 MiB and more) breaks both."""
+    per_launch, once, strided = ([step_peak(KernelStubs(copies, contiguous)) for _ in range(6)]
                                  for copies, contiguous in ((True, False), (True, True), (False, False)))
     d_out_bytes, v_bytes = 16 * 1024 * 128 * 2, 4 * 1024 * 128 * 2
-    assert once <= strided + v_bytes + d_out_bytes // 4, (once, strided)
-    assert per_launch >= once + d_out_bytes // 2, (per_launch, once)
+    slack = v_bytes + d_out_bytes // 4
+    assert min(once) <= min(strided) + slack or max(once) <= max(strided) + slack, (once, strided)
+    assert min(per_launch) >= min(once) + d_out_bytes // 2, (per_launch, once)
 
 
 def test_strided_inputs_under_compile_and_grad():
