@@ -15,6 +15,9 @@
 #     PHASES="tests" benchmarks/gpu_suite.sh        # some of them: tests, sanitize, bench, ab
 #     AB_AGAINST=.ab/BASE PHASES=ab benchmarks/gpu_suite.sh   # benchmarks/ab_versions.py against BASE
 #                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
+#     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/profile_kernels.py (ncu): PROFILE_ARGS,
+#                                                   # PROFILE_S (240)
+# SANITIZE_ARGS: more arguments of sanitize_cases.py (e.g. --fused-dq --n 400 --head-dims 48 96 64).
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
@@ -107,7 +110,7 @@ for phase in $phases; do
     sanitize)
         for tool in memcheck racecheck; do
             step "sanitizer_$tool" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-                python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native} &
+                python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native} ${SANITIZE_ARGS:-} &
         done
         wait
         ;;
@@ -123,7 +126,10 @@ for phase in $phases; do
         step ab_versions "${AB_S:-240}" python3 benchmarks/ab_versions.py --against "$AB_AGAINST" \
             --out "$out_dir/ab_versions.json" ${AB_ARGS:-}
         ;;
-    *) say "unknown phase $phase (tests, sanitize, bench, ab)";;
+    profile)
+        step profile_kernels "${PROFILE_S:-240}" python3 benchmarks/profile_kernels.py --out "$out_dir" ${PROFILE_ARGS:-}
+        ;;
+    *) say "unknown phase $phase (tests, sanitize, bench, ab, profile)";;
     esac
 done
 say "done: $out_dir"

@@ -17,6 +17,12 @@ kernel's three schemes on an H100: a bool mask with softcap, causal at BN = 32, 
 column groups). --n replaces every case's query length (keys: n + 3): the default lengths give
 the dK/dV kernel's D = 200 CTA only STAGES = 2 query blocks, so its pipeline never refills a
 stage; n = 150 refills every stage of all three.
+
+--fused-dq runs the backward with Tuning(fused_query=True): where the dK/dV kernel can take it
+(D <= 128, no window) it accumulates dQ itself through its ordered bulk adds, which the block
+table turns on only for long calls. With --n 400 a case has 4 key blocks and 4-7 query blocks,
+so both chains of the walk without a causal mask (attention_backward_key_value_wgmma.cu) and the
+causal one take several adds.
 """
 import argparse
 import os
@@ -27,6 +33,7 @@ import numpy as np
 
 from mlx_flash import flash_attention
 from mlx_flash.backends.cuda import CAPABILITY_VARIABLE, CUDABackend
+from mlx_flash.backends.cuda_source import Tuning
 
 # (head dim, mask, N): head dims in every row range of blocks_cuda.txt (<= 64, <= 128, <= 192,
 # <= 256, <= 448, <= 512); N not a multiple of any block.
@@ -49,7 +56,7 @@ def laid_out(x: mx.array, layout: str) -> mx.array:
     return x
 
 
-def run(capability: str, cases=CASES, n_override=None, layout: str = "row") -> float:
+def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fused_dq: bool = False) -> float:
     """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
 
     Args:
@@ -57,12 +64,13 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row") -> f
         cases: (head dim, mask, N) triples, a subset of CASES.
         n_override: N for every case instead of its own (None: each case's).
         layout: how q, k and v lie in memory (LAYOUTS).
+        fused_dq: force the dK/dV kernel's fused dQ where it fits (Tuning.fused_query).
     """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
     else:
         os.environ[CAPABILITY_VARIABLE] = capability
-    backend = CUDABackend()  # reads the capability per call
+    backend = CUDABackend(tuning=Tuning(fused_query=True) if fused_dq else Tuning())  # reads the capability per call
     worst = 0.0
     for head_dim, mask, n in cases:
         n = n_override or n
@@ -93,7 +101,8 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row") -> f
             worst = max(worst, float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-30)))
     family = backend.family()
     print(f"capability {capability}: family {family.name if family else None}, {layout} layout, {len(cases)} cases "
-          f"(head dims {', '.join(str(c[0]) for c in cases)}), worst relative error vs mlx fp32 {worst:.2e}",
+          f"(head dims {', '.join(str(c[0]) for c in cases)}){', fused dQ' if fused_dq else ''}, "
+          f"worst relative error vs mlx fp32 {worst:.2e}",
           flush=True)
     return worst
 
@@ -106,6 +115,7 @@ def main(argv=None) -> int:
                         help="only the cases of these head dims (default: every case)")
     parser.add_argument("--n", type=int, help="query length of every case (keys: n + 3) instead of its own")
     parser.add_argument("--layout", choices=LAYOUTS, default="row", help="how q, k and v lie in memory")
+    parser.add_argument("--fused-dq", action="store_true", help="force the dK/dV kernel's fused dQ where it fits")
     args = parser.parse_args(argv)
     for capability in args.capabilities:
         if capability != "native" and not capability.isdigit():
@@ -113,7 +123,7 @@ def main(argv=None) -> int:
     if args.n is not None and args.n < 1:
         parser.error(f"--n must be a positive query length, got {args.n}")
     cases = [c for c in CASES if args.head_dims is None or c[0] in args.head_dims]
-    errors = [run(c, cases, args.n, args.layout) for c in args.capabilities]
+    errors = [run(c, cases, args.n, args.layout, args.fused_dq) for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
     return 1 if max(errors) > 6e-2 else 0
 

@@ -53,14 +53,24 @@
 // for the other only a step later, never at the step it stores. A writer thread of the producer
 // warpgroup adds the staging tile into an fp32 accumulator in global memory (tiles of BN x 64
 // PANELS floats in that same layout; attention_backward_query_from_accumulator.cu makes dQ of it) with one TMA
-// bulk add, in a fixed order: the key blocks that see a query block add theirs in ascending order
-// (they are 0.. the last, without a window), each writer waiting on a per-(query head, query
-// block) count (zeroed by the prepare kernel; an input this kernel updates). Key block 0 stores
-// its part instead (one TMA bulk copy), so nothing fills the accumulator first; the tiles no key
-// block sees keep a count of 0, which tells the dQ kernel they are zero. A CTA waits only on
-// CTAs of lower index (started no earlier), so the wait ends; the order makes dQ bitwise
-// reproducible. The consumers never wait on the order, only on the
-// staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
+// bulk add, in a fixed order: the key blocks of a chain add theirs in ascending order, each
+// writer waiting on a per-(query head, query block, chain) count (zeroed by the prepare kernel; an
+// input this kernel updates). The first of a chain stores its part instead (one TMA bulk copy), so
+// nothing fills the accumulator first; a chain no key block joined keeps a count of 0, which tells
+// the dQ kernel it is zero. A CTA waits only on CTAs of lower index (started no earlier), so the
+// wait ends; the order makes dQ bitwise reproducible. The consumers never wait on the order, only
+// on the staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
+// The chains (ROTATED, below): under a causal mask one, the key blocks 0.. the last that see the
+// query block, every CTA walking its query blocks upward. Without one, every key block sees every
+// query block, and an upward walk by all of them made key block k's writer about k links late at
+// every tile (the CTAs of a head start together and each add waits for the one before): with the
+// count wait removed (dQ wrong, a timing probe) the backward took 0.916x the time at B=4 N=4096
+// D=128 and 0.871x at D=64 (H100). So each CTA starts at the query block on its own diagonal,
+// r = min(kb BM / BN, last), and walks down, wrapping: r, r - 1, .., 0, last, .., r + 1. Query block
+// i then hears from key blocks first(i) = ceil(i BN / BM), first(i) + 1, .. from the first step on,
+// BM / BN steps apart, and from 0, 1, .. first(i) - 1 at the end of the sweep, again BM / BN steps
+// apart: two chains in ascending order, each into an accumulator tile of its own (the second would
+// otherwise wait for the wrap), which the dQ kernel sums in that order.
 //
 // Shared memory tiles: the swizzled panel layout of wgmma_common.cuh. K, V: K-major A operands
 // of S^T and dP^T. Q, dO: K-major B operands of S^T / dP^T and MN-major B operands of dK / dV
@@ -82,6 +92,8 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
+constexpr bool ROTATED = FUSED_DQ && !CAUSAL;  // (FUSED_DQ: no window) the walk and chains above
+constexpr int CHAINS = ROTATED ? 2 : 1;       // accumulator tiles and counts per (query head, query block)
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels
@@ -196,6 +208,14 @@ __device__ void attention_backward_key_value_wgmma(
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
   query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
   const int items = qb_count * group;  // (query head in group, query block) pairs
+  // Item it: query head it / qb_count of the group, query block item_block(it) (ROTATED: the walk
+  // down from this key block's diagonal, wrapping; qb_begin is 0 without a causal mask or window).
+  const int diagonal = ROTATED ? min(kb * BM / BN, qb_count - 1) : 0;
+  auto item_block = [&](int it) {
+    const int s = it % qb_count;
+    if (!ROTATED) return qb_begin + s;
+    return diagonal >= s ? diagonal - s : diagonal - s + qb_count;
+  };
 
   if (tid == 0) {
 #pragma unroll
@@ -234,10 +254,13 @@ __device__ void attention_backward_key_value_wgmma(
       if (ptid != WRITER_THREAD) return;
       const int nqb = (Nq + BN - 1) / BN;
       for (int it = 0; it < items; ++it) {
-        const i64 tile = ((i64)b * Hq + hk * group + it / qb_count) * nqb + qb_begin + it % qb_count;
+        const int qb = item_block(it);
+        const int first = ROTATED ? (qb * BN + BM - 1) / BM : 0;  // the first key block of chain 0
+        const int chain = kb >= first ? 0 : 1, position = chain == 0 ? kb - first : kb;
+        const i64 tile = (((i64)b * Hq + hk * group + it / qb_count) * nqb + qb) * CHAINS + chain;
         mbarrier_wait(dq_full, it & 1);            // both warpgroups' units are in the staging tile
-        wait_for_count(dq_order + tile, kb);       // key blocks 0 .. kb - 1 have added theirs
-        if (kb == 0) {                             // the first: a store (the accumulator is not zeroed)
+        wait_for_count(dq_order + tile, position);  // the chain's key blocks before this one have added theirs
+        if (position == 0) {                       // the first: a store (the accumulator is not zeroed)
           bulk_store_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
         } else {
           bulk_add_f32(dq_acc + tile * DQ_TILE_FLOATS, smem_u32(dq_stage), DQ_TILE_FLOATS * 4);
@@ -255,7 +278,7 @@ __device__ void attention_backward_key_value_wgmma(
       if (!stats_thread || it >= items) return;
 #pragma unroll
       for (int r = 0; r < STATS_ROWS; ++r) {
-        const int i = (qb_begin + it % qb_count) * BN + ptid + r * STATS_THREADS;
+        const int i = item_block(it) * BN + ptid + r * STATS_THREADS;
         const i64 row = ((i64)b * Hq + hk * group + it / qb_count) * Nq + min(i, Nq - 1);
         next_l[r] = i < Nq ? lse2[row] : 0.f;
         next_d[r] = i < Nq ? delta[row] : 0.f;
@@ -279,7 +302,7 @@ __device__ void attention_backward_key_value_wgmma(
         for (int p = 0; p < TILE_PANELS; ++p) tma_load_3d(smem_u32(tile + p * BN * 128), map, 64 * p, qs, gi, full);
       };
       for (int it = 0; it < items; ++it) {
-        const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+        const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
         float l[STATS_ROWS], d[STATS_ROWS];
 #pragma unroll
         for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
@@ -301,7 +324,7 @@ __device__ void attention_backward_key_value_wgmma(
       return;
     }
     for (int it = 0; it < items; ++it) {
-      const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+      const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
       const int h = hk * group + gi;
       float l[STATS_ROWS], d[STATS_ROWS];
 #pragma unroll
@@ -406,7 +429,7 @@ __device__ void attention_backward_key_value_wgmma(
     // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute.
     auto step = [&](int it, auto first) {
       constexpr bool FIRST = decltype(first)::value;
-      const int stage = it % STAGES, gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
+      const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
       const u32 parity = (it / STAGES) & 1;
       const u32 q_addr = smem_u32(Qs + stage * TILE_BYTES), do_addr = smem_u32(dOs + stage * TILE_BYTES);
       const float* Lst = Ls + stage * BN;

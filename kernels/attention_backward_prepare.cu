@@ -2,8 +2,8 @@
 //   delta[r] = rowsum(dO[r] * O[r]) - dL[r]   (fp32; dL = cotangent of lse, if any)
 //   lse2[r]  = L[r] * log2(e), or +inf where L = -inf (then P = exp2(S - lse2) = 0 for that row).
 // COUNT_BLOCK > 0 (the wgmma dK/dV kernel's fused dQ, attention_backward_key_value_wgmma.cu):
-// also zeroes dq_order, one count per (batch, query head, block of COUNT_BLOCK queries), which
-// that kernel then updates. MLX's cuda_kernel can only fill all of a kernel's outputs
+// also zeroes dq_order, COUNT_CHAINS counts per (batch, query head, block of COUNT_BLOCK queries),
+// which that kernel then updates. MLX's cuda_kernel can only fill all of a kernel's outputs
 // (init_value), and filling the dK/dV kernel's (dK, dV and dQ's fp32 accumulator, which the
 // kernel writes in full anyway) took 0.12 ms of a 2.9 ms backward at B=4 H=16 N=4096 D=128 and
 // 0.31 of 10.3 ms at B=1 N=16384 (H100); here the zeros cost one store per count.
@@ -13,6 +13,7 @@ typedef {{input_type}} T;
 constexpr int HEAD_DIM = {{head_dim}};
 constexpr bool HAS_DLSE = {{has_d_lse}};
 constexpr int COUNT_BLOCK = {{count_block}};
+constexpr int COUNT_CHAINS = {{count_chains}};
 constexpr int ROWS_PER_BLOCK = 4;
 }  // namespace prep
 
@@ -37,7 +38,8 @@ __device__ void attention_backward_prepare(const prep::T* __restrict__ out, cons
     const float l = lse[r];
     delta[r] = HAS_DLSE ? acc - d_lse[r] : acc;
     lse2[r] = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
-    if (COUNT_BLOCK > 0 && r < ip[P_BATCH] * Hq * ((Nq + COUNT_BLOCK - 1) / COUNT_BLOCK)) dq_order[r] = 0;
+    if (COUNT_BLOCK > 0 && r < ip[P_BATCH] * Hq * ((Nq + COUNT_BLOCK - 1) / COUNT_BLOCK))
+      for (int c = 0; c < COUNT_CHAINS; ++c) dq_order[r * COUNT_CHAINS + c] = 0;
   }
 }
 

@@ -5,9 +5,11 @@
 // thread t = 32 warp + 4 g + tq holding row 16 warp + 8 hf + g, column 8 i + 2 tq + e at float
 // 2 hf + e of it; the units lie along the rows at BN = 128 (D <= 64), along the columns at BN = 64.
 // The tile is read with coalesced float4 loads, put in place in shared memory and written out row
-// by row. A tile whose count is 0 was written by no key block (causal, Nq > Nk: rows that see no
-// key; the dK/dV kernel stores the first key block's part instead of adding it to zeros): its dQ
-// is 0. MLX's transposed copy of the same permutation (plus its rounding copy) took 0.58 ms
+// by row. CHAINS tiles per (batch, query head, query block), one per chain of key blocks (the
+// dK/dV kernel's ROTATED walk: 2 without a causal mask), summed in chain order. A tile whose count
+// is 0 was written by no key block (causal, Nq > Nk: rows that see no key; the first query block
+// has no second chain; the dK/dV kernel stores a chain's first part instead of adding it to
+// zeros): it adds nothing, and a query block with no written tile has dQ 0. MLX's transposed copy of the same permutation (plus its rounding copy) took 0.58 ms
 // at B=4 H=16 N=4096 D=128 on an H100, a sixth of the backward.
 namespace mlxflash {
 namespace dqacc {
@@ -16,6 +18,7 @@ constexpr int HEAD_DIM = {{head_dim}};
 constexpr int BN = {{traversal_block}};  // query rows of a tile
 constexpr int COLS = {{tile_columns}};   // columns of a tile: 64-column panels covering HEAD_DIM
 constexpr int THREADS = {{threads}};
+constexpr int CHAINS = {{chains}};  // accumulator tiles per query block, summed in this order
 // Row pitch in floats: 8 banks between rows, so each half-warp's float2 stores (4 rows x 4 column
 // pairs) hit 32 different banks.
 constexpr int PITCH = COLS + 8;
@@ -35,10 +38,20 @@ __device__ void attention_backward_query_from_accumulator(const float* __restric
   if (index >= ip[P_BATCH] * Hq * nqb) return;  // the whole CTA: no barrier is skipped by part of it
   const int qb = (int)(index % nqb), h = (int)(index / nqb % Hq);
   const i64 b = index / nqb / Hq;
-  const float4* src = reinterpret_cast<const float4*>(acc) + index * (BN * COLS / 4);
-  const bool written = counts[index] != 0;
+  const float4* src = reinterpret_cast<const float4*>(acc) + index * CHAINS * (BN * COLS / 4);
+  bool written[CHAINS];
+#pragma unroll
+  for (int c = 0; c < CHAINS; ++c) written[c] = counts[index * CHAINS + c] != 0;
   for (int j = threadIdx.x; j < BN * COLS / 4; j += THREADS) {
-    const float4 x = written ? src[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    bool any = false;
+#pragma unroll
+    for (int c = 0; c < CHAINS; ++c) {
+      if (!written[c]) continue;
+      const float4 y = src[c * (BN * COLS / 4) + j];
+      x = any ? make_float4(x.x + y.x, x.y + y.y, x.z + y.z, x.w + y.w) : y;
+      any = true;
+    }
     const int unit = j / 1024, i = j / 128 % 8, t = j % 128;
     const int row = (BN == 128 ? 64 * unit : 0) + 16 * (t / 32) + t % 32 / 4;
     const int col = (BN == 64 ? 64 * unit : 0) + 8 * i + 2 * (t % 4);

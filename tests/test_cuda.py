@@ -750,35 +750,47 @@ def test_fused_query_by_length_on_the_gpu():
 
 
 @emulator
-@pytest.mark.parametrize("head_dim,dtype", [(37, "float16"), (64, "bfloat16"), (96, "float16"), (128, "bfloat16")])
-def test_fused_query_accumulator_order(head_dim, dtype):
+@pytest.mark.parametrize("head_dim,dtype,mask", [(37, "float16", "causal"), (64, "bfloat16", "none"),
+                                                 (96, "float16", "none"), (128, "bfloat16", "causal"),
+                                                 (128, "bfloat16", "none")])
+def test_fused_query_accumulator_order(head_dim, dtype, mask):
     """The kernel that makes dQ of the fused dK/dV kernel's accumulator (run by the CPU emulator)
     puts every float where the dK/dV kernel's layout says (two 64 x 64 units a tile, each in its
     warpgroup's register order: float4 i of thread t at i * 128 + t; thread 32 warp + 4 g + tq
-    holds row 16 warp + 8 hf + g, column 8 n + 2 tq + e at float 4 n + 2 hf + e), rounded to the
-    input dtype as MLX rounds, writes no row past Nq (the emulator poisons outputs), and writes
-    zeros for the tiles whose count is 0 (no key block wrote them: their floats are garbage)."""
+    holds row 16 warp + 8 hf + g, column 8 n + 2 tq + e at float 4 n + 2 hf + e), sums a query
+    block's chains (two without a causal mask) in order, rounded to the input dtype as MLX rounds,
+    writes no row past Nq (the emulator poisons outputs), and leaves out the tiles whose count is 0
+    (no key block wrote them: their floats are garbage; a block with none written is zero)."""
     from dataclasses import replace
 
     from mlx_flash import inspect
     B, H, N = 2, 3, 150
-    spec = replace(inspect.make_spec(head_dim, dtype, "none", q_len=N), batch=B, q_heads=H, kv_heads=H)
+    spec = replace(inspect.make_spec(head_dim, dtype, mask, q_len=N), batch=B, q_heads=H, kv_heads=H)
     variant = cuda_source.make_variant("backward_key_value", spec, None, SM90, Tuning(fused_query=True),
                                        real_sm90=True)
     assert variant.fused_query
-    bn, tile = variant.traversal_block, cuda.fused_tile_floats(variant)
+    bn, tile, chains = variant.traversal_block, cuda.fused_tile_floats(variant), cuda.fused_chains(variant)
+    assert chains == (1 if mask == "causal" else 2)
     blocks = -(-N // bn)
-    acc = np.random.default_rng(head_dim).standard_normal((B, H, blocks, tile)).astype(np.float32)
-    want = np.zeros((B, H, blocks * bn, head_dim), np.float32)
+    acc = np.random.default_rng(head_dim).standard_normal((B, H, blocks, chains, tile)).astype(np.float32)
+    # chain c of query block t counts t // 3^c % 3: every third tile of a chain unwritten, and with
+    # two chains blocks with neither, either or both written
+    tiles = np.arange(B * H * blocks, dtype=np.int32).reshape(B, H, blocks, 1)
+    counts = tiles // 3 ** np.arange(chains, dtype=np.int32) % 3
+    written = (counts != 0).sum(axis=3)
+    assert all((written == n).any() for n in range(chains + 1))
+    placed = np.zeros((B, H, blocks * bn, chains, head_dim), np.float32)
     for i in range(blocks * bn):
         for c in range(head_dim):
             r = i % bn
             unit, rr, cc = (r // 64, r % 64, c) if bn == 128 else (c // 64, r, c % 64)
             t = 32 * (rr // 16) + 4 * (rr % 8) + (cc % 8) // 2
             at = unit * 4096 + ((cc // 8) * 128 + t) * 4 + 2 * ((rr % 16) // 8) + cc % 2
-            want[:, :, i, c] = acc[:, :, i // bn, at]
-    counts = np.arange(B * H * blocks, dtype=np.int32).reshape(B, H, blocks) % 3  # every third tile unwritten
-    want[np.repeat(counts == 0, bn, axis=2)] = 0.0
+            placed[:, :, i, :, c] = acc[:, :, i // bn, :, at]
+    placed[np.repeat(counts == 0, bn, axis=2)] = 0.0
+    want = placed[:, :, :, 0]
+    for chain in range(1, chains):  # in chain order, in fp32
+        want = want + placed[:, :, :, chain]
     backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory())
     dq = backend.query_from_accumulator(mx.array(acc), mx.array(counts), variant, spec)
     assert dq.shape == (B, H, N, head_dim) and dq.dtype == spec.dtype
@@ -806,7 +818,7 @@ def test_fused_query_counts_start_at_zero(q_len):
     lse = mx.array(rng.standard_normal((B, H, q_len)).astype(np.float32))
     backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory())
     delta, lse2, counts = backend.prepare_backward(out, lse, d_out, None, spec, variant)
-    assert counts.shape == (B, H, -(-q_len // variant.traversal_block)) and counts.dtype == mx.int32
+    assert counts.shape == (B, H, -(-q_len // variant.traversal_block), 2) and counts.dtype == mx.int32
     assert not np.array(counts).any()
     want = backend.prepare_backward(out, lse, d_out, None, spec)
     assert len(want) == 2
@@ -988,11 +1000,13 @@ def test_wgmma_kernels_compile_with_nvcc():
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
             # and the kernel that makes dQ of its accumulator
             text = module.compile_unit(f"dq_from_acc_{head_dim}", module.wrapped(
-                cuda_source.query_from_accumulator_source(variant.input_type, head_dim, variant.traversal_block),
+                cuda_source.query_from_accumulator_source(variant.input_type, head_dim, variant.traversal_block,
+                                                          cuda.fused_chains(variant)),
                 variant.input_type), "sm_90a", tmp)
             assert not text.startswith("ERROR"), text
             # and the prepare kernel that zeroes its counts
             text = module.compile_unit(f"prepare_counts_{head_dim}", module.wrapped(
-                cuda_source.prepare_source(variant.input_type, head_dim, False, variant.traversal_block),
+                cuda_source.prepare_source(variant.input_type, head_dim, False, variant.traversal_block,
+                                           cuda.fused_chains(variant)),
                 variant.input_type), "sm_90a", tmp)
             assert not text.startswith("ERROR"), text

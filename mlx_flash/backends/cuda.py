@@ -269,8 +269,9 @@ class CUDABackend:
         that order its adds, zeroed (kernels/attention_backward_prepare.cu says why here)."""
         rows = spec.batch * spec.q_heads * spec.q_len
         has_d_lse = d_lse is not None
-        count_block = key_value.traversal_block if key_value is not None and key_value.fused_query else 0
-        key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse, count_block)
+        fused = key_value is not None and key_value.fused_query
+        count_block, chains = (key_value.traversal_block, fused_chains(key_value)) if fused else (0, 1)
+        key = ("prepare", CUDA_TYPES[spec.dtype], spec.head_dim, has_d_lse, count_block, chains)
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]),
@@ -279,7 +280,7 @@ class CUDABackend:
         grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
         d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
-        counts = [(spec.batch, spec.q_heads, -(-spec.q_len // count_block))] if count_block else []
+        counts = [(spec.batch, spec.q_heads, -(-spec.q_len // count_block), chains)] if count_block else []
         lse, d_lse = contiguous_operands([lse, d_lse])  # out and d_out: read through their strides
         return tuple(kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
                             output_shapes=[shape, shape] + counts,
@@ -326,16 +327,17 @@ class CUDABackend:
     def query_from_accumulator(self, acc: mx.array, counts: mx.array, variant: KernelVariant,
                                spec: AttentionSpec) -> mx.array:
         """dQ [B, Hq, Nq, D] in the input dtype (a view of a [B, Nq, Hq, D] buffer) from the fused
-        dK/dV kernel's accumulator [B, Hq, query blocks, tile] (already scaled) and its counts [B,
-        Hq, query blocks] (0: no key block wrote the tile, whose dQ is zero): one kernel that
-        reorders and rounds it (kernels/attention_backward_query_from_accumulator.cu says how the
-        tiles lie)."""
-        key = ("query_from_accumulator", CUDA_TYPES[spec.dtype], spec.head_dim, variant.traversal_block)
+        dK/dV kernel's accumulator [B, Hq, query blocks, chains, tile] (already scaled) and its
+        counts [B, Hq, query blocks, chains] (0: no key block wrote the tile, which adds nothing):
+        one kernel that sums each query block's chains in order, reorders and rounds
+        (kernels/attention_backward_query_from_accumulator.cu says how the tiles lie)."""
+        key = ("query_from_accumulator", CUDA_TYPES[spec.dtype], spec.head_dim, variant.traversal_block,
+               fused_chains(variant))
         kernel = self._kernels.get(key)
         if kernel is None:
             kernel = self._compiled(key, lambda: (
                 cuda_source.query_from_accumulator_name(*key[1:]), cuda_source.query_from_accumulator_source(*key[1:]),
-                cuda_source.query_from_accumulator_shared_bytes(*key[2:])))
+                cuda_source.query_from_accumulator_shared_bytes(*key[2:4])))
         tiles = acc.shape[0] * acc.shape[1] * acc.shape[2]
         grid, group = _grid(tiles, cuda_source.QUERY_FROM_ACCUMULATOR_THREADS)
         dq, = kernel(inputs=[acc, counts, _int_params(spec, acc.shape[2], tiles, False)],
@@ -393,6 +395,13 @@ class CUDABackend:
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
             output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
         return outputs[:-1]
+
+
+def fused_chains(variant: KernelVariant) -> int:
+    """Accumulator tiles (and counts) per (query head, query block) of a fused_query dK/dV
+    variant: CHAINS of its template, 2 without a causal mask (the key blocks walk down from their
+    diagonal, in two chains of adds), else 1."""
+    return 1 if variant.causal else 2
 
 
 def fused_tile_floats(variant: KernelVariant) -> int:

@@ -686,13 +686,14 @@ def _layout(name: str) -> str:
     return f"mlxflash::layout_of({name}_strides)"
 
 
-def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0
+def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0, count_chains: int = 1
                    ) -> Tuple[str, str, List[str], List[str]]:
     """(header, body, inputs, outputs) of the backward preprocessing kernel. count_block > 0: it
-    also writes dq_order, the fused dQ's counts (one per block of count_block queries), zeroed."""
+    also writes dq_order, the fused dQ's counts (count_chains per block of count_block queries),
+    zeroed."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse,
-        count_block=count_block)
+        count_block=count_block, count_chains=count_chains)
     counts = "dq_order" if count_block else "(int*)nullptr"
     body = (f"mlxflash::attention_backward_prepare(out, d_out, {_layout('out')}, {_layout('d_out')}, lse, d_lse, "
             f"params, delta, lse2, {counts});")
@@ -700,22 +701,24 @@ def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block:
         ["dq_order"] if count_block else [])
 
 
-def prepare_name(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0) -> str:
-    counts = f"_c{count_block}" if count_block else ""
+def prepare_name(input_type: str, head_dim: int, has_d_lse: bool, count_block: int = 0, count_chains: int = 1
+                 ) -> str:
+    counts = f"_c{count_block}x{count_chains}" if count_block else ""
     return f"mlxflash_prepare_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_{int(has_d_lse)}{counts}"
 
 
 QUERY_FROM_ACCUMULATOR_THREADS = 256  # THREADS of kernels/attention_backward_query_from_accumulator.cu
 
 
-def query_from_accumulator_source(input_type: str, head_dim: int, traversal_block: int
+def query_from_accumulator_source(input_type: str, head_dim: int, traversal_block: int, chains: int = 1
                                   ) -> Tuple[str, str, List[str], List[str]]:
     """(header, body, inputs, outputs) of the kernel that makes dQ of the fused dK/dV kernel's
-    accumulator (tiles of traversal_block rows x 64-column panels covering head_dim)."""
+    accumulator (tiles of traversal_block rows x 64-column panels covering head_dim, `chains` per
+    query block: fused_chains)."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_query_from_accumulator.cu", input_type=input_type, head_dim=head_dim,
         traversal_block=traversal_block, tile_columns=_round_up(head_dim, 64),
-        threads=QUERY_FROM_ACCUMULATOR_THREADS)
+        threads=QUERY_FROM_ACCUMULATOR_THREADS, chains=chains)
     body = "mlxflash::attention_backward_query_from_accumulator(acc, counts, params, dq);"
     return header, body, ["acc", "counts", "params"], ["dq"]
 
@@ -725,8 +728,8 @@ def query_from_accumulator_shared_bytes(head_dim: int, traversal_block: int) -> 
     return traversal_block * (_round_up(head_dim, 64) + 8) * 4
 
 
-def query_from_accumulator_name(input_type: str, head_dim: int, traversal_block: int) -> str:
-    return f"mlxflash_dq_from_acc_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_t{traversal_block}"
+def query_from_accumulator_name(input_type: str, head_dim: int, traversal_block: int, chains: int = 1) -> str:
+    return f"mlxflash_dq_from_acc_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_t{traversal_block}x{chains}"
 
 
 def _wgmma_wrappers(variant: KernelVariant) -> str:
