@@ -6,8 +6,9 @@
 For every (shape, pass, backend) the tool runs itself under `ncu --clock-control none` (the GPU's
 clocks left alone, as the timing tools leave them) with the SpeedOfLight, Occupancy, LaunchStats,
 WarpStateStats and ComputeWorkloadAnalysis sections, and keeps the kernels of one call: the
-profiled child makes the call twice (compilation and first-contact probes in the first) and
-launches a marker kernel before the second; every launch after the marker belongs to it. "mlx"
+profiled child makes the call twice (compilation and first-contact probes in the first), starts
+the profiler (ncu --profile-from-start off; cuProfilerStart on the primary context) and launches a
+marker kernel before the second; every launch after the marker belongs to it. "mlx"
 is MLX's own mx.fast.scaled_dot_product_attention (cuDNN where it has a fused kernel), "cuda" is
 mlx_flash's CUDA backend (--tuning sets fields of its cuda_source.Tuning, e.g. fused_query=True).
 
@@ -101,12 +102,34 @@ def child(shape: str, pass_name: str, backend: str, tuning) -> int:
                                  source="y[0] = x[0];")
     mx.eval(run(prepare() if prepare else None))
     mx.synchronize()
+    start_profiler()
     mx.eval(marker(inputs=[mx.zeros((1,))], output_shapes=[(1,)], output_dtypes=[mx.float32],
                    grid=(1, 1, 1), threadgroup=(1, 1, 1))[0])
     mx.synchronize()
     mx.eval(run(prepare() if prepare else None))
     mx.synchronize()
     return 0
+
+
+def start_profiler() -> None:
+    """cuProfilerStart on the device's primary context (the one MLX's runtime calls use), made
+    current on this thread if none is."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    context, device = ctypes.c_void_p(), ctypes.c_int()
+    steps = [("cuInit", lambda: cuda.cuInit(0)), ("cuCtxGetCurrent", lambda: cuda.cuCtxGetCurrent(ctypes.byref(context)))]
+    for name, call in steps:
+        if call():
+            raise RuntimeError(f"{name} failed")
+    if not context.value:
+        for name, call in [("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), 0)),
+                           ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
+                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))]:
+            if call():
+                raise RuntimeError(f"{name} failed")
+    status = cuda.cuProfilerStart()
+    if status:
+        raise RuntimeError(f"cuProfilerStart returned {status}")
 
 
 def kernel_rows(raw_csv: str):
@@ -150,7 +173,8 @@ def short_name(name: str) -> str:
 
 def run_ncu(ncu: str, shape: str, pass_name: str, backend: str, tuning, out_dir: Path, timeout: int):
     label = f"{shape.replace(',', '_')}_{pass_name}_{backend}"
-    command = [ncu, "--clock-control", "none", "--csv", "--page", "raw", "--print-units", "base"]
+    command = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--csv", "--page", "raw",
+               "--print-units", "base"]
     for section in SECTIONS:
         command += ["--section", section]
     command += [sys.executable, str(SCRIPT), "--child", shape, pass_name, backend]

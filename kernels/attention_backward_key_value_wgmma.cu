@@ -60,8 +60,13 @@
 // the dQ kernel it is zero. A CTA waits only on CTAs of lower index (started no earlier), so the
 // wait ends; the order makes dQ bitwise reproducible. The consumers never wait on the order, only
 // on the staging tile being read. blocks_cuda.txt's fused_dq_from<N> turns it on for long calls.
-// The chains (ROTATED, below): under a causal mask one, the key blocks 0.. the last that see the
-// query block, every CTA walking its query blocks upward. Without one, every key block sees every
+// The walk and the chains. Under a causal mask: one chain, the key blocks 0.. the last that see
+// the query block, and every CTA walks its query blocks down from the last. Walking up from its
+// diagonal, key block k reaches query block i BM / BN steps before key block k - 1 does, and its
+// add waits for k - 1's: each link of the chain holds its CTA that much further back (key block k
+// about k BM / BN steps). Walking down, every key block that sees query block i reaches it in the
+// same step, and key block k waits for the k adds before its own, a delay that does not grow
+// along the walk. Without one, every key block sees every
 // query block, and an upward walk by all of them made key block k's writer about k links late at
 // every tile (the CTAs of a head start together and each add waits for the one before): with the
 // count wait removed (dQ wrong, a timing probe) the backward took 0.916x the time at B=4 N=4096
@@ -208,12 +213,14 @@ __device__ void attention_backward_key_value_wgmma(
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
   query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
   const int items = qb_count * group;  // (query head in group, query block) pairs
-  // Item it: query head it / qb_count of the group, query block item_block(it) (ROTATED: the walk
-  // down from this key block's diagonal, wrapping; qb_begin is 0 without a causal mask or window).
+  // Item it: query head it / qb_count of the group, query block item_block(it). FUSED_DQ: the
+  // walks above (ROTATED: down from this key block's diagonal, wrapping; qb_begin is 0 without a
+  // causal mask or window; causal: down from the last); otherwise up from the first.
   const int diagonal = ROTATED ? min(kb * BM / BN, qb_count - 1) : 0;
   auto item_block = [&](int it) {
     const int s = it % qb_count;
-    if (!ROTATED) return qb_begin + s;
+    if (!FUSED_DQ) return qb_begin + s;
+    if (!ROTATED) return qb_begin + qb_count - 1 - s;
     return diagonal >= s ? diagonal - s : diagonal - s + qb_count;
   };
 
