@@ -90,7 +90,7 @@ def test_runtime_data_shares_one_set():
 
 def test_fused_query_by_length():
     """The wgmma dK/dV row's fused_dq_from<N> and fused_dq_causal_from<N> (the shipped table:
-    8192 and 16384 at D = 113..128): calls of at least N queries without an array mask get a set of
+    1024 and 4096 at D = 113..128): calls of at least N queries without an array mask get a set of
     their own whose dK/dV variant accumulates dQ (so the first-contact guard checks it apart);
     shorter, masked or windowed calls, D on other rows (96, 160) and calls with sinks get the
     other set; Tuning.fused_query forces one choice at every length."""
@@ -98,7 +98,7 @@ def test_fused_query_by_length():
     row = planner.plan("cuda", "backward_key_value", 128, mx.bfloat16, "sm90_wgmma", table)
     starts = {causal: cuda_source.option_keys(row.cached, option, "row")
               for causal, option in ((False, cuda_source.FUSED_QUERY), (True, cuda_source.FUSED_QUERY_CAUSAL))}
-    assert starts == {False: 8192, True: 16384}
+    assert starts == {False: 1024, True: 4096}
     backend = CUDABackend(kernel_factory=_stub_factory, capability=90, tuning=WGMMA)
     base = dict(head_dim=128, dtype=mx.bfloat16, kv_len=64, heads=(1, 1))
     for causal, start in starts.items():
