@@ -44,6 +44,7 @@ import tempfile
 from pathlib import Path
 
 import versions  # benchmarks/versions.py: the other version's tree and its server process
+from cli_args import parse_shape, parse_tuning  # benchmarks/cli_args.py
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
@@ -60,34 +61,6 @@ def _benchmark_helpers():
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
-
-
-def parse_shape(text: str):
-    """"B,H,N,D,mask" or "B,H,N,D,mask,KV_HEADS" (mask: none or causal) -> a BenchCase of bf16."""
-    from mlx_flash import benchmark as bm
-    parts = text.split(",")
-    if len(parts) not in (5, 6) or parts[4] not in ("none", "causal"):
-        raise argparse.ArgumentTypeError(f"--shapes takes B,H,N,D,mask[,KV_HEADS] with mask none or causal, "
-                                         f"got {text!r}")
-    try:
-        b, h, n, d = (int(p) for p in parts[:4])
-        kv = int(parts[5]) if len(parts) == 6 else h
-        return bm.BenchCase(b, h, kv, n, n, d, "bfloat16", causal=parts[4] == "causal")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--shapes {text!r}: {error}") from None
-
-
-def parse_tuning(text: str):
-    """KEY=VALUE with VALUE a Python literal (True, False, None, a number)."""
-    import ast
-    key, sep, value = text.partition("=")
-    try:
-        if not sep or not key.isidentifier():
-            raise ValueError
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"--tuning takes KEY=VALUE with VALUE a Python literal (e.g. "
-                                         f"scale_fold=True), got {text!r}") from None
 
 
 def _backend(name: str, tuning: dict):

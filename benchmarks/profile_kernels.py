@@ -32,6 +32,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_args import parse_shape, parse_tuning  # benchmarks/cli_args.py
+
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parent.parent
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "ComputeWorkloadAnalysis")
@@ -54,33 +56,6 @@ COLUMNS = {
 TENSOR = re.compile(r"^sm__(pipe_tensor[a-z_]*|inst_executed_pipe_tensor[a-z_]*)"
                     r"(_cycles_active)?\.avg\.pct_of_peak_sustained_active$")
 STALL = re.compile(r"^smsp__average_warps_issue_stalled_([a-z_]+)_per_issue_active\.ratio$")
-
-
-def parse_shape(text: str):
-    """"B,H,N,D,mask[,KV_HEADS]" (mask: none or causal) -> a BenchCase of bf16."""
-    from mlx_flash import benchmark as bm
-    parts = text.split(",")
-    if len(parts) not in (5, 6) or parts[4] not in ("none", "causal"):
-        raise argparse.ArgumentTypeError(f"--shapes takes B,H,N,D,mask[,KV_HEADS] with mask none or causal, "
-                                         f"got {text!r}")
-    try:
-        b, h, n, d = (int(p) for p in parts[:4])
-        return bm.BenchCase(b, h, int(parts[5]) if len(parts) == 6 else h, n, n, d, "bfloat16",
-                            causal=parts[4] == "causal")
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"--shapes {text!r}: {error}") from None
-
-
-def parse_tuning(text: str):
-    """KEY=VALUE with VALUE a Python literal."""
-    import ast
-    key, sep, value = text.partition("=")
-    try:
-        if not sep or not key.isidentifier():
-            raise ValueError
-        return key, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        raise argparse.ArgumentTypeError(f"--tuning takes KEY=VALUE with VALUE a Python literal, got {text!r}") from None
 
 
 def child(shape: str, pass_name: str, backend: str, tuning) -> int:
@@ -220,8 +195,11 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout-s", type=int, default=300, help="per profiled call (default 300)")
     parser.add_argument("--out", default=".", help="folder for the CSVs and profile_kernels.json")
     args = parser.parse_args(argv)
-    for shape in args.shapes:
-        parse_shape(shape)
+    for shape in args.shapes:  # kept as text (the child parses it again), checked here
+        try:
+            parse_shape(shape)
+        except argparse.ArgumentTypeError as error:
+            parser.error(str(error))
     ncu = shutil.which("ncu")
     if ncu is None:
         parser.error("ncu (Nsight Compute) is not on the PATH")

@@ -585,3 +585,59 @@ def test_variants_tool_old_column_runs_the_old_trees_own_backend(tmp_path):
     assert type(backend).__module__ == "mlx_flash_old.backends.mlx_ops"
     q = mx.random.normal((1, 2, 64, 16))
     assert mx.allclose(attend(q, q, q, "causal", 0.25), tool.new_backend(4)(q, q, q, "causal", 0.25), atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/profile_kernels.py: ncu's raw CSV to the summary (ncu itself needs a GPU)
+
+def load_profiler():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its cli_args import, as when run as a script
+    try:
+        spec = importlib.util.spec_from_file_location("profile_tool", ROOT / "benchmarks" / "profile_kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+NCU_RAW = '''==PROF== Connected to process 1
+"ID","Kernel Name","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","launch__registers_per_thread"
+"","","usecond","%","%","ratio","ratio","ratio","register/thread"
+"0","warm_up_kernel(int)","9","1","0","0","0","0","32"
+"1","mlxflash_profile_marker","0.003","1","0","0","0","0","16"
+"2","custom_kernel_forward<64>(float*)","1,234.5","71.5","74.0","0.5","2.7","1.4","168"
+"3","cudnn::convert_dq_to_16bits<1>","55","16","0","0","55.3","0","30"
+==PROF== Disconnected from process 1
+'''
+
+
+def test_profile_kernels_keeps_the_call_after_the_marker():
+    """Only the launches after the last marker are the profiled call's; times are read in the
+    units row's unit; the stall reasons come out largest first; the table has one row each."""
+    tool = load_profiler()
+    rows, units, marked = tool.kernel_rows(NCU_RAW)
+    assert marked and [r["ID"] for r in rows] == ["2", "3"]
+    first, second = (tool.summarize(r, units) for r in rows)
+    assert first["kernel"] == "custom_kernel_forward<64>" and first["time_us"] == 1234.5
+    assert first["sm_pct"] == 71.5 and first["registers"] == 168
+    assert first["tensor_pct"] == {"pipe_tensor_cycles_active": 74.0}
+    assert list(first["stalls"]) == ["long_scoreboard", "wait", "barrier"]
+    assert second["time_us"] == 55 and list(second["stalls"]) == ["long_scoreboard"]
+    table = tool.table({"call": [first, second]}).splitlines()
+    assert len(table) == 4 and "long_scoreboard 2.7, wait 1.4, barrier 0.5" in table[2]
+    nanoseconds = NCU_RAW.replace('"usecond"', '"nsecond"')
+    rows, units, _ = tool.kernel_rows(nanoseconds)
+    assert tool.summarize(rows[0], units)["time_us"] == 1.2345
+    _, _, marked = tool.kernel_rows(NCU_RAW.replace("mlxflash_profile_marker", "other"))
+    assert not marked
+
+
+def test_profile_kernels_needs_ncu_and_valid_shapes(tmp_path):
+    """Without ncu on the PATH the tool says so; a bad --shapes names the argument."""
+    script = str(ROOT / "benchmarks" / "profile_kernels.py")
+    env = {**ENV, "PATH": str(tmp_path)}  # no ncu there
+    done = subprocess.run([sys.executable, script, "--out", str(tmp_path)], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "ncu" in done.stderr
+    done = subprocess.run([sys.executable, script, "--shapes", "4,16,4096"], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "--shapes takes B,H,N,D,mask" in done.stderr and "Traceback" not in done.stderr
