@@ -704,6 +704,8 @@ def test_wgmma_key_value_schemes(scheme):
     # add into every query block (the order), strided rows (the producer's cp.async path).
     Case(head_dim=128, q_len=700, kv_len=300, dtype="bfloat16", mask="causal", layout="columns"),
     Case(batch=2, head_dim=64, q_len=1000, kv_len=900, dtype="bfloat16", mask="none", group=2),
+    # the D = 97..112 row (its table option from 4096 queries): 4 key blocks, 9 query blocks
+    Case(head_dim=112, q_len=520, kv_len=400, dtype="bfloat16", mask="none", group=2),
 ], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}-{c.layout}")
 def test_wgmma_fused_query_gradient(case):
     """The dK/dV kernel with fused dQ against float64; its gradients close to the two kernels'

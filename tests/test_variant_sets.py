@@ -110,6 +110,15 @@ def test_fused_query_by_length():
         assert backend.variants(long) is not backend.variants(below)
         assert backend.variant_key(long) != backend.variant_key(below)
         assert backend.variants(long).forward == backend.variants(below).forward  # only dK/dV changes
+    # the D = 97..112 row: from 4096 without a causal mask only; D <= 96 never
+    row = planner.plan("cuda", "backward_key_value", 112, mx.bfloat16, "sm90_wgmma", table)
+    assert cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY, "row") == 4096
+    assert cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY_CAUSAL, "row") is None
+    for head_dim, q_len, mask, fused in ((112, 4096, {}, True), (112, 4095, {}, False),
+                                         (112, 16384, dict(mask="causal"), False), (97, 4096, {}, True),
+                                         (96, 16384, {}, False)):
+        spec, _ = _spec(**{**base, "head_dim": head_dim, "q_len": q_len, **mask})
+        assert backend.variants(spec).backward_key_value.fused_query == fused, (head_dim, q_len, mask)
     long, _ = _spec(**base, q_len=16384)
     for features in (dict(mask="bool"), dict(mask="causal", window=(8, 8)), dict(window=(8, 8)),
                      dict(head_dim=96), dict(head_dim=160), dict(sinks=True)):
