@@ -7,7 +7,7 @@ and launches the kernels with the runtime values (sizes, strides, scale, softcap
 as two small arrays, so a new sequence length or batch never recompiles.
 
 No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's fused dQ, which
-the table turns on for long calls without an array mask at D = 113..128 (fused_dq_from<N>,
+the table turns on for long calls without an array mask at D = 97..128 (fused_dq_from<N>,
 fused_dq_causal_from<N>) and Tuning.fused_query forces, adds into an fp32 accumulator in a fixed
 order; one more kernel makes dQ of it).
 Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
