@@ -4,7 +4,8 @@
 #      edge cases D = 1..512, the bounded property suite, block orders, determinism) and natively
 #      (sm_90: the wgmma kernels too, and the property suite in PROPERTY_SHARDS = 4 processes of
 #      PROPERTY_EXAMPLES = 6 examples, hypothesis seeds 0..3; the N = 16K cases left to the full run);
-#   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family;
+#   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family,
+#      and natively with the dK/dV kernel's fused dQ forced (--fused-dq);
 #   3. the speed table of benchmarks/RESULTS.md: bench.py --preset gpu (its shapes and columns:
 #      B=4 H=16 N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512,
 #      causal and not, bf16, forward and forward+backward, implementations interleaved, each sample
@@ -17,7 +18,7 @@
 #                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
 #     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/profile_kernels.py (ncu): PROFILE_ARGS,
 #                                                   # PROFILE_S (240)
-# SANITIZE_ARGS: more arguments of sanitize_cases.py (e.g. --fused-dq --n 400 --head-dims 48 96 64).
+# SANITIZE_ARGS: more arguments of the families' sanitize_cases.py run (e.g. --layout offset).
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
@@ -108,9 +109,13 @@ for phase in $phases; do
         for name in tests_sm80 tests_sm86 tests_sm120 tests_native property_native; do merge_shards "$name"; done
         ;;
     sanitize)
+        # The cases as the block table plans them, and natively the fused dQ forced over calls of
+        # 4 key blocks (the table turns it on only from 1024 queries, past the cases' lengths).
         for tool in memcheck racecheck; do
             step "sanitizer_$tool" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native} ${SANITIZE_ARGS:-} &
+            step "sanitizer_${tool}_fused_dq" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                python3 benchmarks/sanitize_cases.py native --fused-dq --n 400 --head-dims 48 96 64 &
         done
         wait
         ;;
