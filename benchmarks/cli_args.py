@@ -1,4 +1,4 @@
-"""Command-line argument types shared by the GPU tools (ab_versions.py, profile_kernels.py)."""
+"""Command-line argument types shared by the GPU tools (ab_versions.py, ncu_profile.py)."""
 from __future__ import annotations
 
 import argparse

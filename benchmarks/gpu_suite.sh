@@ -16,7 +16,7 @@
 #     PHASES="tests" benchmarks/gpu_suite.sh        # some of them: tests, sanitize, bench, ab
 #     AB_AGAINST=.ab/BASE PHASES=ab benchmarks/gpu_suite.sh   # benchmarks/ab_versions.py against BASE
 #                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
-#     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/profile_kernels.py (ncu): PROFILE_ARGS,
+#     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/ncu_profile.py (ncu): PROFILE_ARGS,
 #                                                   # PROFILE_S (240)
 # SANITIZE_ARGS: more arguments of the families' sanitize_cases.py run (e.g. --layout offset).
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
@@ -132,7 +132,7 @@ for phase in $phases; do
             --out "$out_dir/ab_versions.json" ${AB_ARGS:-}
         ;;
     profile)
-        step profile_kernels "${PROFILE_S:-240}" python3 benchmarks/profile_kernels.py --out "$out_dir" ${PROFILE_ARGS:-}
+        step ncu_profile "${PROFILE_S:-240}" python3 benchmarks/ncu_profile.py --out "$out_dir" ${PROFILE_ARGS:-}
         ;;
     *) say "unknown phase $phase (tests, sanitize, bench, ab, profile)";;
     esac

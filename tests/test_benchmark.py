@@ -588,12 +588,12 @@ def test_variants_tool_old_column_runs_the_old_trees_own_backend(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# benchmarks/profile_kernels.py: ncu's raw CSV to the summary (ncu itself needs a GPU)
+# benchmarks/ncu_profile.py: ncu's raw CSV to the summary (ncu itself needs a GPU)
 
 def load_profiler():
     sys.path.insert(0, str(ROOT / "benchmarks"))  # its cli_args import, as when run as a script
     try:
-        spec = importlib.util.spec_from_file_location("profile_tool", ROOT / "benchmarks" / "profile_kernels.py")
+        spec = importlib.util.spec_from_file_location("profile_tool", ROOT / "benchmarks" / "ncu_profile.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -612,7 +612,7 @@ NCU_RAW = '''==PROF== Connected to process 1
 '''
 
 
-def test_profile_kernels_keeps_the_call_after_the_marker():
+def test_ncu_profile_keeps_the_call_after_the_marker():
     """Only the launches after the last marker are the profiled call's; times are read in the
     units row's unit; the stall reasons come out largest first; the table has one row each."""
     tool = load_profiler()
@@ -633,9 +633,9 @@ def test_profile_kernels_keeps_the_call_after_the_marker():
     assert not marked
 
 
-def test_profile_kernels_needs_ncu_and_valid_shapes(tmp_path):
+def test_ncu_profile_needs_ncu_and_valid_shapes(tmp_path):
     """Without ncu on the PATH the tool says so; a bad --shapes names the argument."""
-    script = str(ROOT / "benchmarks" / "profile_kernels.py")
+    script = str(ROOT / "benchmarks" / "ncu_profile.py")
     env = {**ENV, "PATH": str(tmp_path)}  # no ncu there
     done = subprocess.run([sys.executable, script, "--out", str(tmp_path)], env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "ncu" in done.stderr

@@ -1,6 +1,7 @@
-"""Nsight Compute over one attention call: what each kernel of ours and of MLX's spends its time on.
+"""Nsight Compute over one attention call: what each kernel of ours and of MLX's spends its time on
+(hardware counters; benchmarks/kernel_profile.py times every kernel of a call through CUPTI).
 
-    python benchmarks/profile_kernels.py [--shapes 4,16,4096,128,none ...] [--passes forward_backward]
+    python benchmarks/ncu_profile.py [--shapes 4,16,4096,128,none ...] [--passes forward_backward]
         [--backends cuda mlx] [--tuning KEY=VALUE ...] [--out DIR]
 
 For every (shape, pass, backend) the tool runs itself under `ncu --clock-control none` (the GPU's
@@ -17,7 +18,7 @@ of a call in a training step; benchmarks/ab_versions.py and bench.py time those)
 memory throughput as a fraction of peak, the tensor pipe's activity where ncu names one, DRAM
 throughput, achieved occupancy, registers per thread, and the warp stall reasons that take most
 of the cycles between two issued instructions. Writes profile_<shape>_<pass>_<backend>.csv (ncu's
-raw page) and profile_kernels.json (the summary) under --out, and prints a table.
+raw page) and ncu_profile.json (the summary) under --out, and prints a table.
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tuning", nargs="+", type=parse_tuning, default=[],
                         help="fields of the cuda backend's cuda_source.Tuning (KEY=VALUE)")
     parser.add_argument("--timeout-s", type=int, default=300, help="per profiled call (default 300)")
-    parser.add_argument("--out", default=".", help="folder for the CSVs and profile_kernels.json")
+    parser.add_argument("--out", default=".", help="folder for the CSVs and ncu_profile.json")
     args = parser.parse_args(argv)
     for shape in args.shapes:  # kept as text (the child parses it again), checked here
         try:
@@ -216,7 +217,7 @@ def main(argv=None) -> int:
                 except (RuntimeError, subprocess.TimeoutExpired) as error:
                     errors[label] = str(error)
                     print(f"{label}: {error}", file=sys.stderr, flush=True)
-    (out_dir / "profile_kernels.json").write_text(json.dumps(
+    (out_dir / "ncu_profile.json").write_text(json.dumps(
         {"tuning": dict(args.tuning), "results": results, "errors": errors}, indent=1))
     print(table(results))
     return 1 if errors else 0
