@@ -22,6 +22,10 @@ the host runs ahead of the GPU decides how many are alive at once).
     python3 benchmarks/bench_training.py --preset cpu         # a tiny model in seconds (CPU)
     python3 benchmarks/bench_training.py --seq-lens 4096 --steps 5 --out train.json
 
+MLX_FLASH_TREE=<folder> runs the mlx_flash of another version's tree (a folder holding its
+mlx_flash/ and kernels/, e.g. from `git archive REV mlx_flash kernels`) instead of this
+repository's; the header line and the JSON name the package that ran ("mlx_flash_path").
+
 Only `mlx_lm.models.*` is imported (never mlx_lm's top level, which pulls in transformers and
 huggingface_hub), so a copy of mlx_lm whose __init__.py is empty works where those are missing.
 The table is printed last; --out writes the JSON (environment, settings, per-length rows).
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -41,7 +46,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, os.environ.get("MLX_FLASH_TREE") or str(ROOT))  # this repository's mlx_flash unless told
 
 from mlx_lm.models import llama  # noqa: E402
 
@@ -221,8 +226,9 @@ def main(argv=None) -> int:
     args, settings = parse_args(argv)
     mx.random.seed(args.seed)
     env = bm.environment(args.backend, None)
+    env["mlx_flash_path"] = str(Path(mlx_flash.__file__).resolve().parent)
     print(f"# {env['device_name']} ({env['device']}), mlx {env['mlx_version']}, mlx-flash {env['mlx_flash_version']}, "
-          f"commit {env['git_commit']}")
+          f"commit {env['git_commit']}, package {env['mlx_flash_path']}")
     print(f"# llama: hidden {settings.hidden_size}, {settings.layers} layers, {settings.heads} q heads / "
           f"{settings.kv_heads} kv heads, head dim {settings.head_dim}, MLP {settings.intermediate_size}, "
           f"vocab {settings.vocab_size} (tied), {settings.dtype}, batch 1; AdamW; mx.compile; "

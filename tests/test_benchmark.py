@@ -641,3 +641,24 @@ def test_ncu_profile_needs_ncu_and_valid_shapes(tmp_path):
     assert done.returncode == 2 and "ncu" in done.stderr
     done = subprocess.run([sys.executable, script, "--shapes", "4,16,4096"], env=env, capture_output=True, text=True)
     assert done.returncode == 2 and "--shapes takes B,H,N,D,mask" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_bench_training_runs_the_tree_it_is_told(tmp_path):
+    """benchmarks/bench_training.py imports this repository's mlx_flash, or MLX_FLASH_TREE's (another
+    version's tree, for A/Bs of the training step), and the JSON names the package that ran."""
+    pytest.importorskip("mlx_lm")
+    import shutil
+    tree = tmp_path / "tree"
+    for name in ("mlx_flash", "kernels"):
+        shutil.copytree(ROOT / name, tree / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    script = str(ROOT / "benchmarks" / "bench_training.py")
+    for chosen, expected in ((None, ROOT / "mlx_flash"), (tree, tree / "mlx_flash")):
+        env = {k: v for k, v in ENV.items() if k != "MLX_FLASH_TREE"}
+        if chosen is not None:
+            env["MLX_FLASH_TREE"] = str(chosen)
+        out = tmp_path / "train.json"
+        done = subprocess.run([sys.executable, script, "--preset", "cpu", "--seq-lens", "32", "--steps", "1",
+                               "--rounds", "1", "--warmup", "1", "--memory-steps", "1", "--out", str(out)],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert json.loads(out.read_text())["environment"]["mlx_flash_path"] == str(expected.resolve())
