@@ -50,7 +50,8 @@ COLUMNS = {
     "registers": ["launch__registers_per_thread"],
     "grid": ["launch__grid_size"],
     "block": ["launch__block_size"],
-    "issue_pct": ["sm__inst_issued.avg.pct_of_peak_sustained_active"],
+    "issue_pct": ["sm__issue_active.avg.pct_of_peak_sustained_elapsed",
+                  "sm__inst_issued.avg.pct_of_peak_sustained_elapsed"],
     "cycles_per_issue": ["smsp__average_warp_latency_per_inst_issued.ratio",
                          "smsp__average_warps_issue_stalled_per_issue_active.ratio"],
 }
@@ -93,19 +94,18 @@ def start_profiler() -> None:
     import ctypes
     cuda = ctypes.CDLL("libcuda.so.1")
     context, device = ctypes.c_void_p(), ctypes.c_int()
-    steps = [("cuInit", lambda: cuda.cuInit(0)), ("cuCtxGetCurrent", lambda: cuda.cuCtxGetCurrent(ctypes.byref(context)))]
-    for name, call in steps:
-        if call():
-            raise RuntimeError(f"{name} failed")
+
+    def check(name, status):
+        if status:
+            raise RuntimeError(f"{name} returned CUDA error {status}")
+
+    check("cuInit", cuda.cuInit(0))
+    check("cuCtxGetCurrent", cuda.cuCtxGetCurrent(ctypes.byref(context)))
     if not context.value:
-        for name, call in [("cuDeviceGet", lambda: cuda.cuDeviceGet(ctypes.byref(device), 0)),
-                           ("cuDevicePrimaryCtxRetain", lambda: cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)),
-                           ("cuCtxSetCurrent", lambda: cuda.cuCtxSetCurrent(context))]:
-            if call():
-                raise RuntimeError(f"{name} failed")
-    status = cuda.cuProfilerStart()
-    if status:
-        raise RuntimeError(f"cuProfilerStart returned {status}")
+        check("cuDeviceGet", cuda.cuDeviceGet(ctypes.byref(device), 0))
+        check("cuDevicePrimaryCtxRetain", cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device))
+        check("cuCtxSetCurrent", cuda.cuCtxSetCurrent(context))
+    check("cuProfilerStart", cuda.cuProfilerStart())
 
 
 def kernel_rows(raw_csv: str):

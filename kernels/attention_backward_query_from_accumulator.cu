@@ -9,8 +9,9 @@
 // dK/dV kernel's ROTATED walk: 2 without a causal mask), summed in chain order. A tile whose count
 // is 0 was written by no key block (causal, Nq > Nk: rows that see no key; the first query block
 // has no second chain; the dK/dV kernel stores a chain's first part instead of adding it to
-// zeros): it adds nothing, and a query block with no written tile has dQ 0. MLX's transposed copy of the same permutation (plus its rounding copy) took 0.58 ms
-// at B=4 H=16 N=4096 D=128 on an H100, a sixth of the backward.
+// zeros): it adds nothing, and a query block with no written tile has dQ 0. MLX's transposed
+// copy of the same permutation (plus its rounding copy) took 0.58 ms at B=4 H=16 N=4096 D=128 on
+// an H100, a sixth of the backward.
 namespace mlxflash {
 namespace dqacc {
 typedef {{input_type}} T;

@@ -602,12 +602,12 @@ def load_profiler():
 
 
 NCU_RAW = '''==PROF== Connected to process 1
-"ID","Kernel Name","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","launch__registers_per_thread"
-"","","usecond","%","%","ratio","ratio","ratio","register/thread"
-"0","warm_up_kernel(int)","9","1","0","0","0","0","32"
-"1","mlxflash_profile_marker","0.003","1","0","0","0","0","16"
-"2","custom_kernel_forward<64>(float*)","1,234.5","71.5","74.0","0.5","2.7","1.4","168"
-"3","cudnn::convert_dq_to_16bits<1>","55","16","0","0","55.3","0","30"
+"ID","Kernel Name","gpu__time_duration.sum","sm__throughput.avg.pct_of_peak_sustained_elapsed","sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","launch__registers_per_thread","sm__issue_active.avg.pct_of_peak_sustained_elapsed"
+"","","usecond","%","%","ratio","ratio","ratio","register/thread","%"
+"0","warm_up_kernel(int)","9","1","0","0","0","0","32","1"
+"1","mlxflash_profile_marker","0.003","1","0","0","0","0","16","1"
+"2","custom_kernel_forward<64>(float*)","1,234.5","71.5","74.0","0.5","2.7","1.4","168","63.5"
+"3","cudnn::convert_dq_to_16bits<1>","55","16","0","0","55.3","0","30","9"
 ==PROF== Disconnected from process 1
 '''
 
@@ -620,7 +620,7 @@ def test_ncu_profile_keeps_the_call_after_the_marker():
     assert marked and [r["ID"] for r in rows] == ["2", "3"]
     first, second = (tool.summarize(r, units) for r in rows)
     assert first["kernel"] == "custom_kernel_forward<64>" and first["time_us"] == 1234.5
-    assert first["sm_pct"] == 71.5 and first["registers"] == 168
+    assert first["sm_pct"] == 71.5 and first["registers"] == 168 and first["issue_pct"] == 63.5
     assert first["tensor_pct"] == {"pipe_tensor_cycles_active": 74.0}
     assert list(first["stalls"]) == ["long_scoreboard", "wait", "barrier"]
     assert second["time_us"] == 55 and list(second["stalls"]) == ["long_scoreboard"]
