@@ -252,6 +252,16 @@ __device__ __forceinline__ bool vector_rows(const Rows<T>& r) {
   return HEAD_DIM % 8 == 0 && r.col == 1 && r.row % 8 == 0 && aligned16(r.p);
 }
 
+// The 16-byte chunk at p (16-byte aligned) as floats, with one load.
+template <typename T, int N>
+__device__ __forceinline__ void load_chunk(const T* p, float (&f)[N]) {
+  static_assert(N * sizeof(T) == 16, "a 16-byte chunk");
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int j = 0; j < N; ++j) f[j] = to_float(e[j]);
+}
+
 // A tile of ROWS x COLS elements (columns col0.. of rows 0.. of g) into shared memory rows of
 // SROW elements; rows >= rows_valid and columns >= head_dim are zero-filled. vec (see
 // vector_rows): 16-byte cp.async chunks, else element by element through g's strides.

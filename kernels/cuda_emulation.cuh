@@ -95,6 +95,7 @@ static inline float __half2float(__half a) { return emu_f16_to_float(a.bits); }
 struct alignas(8) float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(8) uint2 { uint32_t x, y; };
+struct alignas(16) uint4 { uint32_t x, y, z, w; };
 static inline float2 make_float2(float x, float y) { return {x, y}; }
 static inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
 static inline uint2 make_uint2(uint32_t x, uint32_t y) { return {x, y}; }

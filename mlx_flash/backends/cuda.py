@@ -38,7 +38,7 @@ from . import cuda_source, tensor_map
 from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_operands, empty_backward,
                      empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
                      token_major_shape)
-from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_ROWS_PER_BLOCK, Family, KernelVariant, Tuning,
+from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_THREADS, Family, KernelVariant, Tuning,
                           block_major, family_of, length_sets)
 
 MAX_GRID_X_BLOCKS = 1 << 16  # the rest of the block count goes on grid y (limit 65535)
@@ -276,8 +276,8 @@ class CUDABackend:
         if kernel is None:
             kernel = self._compiled(key, lambda: (cuda_source.prepare_name(*key[1:]),
                                                   cuda_source.prepare_source(*key[1:]), 0))
-        blocks = -(-rows // PREPARE_ROWS_PER_BLOCK)
-        grid, group = _grid(blocks, 32 * PREPARE_ROWS_PER_BLOCK)
+        blocks = -(-rows // cuda_source.prepare_rows_per_block(spec.head_dim))
+        grid, group = _grid(blocks, PREPARE_THREADS)
         d_lse = d_lse.astype(mx.float32) if has_d_lse else constant_zeros(mx.float32, 1)
         shape = (spec.batch, spec.q_heads, spec.q_len)
         counts = [(spec.batch, spec.q_heads, -(-spec.q_len // count_block), chains)] if count_block else []

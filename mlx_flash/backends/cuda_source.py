@@ -29,7 +29,21 @@ from .common import MASK_KINDS, STRIDED_INPUTS, VariantFeatures, VariantSet, cac
 
 MAX_HEAD_DIM = 512
 DEFAULT_WARPS = 4  # warps per CTA where the table row's warps column is '-'
-PREPARE_ROWS_PER_BLOCK = 4  # ROWS_PER_BLOCK of kernels/attention_backward_prepare.cu
+PREPARE_THREADS = 256  # THREADS of kernels/attention_backward_prepare.cu
+
+
+def prepare_lanes(head_dim: int) -> int:
+    """Threads per query row of the backward preprocessing kernel (its LANES): the row's 8-element
+    chunks rounded up to a power of two, at most a warp."""
+    lanes = 1
+    while lanes < 32 and lanes * 8 < head_dim:
+        lanes *= 2
+    return lanes
+
+
+def prepare_rows_per_block(head_dim: int) -> int:
+    """Query rows per thread block of the backward preprocessing kernel (its ROWS_PER_BLOCK)."""
+    return PREPARE_THREADS // prepare_lanes(head_dim)
 CUDA_TYPES = MappingProxyType({mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
                                mx.bool_: "bool"})
 HEADER = "attention_common.cuh"
@@ -693,7 +707,7 @@ def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block:
     zeroed."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse,
-        count_block=count_block, count_chains=count_chains)
+        count_block=count_block, count_chains=count_chains, threads=PREPARE_THREADS, lanes=prepare_lanes(head_dim))
     counts = "dq_order" if count_block else "(int*)nullptr"
     body = (f"mlxflash::attention_backward_prepare(out, d_out, {_layout('out')}, {_layout('d_out')}, lse, d_lse, "
             f"params, delta, lse2, {counts});")
