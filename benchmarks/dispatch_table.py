@@ -1,12 +1,13 @@
 """Write kernels/dispatch_cuda.txt's rows for one GPU family from a recorded bench.py JSON.
 
     python3 benchmarks/dispatch_table.py RUN/a.json [RUN/b.json ...]   # one GPU's runs; family from its GPU
-    python3 benchmarks/dispatch_table.py results/h100_dispatch.json     # a file may hold a list of runs
+    python3 benchmarks/dispatch_table.py results/h200_dispatch.json     # a file may hold a list of runs
     python3 benchmarks/dispatch_table.py RUN/a.json --print             # show, write nothing
     python3 benchmarks/dispatch_table.py                                   # rewrite the header only
 
-The recording: one run per dtype, each bounded to under 5 minutes on an H100 (--time-budget-s
-240: cases not started in time are listed as skipped and route nothing). `--backend cuda` so the
+The recording: two runs per dtype (no mask and causal; the array masks), each bounded to under
+4 minutes (--time-budget-s: cases not started in time are listed as skipped and route nothing;
+on an H200 no case was cut, the four runs took 7 minutes). `--backend cuda` so the
 "mlx-flash" rows time our kernels: bench.py passes the backend by name, and an explicitly named
 backend is never routed (a routed or fallen-back row would not count as measured anyway).
 `--compiled` (required): both sides run as mx.compile'd functions, as a compiled training step
@@ -16,16 +17,21 @@ ms per call against mx.fast's ~0.02-0.09 made our causal forward look 1.4-2.0x s
 N=4096, where compiled it is 1.02-1.33x faster than cuDNN's from N=2048 (H100, bf16 / fp16).
 
     for dtype in bf16 fp16; do
-      python3 benchmarks/bench.py --backend cuda --impls mlx-flash mx.fast --dtypes $dtype \
-        --head-dims 64 128 --seq-lens 1024 2048 4096 8192 16384 --masks none causal --heads 16 \
-        --kv-heads 16 4 --batch 1 --passes forward forward_backward --compiled --warm-up-clocks-s 0.5 \
-        --warmup 2 --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --time-budget-s 240 \
-        --no-plots --out $OUT --name dispatch_h100_$dtype
+      common="--backend cuda --impls mlx-flash mx.fast --dtypes $dtype --head-dims 64 128 \
+        --seq-lens 1024 2048 4096 8192 16384 --heads 16 --kv-heads 16 4 --batch 1 \
+        --passes forward forward_backward --compiled --warm-up-clocks-s 0.5 --warmup 2 \
+        --min-repeats 5 --max-repeats 10 --target-seconds 0.2 --no-plots --out $OUT"
+      python3 benchmarks/bench.py $common --masks none causal --time-budget-s 235 --name dispatch_h200_$dtype
+      python3 benchmarks/bench.py $common --masks bool additive --time-budget-s 230 \
+        --name dispatch_masks_h200_$dtype
     done
-    python3 benchmarks/dispatch_table.py $OUT/dispatch_h100_bf16.json $OUT/dispatch_h100_fp16.json
+    python3 benchmarks/dispatch_table.py $OUT/dispatch_h200_bf16.json $OUT/dispatch_h200_fp16.json \
+        $OUT/dispatch_masks_h200_bf16.json $OUT/dispatch_masks_h200_fp16.json
 
 The runs behind one table are kept in one file, a JSON list of bench.py JSONs
-(benchmarks/results/h100_dispatch.json); the tool reads either form.
+(benchmarks/results/h200_dispatch.json; the H100's earlier recording: h100_dispatch.json); the
+tool reads either form. A family's rows are all replaced by the runs given, so give every run
+of the family's table at once.
 
 The rule (conservative: a call does not know whether a backward follows):
 - a measured point is (dtype, head dim, head layout class, mask, N) with Nq = Nk = N, the
