@@ -800,6 +800,46 @@ def test_fused_query_accumulator_order(head_dim, dtype, mask):
     assert np.array_equal(np.array(dq.astype(mx.float32)), np.array(expected.astype(mx.float32)))
 
 
+@pytest.mark.parametrize("head_dim", [1, 8, 37, 64, 128, 136, 512])
+def test_prepare_lanes_cover_a_row(head_dim):
+    """The preprocessing kernel's threads per row: a power of two up to a warp, enough for the
+    row's 8-element chunks where a warp suffices, and whole warps per block."""
+    lanes = cuda_source.prepare_lanes(head_dim)
+    assert lanes in (1, 2, 4, 8, 16, 32)
+    assert lanes == 32 or lanes * 8 >= head_dim
+    assert lanes == 1 or (lanes // 2) * 8 < head_dim  # no more than needed
+    assert cuda_source.prepare_rows_per_block(head_dim) * lanes == cuda_source.PREPARE_THREADS
+    assert cuda_source.PREPARE_THREADS % 32 == 0
+
+
+@emulator
+@pytest.mark.parametrize("layout", ["row", "spread"], ids=["chunks", "elements"])
+@pytest.mark.parametrize("head_dim,q_len", [(8, 33), (37, 19), (64, 70), (136, 9), (512, 5)])
+def test_prepare_delta_and_lse2(head_dim, q_len, layout):
+    """delta = rowsum(dO * O) - dL and lse2 = lse * log2(e) (+inf where lse = -inf) from the
+    preprocessing kernel on the CPU emulator: 16-byte chunks for row-contiguous inputs (D % 8 ==
+    0), element loads for strided columns ("spread") and D = 37; row counts that leave a warp's
+    last rows, and a block's last warps, without a row."""
+    from dataclasses import replace
+
+    from mlx_flash import inspect
+    B, H = 2, 3
+    spec = replace(inspect.make_spec(head_dim, "bfloat16", "none", q_len=q_len), batch=B, q_heads=H, kv_heads=H)
+    rng = np.random.default_rng(head_dim + q_len)
+    out, d_out = (mx.array(rng.standard_normal((B, H, q_len, head_dim)).astype(np.float32)).astype(mx.bfloat16)
+                  for _ in range(2))
+    lse_np = rng.standard_normal((B, H, q_len)).astype(np.float32)
+    lse_np[0, 1, 0] = -np.inf
+    d_lse_np = rng.standard_normal((B, H, q_len)).astype(np.float32)
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(layout=layout))
+    delta, lse2 = backend.prepare_backward(out, mx.array(lse_np), d_out, mx.array(d_lse_np), spec)
+    o64, do64 = (np.array(x.astype(mx.float32)).astype(np.float64) for x in (out, d_out))
+    want_delta = (o64 * do64).sum(-1) - d_lse_np
+    np.testing.assert_allclose(np.array(delta), want_delta, rtol=1e-5, atol=1e-4 * np.sqrt(head_dim))
+    want_lse2 = np.where(np.isneginf(lse_np), np.inf, lse_np * np.float32(1.4426950408889634))
+    np.testing.assert_allclose(np.array(lse2), want_lse2, rtol=1e-6)
+
+
 @emulator
 @pytest.mark.parametrize("q_len", [1, 150, 257])
 def test_fused_query_counts_start_at_zero(q_len):
