@@ -4,8 +4,9 @@
 #      edge cases D = 1..512, the bounded property suite, block orders, determinism) and natively
 #      (sm_90: the wgmma kernels too, and the property suite in PROPERTY_SHARDS = 4 processes of
 #      PROPERTY_EXAMPLES = 6 examples, hypothesis seeds 0..3; the N = 16K cases left to the full run);
-#   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family,
-#      and natively with the dK/dV kernel's fused dQ forced (--fused-dq);
+#   2. compute-sanitizer memcheck and racecheck over benchmarks/sanitize_cases.py, every family
+#      in a process of its own (all at once), and natively with the dK/dV kernel's fused dQ
+#      forced (--fused-dq);
 #   3. the speed table of benchmarks/RESULTS.md: bench.py --preset gpu (its shapes and columns:
 #      B=4 H=16 N=4096 D=64 / 128, B=1 H=16 N=16384 D=128, B=1 H=16 N=4096 D=160 / 192 / 256 / 512,
 #      causal and not, bf16, forward and forward+backward, implementations interleaved, each sample
@@ -23,8 +24,8 @@
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
 # 8: NVRTC compiles one kernel at a time per process; in one process on an H200 machine 16 of the
-# 141 native tests took 102 s), SANITIZE_S (160) for memcheck and racecheck side by
-# side, BENCH_S (150): under 600 s with setup. For the thorough run, two commands:
+# 141 native tests took 102 s), SANITIZE_S (160) for each sanitizer process (all side by
+# side), BENCH_S (150): under 600 s with setup. For the thorough run, two commands:
 #     PHASES=tests TESTS_S=540 benchmarks/gpu_suite.sh
 #     PHASES="sanitize bench" SANITIZE_S=300 BENCH_S=240 benchmarks/gpu_suite.sh
 # SANITIZE_CAPS (default "80 86 120 native") picks the families the sanitizers run, FAMILIES
@@ -109,15 +110,20 @@ for phase in $phases; do
         for name in tests_sm80 tests_sm86 tests_sm120 tests_native property_native; do merge_shards "$name"; done
         ;;
     sanitize)
-        # The cases as the block table plans them, and natively the fused dQ forced over calls of
-        # 4 key blocks (the table turns it on only from 1024 queries, past the cases' lengths).
+        # The cases as the block table plans them, one process per (tool, family) so that each
+        # prints its own summary (in one process per tool, a limit cut the last families and the
+        # summary line of all), and natively the fused dQ forced over calls of 4 key blocks (the
+        # table turns it on only from 1024 queries, past the cases' lengths).
         for tool in memcheck racecheck; do
-            step "sanitizer_$tool" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-                python3 benchmarks/sanitize_cases.py ${SANITIZE_CAPS:-80 86 120 native} ${SANITIZE_ARGS:-} &
+            for cap in ${SANITIZE_CAPS:-80 86 120 native}; do
+                step "sanitizer_${tool}_$cap" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
+                    python3 benchmarks/sanitize_cases.py "$cap" ${SANITIZE_ARGS:-} &
+            done
             step "sanitizer_${tool}_fused_dq" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
                 python3 benchmarks/sanitize_cases.py native --fused-dq --n 400 --head-dims 48 96 64 &
         done
         wait
+        for tool in memcheck racecheck; do merge_shards "sanitizer_$tool"; done
         ;;
     bench)
         budget="${BENCH_S:-150}"
