@@ -98,7 +98,8 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
 constexpr bool ROTATED = FUSED_DQ && !CAUSAL;  // (FUSED_DQ: no window) the walk and chains above
-constexpr int CHAINS = ROTATED ? 2 : 1;       // accumulator tiles and counts per (query head, query block)
+constexpr int CHAINS = {{chains}};  // accumulator tiles and counts per (query head, query block): cuda_source.fused_chains
+static_assert(CHAINS == (ROTATED ? 2 : 1), "CHAINS: two chains for the walk that wraps (ROTATED), else one");
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), KEY_GROUPS = CONSUMERS / CG, BM = 64 * KEY_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;                     // K / V tile panels

@@ -39,7 +39,7 @@ from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_ope
                      empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
                      token_major_shape)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_THREADS, Family, KernelVariant, Tuning,
-                          block_major, family_of, length_sets)
+                          block_major, family_of, fused_chains, length_sets)
 
 MAX_GRID_X_BLOCKS = 1 << 16  # the rest of the block count goes on grid y (limit 65535)
 CAPABILITY_VARIABLE = "MLX_FLASH_CUDA_CAPABILITY"
@@ -395,13 +395,6 @@ class CUDABackend:
             output_shapes=list(output_shapes) + [(tensor_map.scratch_bytes(total),)],
             output_dtypes=list(output_dtypes) + [mx.uint8], grid=grid, threadgroup=group)
         return outputs[:-1]
-
-
-def fused_chains(variant: KernelVariant) -> int:
-    """Accumulator tiles (and counts) per (query head, query block) of a fused_query dK/dV
-    variant: CHAINS of its template, 2 without a causal mask (the key blocks walk down from their
-    diagonal, in two chains of adds), else 1."""
-    return 1 if variant.causal else 2
 
 
 def fused_tile_floats(variant: KernelVariant) -> int:

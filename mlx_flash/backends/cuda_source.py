@@ -44,6 +44,8 @@ def prepare_lanes(head_dim: int) -> int:
 def prepare_rows_per_block(head_dim: int) -> int:
     """Query rows per thread block of the backward preprocessing kernel (its ROWS_PER_BLOCK)."""
     return PREPARE_THREADS // prepare_lanes(head_dim)
+
+
 CUDA_TYPES = MappingProxyType({mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float",
                                mx.bool_: "bool"})
 HEADER = "attention_common.cuh"
@@ -383,7 +385,7 @@ class KernelVariant:
                               scale_fold=self.scale_fold)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
-                              fused_query=self.fused_query)
+                              fused_query=self.fused_query, chains=fused_chains(self))
             if self.kernel == "backward_query":
                 values.update(head_block=self.head_block, col_groups=self.col_groups)
             return values
@@ -628,6 +630,14 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
                          head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
                          fused_query=fused_query, scale_fold=scale_fold, tuning=tuning, **features)
+
+
+def fused_chains(variant: KernelVariant) -> int:
+    """Accumulator tiles (and counts) per (query head, query block) of a fused_query dK/dV
+    variant: 2 without a causal mask (the key blocks walk down from their diagonal, in two chains
+    of adds), else 1; 1 without the fused dQ. The template's CHAINS (it checks the value against
+    its walk); the prepare and accumulator kernels and their buffers take it from here."""
+    return 2 if variant.fused_query and not variant.causal else 1
 
 
 def fused_query_fits(spec: AttentionSpec, queries: int, padded_dim: int, column_parts: int) -> bool:
