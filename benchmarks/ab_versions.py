@@ -23,7 +23,9 @@ as the largest difference over the largest value of this tree's (reordered arith
 few bf16 roundings; a broken kernel as O(1)).
 
 --tuning sets fields of this tree's cuda_source.Tuning (this tree's side only: another version's
-Tuning may lack them), so `--against .` times one option against the table. With a CUDA backend
+Tuning may lack them), so `--against .` times one option against the table; --against-tuning sets
+the other side's (a version whose Tuning has those fields), so `--against . --tuning X=2
+--against-tuning X=1` times two settings of one option. With a CUDA backend
 each row records the kernels both sides ran (variant names: their flags show options such as the
 scale fold's "f"). --backend cuda-emulated runs the CUDA kernels on the CPU emulator (a check of
 the tool, not a timing).
@@ -139,11 +141,12 @@ def compare(args) -> dict:
 
     from mlx_flash import benchmark as bm
     results = {"against": args.against, "backend": args.backend, "tuning": {k: repr(v) for k, v in args.tuning},
+               "against_tuning": {k: repr(v) for k, v in args.against_tuning},
                "back_to_back": args.back_to_back,
                "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
         tree = versions.version_tree(args.against, scratch)
-        workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)), "other": Worker(tree, args.backend, {})}
+        workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)), "other": Worker(tree, args.backend, dict(args.against_tuning))}
         results["packages"] = {name: worker.package for name, worker in workers.items()}
         print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"
               f"{'shape':<40} {'pass':<16} {'this ms':>9} {'other ms':>9} {'ratio':>7} {'(spread)':<13} "
@@ -209,6 +212,8 @@ def main(argv=None) -> int:
     parser.add_argument("--back-to-back", type=int, default=8, help="calls per sample (default 8)")
     parser.add_argument("--tuning", nargs="+", type=parse_tuning, default=[],
                         help="KEY=VALUE fields of this tree's cuda_source.Tuning (cuda backends only)")
+    parser.add_argument("--against-tuning", nargs="+", type=parse_tuning, default=[],
+                        help="KEY=VALUE fields of the other version's Tuning (cuda backends only)")
     parser.add_argument("--out", help="write every sample and the environment here (JSON)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     if "--serve" not in (sys.argv[1:] if argv is None else argv):
@@ -219,7 +224,7 @@ def main(argv=None) -> int:
         return 0
     if not args.against:
         parser.error("--against is required: a git revision, or a folder with mlx_flash/ and kernels/")
-    if args.tuning and args.backend not in ("cuda", "cuda-emulated"):
+    if (args.tuning or args.against_tuning) and args.backend not in ("cuda", "cuda-emulated"):
         parser.error(f"--tuning sets the CUDA backend's Tuning: it needs --backend cuda or cuda-emulated, "
                      f"got --backend {args.backend}")
     if args.rounds < 1 or args.back_to_back < 1:

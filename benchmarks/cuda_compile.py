@@ -28,7 +28,8 @@ from mlx_flash.planner import KERNELS
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
-                 "dq_order": "int32_t", "acc": "float", "counts": "int32_t", "d_lse": "float"}
+                 "dq_order": "int32_t", "acc": "float", "counts": "int32_t", "d_lse": "float",
+                 "dk_parts": "float", "dv_parts": "float"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:
@@ -90,14 +91,17 @@ def main(argv=None) -> int:
                         help="N of the call (an array mask is shaped [1, 1, N, N])")
     parser.add_argument("--fused-dq", choices=["table", "on", "off"], default="table",
                         help="sm90: the wgmma dK/dV kernel accumulates dQ as the table says for --seq-len, or forced on / off")
+    parser.add_argument("--head-splits", type=int, default=None,
+                        help="compile the dK/dV kernels for a call of 4 query heads per kv head split over this many "
+                             "CTAs (the head_split variant; default: the table's choice for one MHA call)")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("no nvcc")
         return 2
     fused = {"table": None, "on": True, "off": False}[args.fused_dq]
-    tuning = (cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False) if args.mma_only
-              else cuda_source.Tuning(fused_query=fused))
+    tuning = (cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False, head_splits=args.head_splits)
+              if args.mma_only else cuda_source.Tuning(fused_query=fused, head_splits=args.head_splits))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     failed = False
@@ -106,12 +110,13 @@ def main(argv=None) -> int:
             family = cuda_source.family_named(name)
             for head_dim in args.head_dims:
                 for mask in args.masks:
-                    spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len)
+                    spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len,
+                                             group=4 if args.head_splits else 1)
                     mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
                     variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family,
                                                        tuning, True, planner.active_table("cuda", family.name))
                     for kernel in KERNELS:
-                        variant = getattr(variants.pick(args.seq_len), kernel)
+                        variant = getattr(variants.pick(spec), kernel)
                         line = compile_variant(variant, ARCHES[name], tmp, args.out)
                         failed |= line.startswith("ERROR") or "SERIALIZED" in line
                         print(line, flush=True)

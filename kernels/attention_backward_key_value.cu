@@ -12,6 +12,10 @@
 // read the whole tile back as A fragments: every score is computed once per CTA however many
 // column groups share it (large D: the dK / dV accumulators need several warps per row).
 // GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
+// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], a divisor of the group) share a key block's group, each
+// summing GROUP / SPLITS of its query heads into an fp32 part ([SPLITS, B, Nk, Hkv, D] buffers);
+// the parts kernel (attention_backward_key_value_parts.cu) adds them in split order. Where a call
+// has too few key blocks to fill the GPU (GQA at batch 1, short N), the same work on more SMs.
 namespace mlxflash {
 namespace bwdkv {
 typedef {{input_type}} T;
@@ -29,6 +33,8 @@ constexpr bool CAUSAL = {{causal}};
 constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
+constexpr bool HEAD_SPLIT = {{head_split}};
+typedef {{gradient_type}} G;                    // dK / dV elements: T, or float parts (HEAD_SPLIT)
 constexpr int WARPS = RG * CG, THREADS = 32 * WARPS, BM = 16 * WM * RG;
 constexpr int BNW = BN / CG;            // score columns (queries) per warp
 constexpr int ROW = DS + 8;
@@ -43,7 +49,7 @@ __device__ void attention_backward_key_value(
     const bwdkv::T* __restrict__ q, const bwdkv::T* __restrict__ k, const bwdkv::T* __restrict__ v,
     const bwdkv::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
     const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkv::MaskT* __restrict__ mask, const i64* __restrict__ ip, const float* __restrict__ fp,
-    bwdkv::T* __restrict__ dk, bwdkv::T* __restrict__ dv) {
+    bwdkv::G* __restrict__ dk, bwdkv::G* __restrict__ dv) {
   using namespace bwdkv;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* Ks = reinterpret_cast<T*>(smem_raw);
@@ -61,6 +67,9 @@ __device__ void attention_backward_key_value(
 
   const int cslice = (int)(bid % NSLICE);
   i64 rest = bid / NSLICE;
+  // Head splits next (within a key block's CTAs, so every split of it starts together).
+  const int splits = HEAD_SPLIT ? (int)ip[P_SPLITS] : 1, split = HEAD_SPLIT ? (int)(rest % splits) : 0;
+  rest /= splits;
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
   i64 bkv;
   block_of(rest, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
@@ -73,17 +82,18 @@ __device__ void attention_backward_key_value(
   const int wrow = rg * 16 * WM;  // this warp's first key row in the block
   const int qcol = cg * BNW;      // this warp's first score column (query) in the step
 
+  const int heads = group / splits, h0 = hk * group + split * heads;  // this CTA's query heads h0..
   const Rows<const T> kg = head_rows(k, lk, b, hk).from(k0);
   const Rows<const T> vg = head_rows(v, lv, b, hk).from(k0);
   // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
   const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
-                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
-                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, h0)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, h0)) && ldo.head % 8 == 0;
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
   query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
-  const int items = qb_count * group;  // (query head in group, query block) pairs
+  const int items = qb_count * heads;  // (query head from h0, query block) pairs
 
   float dka[WM][HB / 8][4], dva[WM][HB / 8][4];
 #pragma unroll
@@ -96,7 +106,7 @@ __device__ void attention_backward_key_value(
   // Stage loader for item it: Q / dO tiles (async) and lse2 / delta (plain stores).
   auto load_item = [&](int it, int stage) {
     const int gi = it / qb_count, qs = (qb_begin + it % qb_count) * BN;
-    const int h = hk * group + gi;
+    const int h = h0 + gi;
     const i64 bh = (i64)b * Hq + h;
     load_tile<BN, DS, ROW, THREADS>(Qs + stage * Q_ELEMS, head_rows(q, lq, b, h).from(qs), Nq - qs, 0, HEAD_DIM,
                                     vec, tid);
@@ -137,7 +147,7 @@ __device__ void attention_backward_key_value(
     const bool full_block = qs + BN <= Nq && k0 + BM <= Nk &&
         band_covers_tile<CAUSAL, WINDOW>(qs, qs + BN - 1, k0, k0 + BM - 1, diag, wleft, wright);
     const MaskT* mhead = nullptr;
-    if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
+    if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(h0 + gi) * ip[P_MSH];
 #pragma unroll
     for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
@@ -216,17 +226,18 @@ __device__ void attention_backward_key_value(
     __syncthreads();
   }
 
-  // dK, dV into [B, Nk, Hkv, D] buffers.
-  const Rows<T> dkg = head_rows(dk, token_major(Nk, Hkv, HEAD_DIM), b, hk);
-  const Rows<T> dvg = head_rows(dv, token_major(Nk, Hkv, HEAD_DIM), b, hk);
+  // dK, dV into [B, Nk, Hkv, D] buffers (HEAD_SPLIT: this split's part of [SPLITS, B, Nk, Hkv, D]).
+  const i64 part = HEAD_SPLIT ? split * (i64)ip[P_BATCH] * Nk * Hkv * HEAD_DIM : 0;
+  const Rows<G> dkg = head_rows(dk + part, token_major(Nk, Hkv, HEAD_DIM), b, hk);
+  const Rows<G> dvg = head_rows(dv + part, token_major(Nk, Hkv, HEAD_DIM), b, hk);
 #pragma unroll
   for (int mt = 0; mt < WM; ++mt)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int j = k0 + wrow + mt * 16 + g + 8 * hf;
       if (j >= Nk) continue;
-      T* krow = dkg.p + j * dkg.row;
-      T* vrow = dvg.p + j * dvg.row;
+      G* krow = dkg.p + j * dkg.row;
+      G* vrow = dvg.p + j * dvg.row;
 #pragma unroll
       for (int n = 0; n < HB / 8; ++n) {
         const int c = col0 + n * 8 + 2 * tq;

@@ -97,6 +97,13 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
+// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], a divisor of the group, next to each other in CTA order)
+// share a key block, each walking GROUP / SPLITS of its query heads and storing its dK / dV sums
+// as an fp32 part ([SPLITS, B, Nk, Hkv, D] buffers) that the parts kernel adds in split order
+// (attention_backward_key_value_parts.cu). With FUSED_DQ a split's adds wait for the previous key
+// block's CTA of the same split: still a lower index.
+constexpr bool HEAD_SPLIT = {{head_split}};
+typedef {{gradient_type}} G;  // dK / dV elements: T, or float parts (HEAD_SPLIT)
 constexpr bool ROTATED = FUSED_DQ && !CAUSAL;  // (FUSED_DQ: no window) the walk and chains above
 constexpr int CHAINS = {{chains}};  // accumulator tiles and counts per (query head, query block): cuda_source.fused_chains
 static_assert(CHAINS == (ROTATED ? 2 : 1), "CHAINS: two chains for the walk that wraps (ROTATED), else one");
@@ -160,7 +167,7 @@ __device__ void attention_backward_key_value_wgmma(
     const bwdkvwg::T* __restrict__ d_out, const Layout lq, const Layout lk, const Layout lv, const Layout ldo,
     const float* __restrict__ lse2, const float* __restrict__ delta, const bwdkvwg::MaskT* __restrict__ mask,
     const i64* __restrict__ ip, const float* __restrict__ fp, const u32* __restrict__ tensor_map,
-    bwdkvwg::T* __restrict__ dk, bwdkvwg::T* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ dq_order,
+    bwdkvwg::G* __restrict__ dk, bwdkvwg::G* __restrict__ dv, float* __restrict__ dq_acc, int* __restrict__ dq_order,
     unsigned char* __restrict__ tensor_maps) {
   using namespace bwdkvwg;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -194,27 +201,31 @@ __device__ void attention_backward_key_value_wgmma(
   const int cslice = NSLICE > 1 ? (int)(bid % NSLICE) : 0;
   int kb;  // causal: key block 0 sees the most queries, so ascending order is longest first
   i64 bkv;
-  block_of(NSLICE > 1 ? bid / NSLICE : bid, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
+  i64 rest = NSLICE > 1 ? bid / NSLICE : bid;
+  const int splits = HEAD_SPLIT ? (int)ip[P_SPLITS] : 1, split = HEAD_SPLIT ? (int)(rest % splits) : 0;
+  rest /= splits;
+  block_of(rest, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = warpgroup_index();
   const int col0 = (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
+  const int heads = group / splits, h0 = hk * group + split * heads;  // this CTA's query heads h0..
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
   // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).
   const bool vec = vector_rows<HEAD_DIM>(kg) && vector_rows<HEAD_DIM>(vg) &&
-                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) && lq.head % 8 == 0 &&
-                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) && ldo.head % 8 == 0;
-  // TMA: one map per operand spans the group's query heads (a third dimension of `group` heads).
-  const bool tma = tma_rows<HEAD_DIM>(head_rows(q, lq, b, hk * group)) &&
-                   tma_rows<HEAD_DIM>(head_rows(d_out, ldo, b, hk * group)) &&
-                   (group == 1 || (lq.head % 8 == 0 && lq.head > 0 && ldo.head % 8 == 0 && ldo.head > 0));
+                   vector_rows<HEAD_DIM>(head_rows(q, lq, b, h0)) && lq.head % 8 == 0 &&
+                   vector_rows<HEAD_DIM>(head_rows(d_out, ldo, b, h0)) && ldo.head % 8 == 0;
+  // TMA: one map per operand spans the CTA's query heads (a third dimension of `heads` heads).
+  const bool tma = tma_rows<HEAD_DIM>(head_rows(q, lq, b, h0)) &&
+                   tma_rows<HEAD_DIM>(head_rows(d_out, ldo, b, h0)) &&
+                   (heads == 1 || (lq.head % 8 == 0 && lq.head > 0 && ldo.head % 8 == 0 && ldo.head > 0));
 
   const int k_last = min(k0 + BM, Nk) - 1;
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
   query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
-  const int items = qb_count * group;  // (query head in group, query block) pairs
-  // Item it: query head it / qb_count of the group, query block item_block(it). FUSED_DQ: the
+  const int items = qb_count * heads;  // (query head from h0, query block) pairs
+  // Item it: query head h0 + it / qb_count, query block item_block(it). FUSED_DQ: the
   // walks above (ROTATED: down from this key block's diagonal, wrapping; qb_begin is 0 without a
   // causal mask or window; causal: down from the last); otherwise up from the first.
   const int diagonal = ROTATED ? min(kb * BM / BN, qb_count - 1) : 0;
@@ -265,7 +276,7 @@ __device__ void attention_backward_key_value_wgmma(
         const int qb = item_block(it);
         const int first = ROTATED ? (qb * BN + BM - 1) / BM : 0;  // the first key block of chain 0
         const int chain = kb >= first ? 0 : 1, position = chain == 0 ? kb - first : kb;
-        const i64 tile = (((i64)b * Hq + hk * group + it / qb_count) * nqb + qb) * CHAINS + chain;
+        const i64 tile = (((i64)b * Hq + h0 + it / qb_count) * nqb + qb) * CHAINS + chain;
         mbarrier_wait(dq_full, it & 1);            // both warpgroups' units are in the staging tile
         wait_for_count(dq_order + tile, position);  // the chain's key blocks before this one have added theirs
         if (position == 0) {                       // the first: a store (the accumulator is not zeroed)
@@ -287,7 +298,7 @@ __device__ void attention_backward_key_value_wgmma(
 #pragma unroll
       for (int r = 0; r < STATS_ROWS; ++r) {
         const int i = item_block(it) * BN + ptid + r * STATS_THREADS;
-        const i64 row = ((i64)b * Hq + hk * group + it / qb_count) * Nq + min(i, Nq - 1);
+        const i64 row = ((i64)b * Hq + h0 + it / qb_count) * Nq + min(i, Nq - 1);
         next_l[r] = i < Nq ? lse2[row] : 0.f;
         next_d[r] = i < Nq ? delta[row] : 0.f;
       }
@@ -297,10 +308,10 @@ __device__ void attention_backward_key_value_wgmma(
       unsigned char *q_global = tensor_map_slots(tensor_maps, bid), *do_global = q_global + 128;
       if (ptid < 32)
         publish_tensor_maps(tensor_map, q_map, do_map, q_global, ptid, [&] {
-          tensor_map_replace(q_map, head_rows(q, lq, b, hk * group).p, HEAD_DIM, Nq, lq.row * (i64)sizeof(T));
-          tensor_map_replace_heads(q_map, group, (group > 1 ? lq.head : 8) * (i64)sizeof(T));
-          tensor_map_replace(do_map, head_rows(d_out, ldo, b, hk * group).p, HEAD_DIM, Nq, ldo.row * (i64)sizeof(T));
-          tensor_map_replace_heads(do_map, group, (group > 1 ? ldo.head : 8) * (i64)sizeof(T));
+          tensor_map_replace(q_map, head_rows(q, lq, b, h0).p, HEAD_DIM, Nq, lq.row * (i64)sizeof(T));
+          tensor_map_replace_heads(q_map, heads, (heads > 1 ? lq.head : 8) * (i64)sizeof(T));
+          tensor_map_replace(do_map, head_rows(d_out, ldo, b, h0).p, HEAD_DIM, Nq, ldo.row * (i64)sizeof(T));
+          tensor_map_replace_heads(do_map, heads, (heads > 1 ? ldo.head : 8) * (i64)sizeof(T));
         });
       // One tile (query rows qs.., query head gi of the group) into `tile`, counted on `full`.
       auto load_tile = [&](unsigned char* tile, const unsigned char* map, int qs, int gi, u32 full) {
@@ -333,7 +344,7 @@ __device__ void attention_backward_key_value_wgmma(
     }
     for (int it = 0; it < items; ++it) {
       const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
-      const int h = hk * group + gi;
+      const int h = h0 + gi;
       float l[STATS_ROWS], d[STATS_ROWS];
 #pragma unroll
       for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
@@ -525,7 +536,7 @@ __device__ void attention_backward_key_value_wgmma(
       } else if (MASK_KIND != 0 && full_block) {
         // Interior tile with an array mask: only the mask decides, no clamped indices
         // (softmax_scores_tile says why).
-        const MaskT* mbase = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH] + (i64)(qs + 2 * tq) * msq;
+        const MaskT* mbase = mask + (i64)b * ip[P_MSB] + (i64)(h0 + gi) * ip[P_MSH] + (i64)(qs + 2 * tq) * msq;
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -535,7 +546,7 @@ __device__ void attention_backward_key_value_wgmma(
               gradient_scores(n, hf, e, true, mbase + (i64)(n * 8 + e) * msq + (i64)(row0 + 8 * hf) * msk);
       } else {
         const MaskT* mhead = nullptr;
-        if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(hk * group + gi) * ip[P_MSH];
+        if (MASK_KIND != 0) mhead = mask + (i64)b * ip[P_MSB] + (i64)(h0 + gi) * ip[P_MSH];
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
@@ -598,12 +609,14 @@ __device__ void attention_backward_key_value_wgmma(
     }
   }
 
-  // dK = scale * dS^T Q (the scores' scale), dV as accumulated; [B, Nk, Hkv, D] buffers.
+  // dK = scale * dS^T Q (the scores' scale), dV as accumulated; [B, Nk, Hkv, D] buffers
+  // (HEAD_SPLIT: this split's part of [SPLITS, B, Nk, Hkv, D]).
   const Layout lout = token_major(Nk, Hkv, HEAD_DIM);
-  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, head_rows(dk, lout, b, hk).from(key_first),
-                                scale, tq);
-  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, head_rows(dv, lout, b, hk).from(key_first),
-                                1.f, tq);
+  const i64 part = HEAD_SPLIT ? split * (i64)ip[P_BATCH] * Nk * Hkv * HEAD_DIM : 0;
+  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0,
+                                head_rows(dk + part, lout, b, hk).from(key_first), scale, tq);
+  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0,
+                                head_rows(dv + part, lout, b, hk).from(key_first), 1.f, tq);
 }
 
 }  // namespace mlxflash

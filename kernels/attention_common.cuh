@@ -18,10 +18,11 @@ typedef int64_t i64;
 
 // Runtime integer parameters, one int64 array shared by every kernel (layout fixed here and in
 // mlx_flash/backends/cuda.py: keep the two in step). P_BLOCK_MAJOR: 1 = CTAs ordered block-major
-// (all heads' first blocks, then their second, ...), 0 = head-major (see block_of).
+// (all heads' first blocks, then their second, ...), 0 = head-major (see block_of). P_SPLITS:
+// the dK/dV kernels' head splits (CTAs sharing one kv head's query-head group; 1 elsewhere).
 enum Param {
   P_BATCH = 0, P_QHEADS, P_KVHEADS, P_QLEN, P_KVLEN, P_GROUP, P_DIAG, P_WLEFT, P_WRIGHT,
-  P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_BLOCK_MAJOR, P_COUNT
+  P_MSB, P_MSH, P_MSQ, P_MSK, P_NBLOCKS, P_TOTAL, P_BLOCK_MAJOR, P_SPLITS, P_COUNT
 };
 
 // The runtime sizes and scalars every attention kernel reads first, declared as const locals of
@@ -108,6 +109,9 @@ __device__ __forceinline__ void store2(__half* p, float x, float y) {
 }
 __device__ __forceinline__ void store1(__nv_bfloat16* p, float x) { *p = __float2bfloat16_rn(x); }
 __device__ __forceinline__ void store1(__half* p, float x) { *p = __float2half_rn(x); }
+// fp32 outputs: the dK/dV kernels' parts of split heads (HEAD_SPLIT).
+__device__ __forceinline__ void store2(float* p, float x, float y) { *reinterpret_cast<float2*>(p) = make_float2(x, y); }
+__device__ __forceinline__ void store1(float* p, float x) { *p = x; }
 
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }

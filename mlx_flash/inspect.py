@@ -130,7 +130,7 @@ def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuni
     table = backend.table(family)
     # The set the backend would run for this length (the dK/dV kernel's fused dQ by length).
     variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
-                                       table).pick(spec.q_len)
+                                       table).pick(spec)
     result = []
     for kernel in KERNELS:
         variant = getattr(variants, kernel)

@@ -15,7 +15,7 @@ import math
 import os
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 import numpy as np
@@ -182,6 +182,106 @@ def test_emulated_block_orders_agree():
 @gpu
 def test_block_orders_agree():
     _block_orders_agree(lambda tuning: cuda.CUDABackend(tuning=tuning))
+
+
+# GQA calls whose dK/dV kernel splits each kv head's query-head group over CTAs (head_split):
+# (case, splits forced, what it exercises).
+HEAD_SPLIT_CASES = [
+    (Case(batch=2, kv_heads=2, group=4, q_len=150, kv_len=140, head_dim=64, dtype="bfloat16", mask="causal"), 2,
+     "two heads a split, block-major CTA order"),
+    (Case(kv_heads=1, group=4, q_len=130, kv_len=150, head_dim=128, dtype="float16", mask="bool", softcap=5.0,
+          lse_gradient=True), 4, "a head a split, an array mask per head"),
+    (Case(kv_heads=2, group=3, q_len=70, kv_len=75, head_dim=37, dtype="bfloat16", mask="causal_window",
+          window=(20, 3), layout="columns"), 3, "an odd head dim (element-wise parts), strided rows"),
+    (Case(kv_heads=1, group=2, q_len=61, kv_len=67, head_dim=320, dtype="bfloat16", mask="additive"), 2,
+     "column slices: the split index beside the slice index"),
+]
+HEAD_SPLIT_IDS = [f"d{c.head_dim}-{c.mask}-g{c.group}/{n}" for c, n, _ in HEAD_SPLIT_CASES]
+
+
+def _head_splits_agree(case, splits, make_backend):
+    """A head-split dK/dV kernel (its fp32 parts added in split order by one more kernel) against
+    float64, bitwise the same run to run, and close to the unsplit kernel (dK and dV add the
+    query heads in another order, so not bitwise)."""
+    split, whole = make_backend(Tuning(head_splits=splits)), make_backend(Tuning(head_splits=1))
+    a = make_arrays(case)
+    spec = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)[0]
+    mask_dtype = None if a.mask is None or isinstance(a.mask, str) else a.mask.dtype
+    assert split.head_splits(spec, mask_dtype) == splits
+    assert split.variant("backward_key_value", spec, mask_dtype).head_split
+    assert not whole.variant("backward_key_value", spec, mask_dtype).head_split
+    check_case(case, backend=split)
+    first, second, apart = _out_and_grads(case, split), _out_and_grads(case, split), _out_and_grads(case, whole)
+    for x, y in zip(first, second):
+        assert np.array_equal(x, y)
+    for name, x, y in zip(("out", "dq", "dk", "dv"), first, apart):
+        assert relative_error(x, y) < 1e-2, name
+        if name in ("out", "dq"):  # the forward and dQ kernels are the same
+            assert np.array_equal(x, y), name
+
+
+@emulator
+@pytest.mark.parametrize("case,splits,what", HEAD_SPLIT_CASES, ids=HEAD_SPLIT_IDS)
+def test_emulated_head_splits(case, splits, what):
+    _head_splits_agree(case, splits, lambda tuning: cuda_emulator.backend(seed=5, tuning=tuning, capability=86))
+
+
+@gpu
+@pytest.mark.parametrize("case,splits,what", HEAD_SPLIT_CASES, ids=HEAD_SPLIT_IDS)
+def test_head_splits(case, splits, what):
+    """The same on the GPU: the wgmma dK/dV kernel on an sm_90 (the mma.sync one elsewhere)."""
+    reset_fallback_counts()
+    _head_splits_agree(case, splits, lambda tuning: cuda.CUDABackend(tuning=tuning))
+    assert not fallback_counts(), fallback_counts()
+
+
+@gpu
+@sm90_only
+@pytest.mark.parametrize("head_dim,mask", [(128, "none"), (128, "causal"), (64, "none")])
+def test_head_splits_with_fused_query(head_dim, mask):
+    """Head splits and the fused dQ together: each split's adds into dQ's accumulator wait for the
+    previous key block's CTA of the same split (a lower index)."""
+    case = Case(kv_heads=2, group=4, q_len=520, kv_len=400, head_dim=head_dim, dtype="bfloat16", mask=mask)
+    reset_fallback_counts()
+    _head_splits_agree(case, 2, lambda tuning: cuda.CUDABackend(tuning=replace(tuning, fused_query=True)))
+    a = make_arrays(case)
+    assert cuda.CUDABackend(tuning=Tuning(fused_query=True, head_splits=2)).variant(
+        "backward_key_value", check_inputs(a.q, a.k, a.v)[0]).fused_query
+    assert not fallback_counts(), fallback_counts()
+
+
+def test_head_splits_rule():
+    """cuda_source.head_splits: the smallest divisor of the group that reaches split_to CTAs (the
+    whole group where none does), a forced count as the largest divisor up to it, 1 without GQA."""
+    rule = cuda_source.head_splits
+    # B=1, Hkv=4, N=2048 at P=128: 64 CTAs.
+    assert rule(1, 4, 4, 2048, 128, 1, 128) == 2
+    assert rule(1, 4, 4, 2048, 128, 1, 256) == 4
+    assert rule(1, 4, 4, 2048, 128, 1, 1000) == 4
+    assert rule(1, 4, 4, 8192, 128, 1, 128) == 1      # 256 CTAs already
+    assert rule(1, 4, 1, 2048, 128, 1, 128) == 1      # MHA
+    assert rule(1, 4, 6, 2048, 128, 1, 150) == 3      # divisors of 6: 64 x 2 < 150 <= 64 x 3
+    assert rule(1, 4, 4, 2048, 128, 2, 256) == 2      # column slices count as CTAs
+    assert rule(1, 4, 4, 2048, 128, 1, None) == 1
+    assert rule(1, 4, 6, 2048, 128, 1, None, forced=4) == 3
+    assert rule(64, 8, 4, 16384, 128, 1, None, forced=2) == 2
+    with pytest.raises(ValueError, match="head_splits"):
+        Tuning(head_splits=0)
+
+
+def test_head_split_calls_probe_their_own_kernels():
+    """A call that splits heads keys the first-contact guard by its own variant set, and the
+    guard's small problem (one kv head, two of its query heads) splits too, so the probe builds
+    and runs the head-split kernel and the parts kernel the call will run."""
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=80,
+                               tuning=Tuning(head_splits=4))
+    q, kv = mx.zeros((1, 8, 256, 64), mx.bfloat16), mx.zeros((1, 2, 256, 64), mx.bfloat16)
+    spec = check_inputs(q, kv, kv, mask="causal")[0]
+    mha = check_inputs(q, q, q, mask="causal")[0]
+    assert backend.head_splits(spec) == 4 and backend.head_splits(mha) == 1
+    assert backend.variant_key(spec) != backend.variant_key(mha)
+    small = guard.probe_spec(spec)
+    assert backend.head_splits(small) == 2 and backend.variant_key(small) == backend.variant_key(spec)
 
 
 def _out_and_grads(case, backend="cuda"):

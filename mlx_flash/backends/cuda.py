@@ -83,10 +83,10 @@ def _grid(total_blocks: int, threads: int) -> Tuple[Tuple[int, int, int], Tuple[
     return (gx * threads, gy, 1), (threads, 1, 1)
 
 
-def _int_params(spec: AttentionSpec, blocks: int, total: int, major: bool) -> mx.array:
+def _int_params(spec: AttentionSpec, blocks: int, total: int, major: bool, splits: int = 1) -> mx.array:
     """The launch's integer parameters (order = enum Param in kernels/attention_common.cuh)."""
     return _int_params_of((spec.batch, spec.q_heads, spec.kv_heads, spec.q_len, spec.kv_len, spec.diagonal,
-                           spec.window, spec.mask_shape, blocks, total, major))
+                           spec.window, spec.mask_shape, blocks, total, major, splits))
 
 
 # The parameter arrays are constants of (sizes, launch shape): cached, so that a call does not
@@ -94,9 +94,10 @@ def _int_params(spec: AttentionSpec, blocks: int, total: int, major: bool) -> mx
 # Keyed by a tuple of ints, not by the spec: a spec's == took ~1.5 us of each launch.
 @functools.lru_cache(maxsize=1024)
 def _int_params_of(key: tuple) -> mx.array:
-    batch, q_heads, kv_heads, q_len, kv_len, diagonal, window, mask_shape, blocks, total, major = key
+    batch, q_heads, kv_heads, q_len, kv_len, diagonal, window, mask_shape, blocks, total, major, splits = key
     values = [batch, q_heads, kv_heads, q_len, kv_len, q_heads // kv_heads, diagonal,
-              *(window if window is not None else (-1, -1)), *mask_strides(mask_shape), blocks, total, int(major)]
+              *(window if window is not None else (-1, -1)), *mask_strides(mask_shape), blocks, total, int(major),
+              splits]
     return mx.array(values, dtype=mx.int64)
 
 
@@ -148,19 +149,28 @@ class CUDABackend:
     def variants(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> VariantSet:
         """The forward, dQ and dK/dV variants that serve this call on this backend's GPU family
         (cuda_source.length_sets: made once per features, family, tuning and table, a set below
-        and one from the table's fused_dq_from<N> queries where that changes the dK/dV kernel; the
-        answer is kept per features and mask dtype while call_cache's stamp holds, as each launch
-        asks)."""
+        and one from the table's fused_dq_from<N> queries where that changes the dK/dV kernel, each
+        with a twin whose dK/dV kernel splits the query-head group for the GQA calls that
+        cuda_source.head_splits splits; the sets are kept per features and mask dtype while
+        call_cache's stamp holds, as each launch asks)."""
+        return self._length_sets(spec, mask_dtype).pick(spec)
+
+    def head_splits(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> int:
+        """CTAs sharing each kv head's query-head group in this call's dK/dV kernel
+        (cuda_source.head_splits; 1 unless its variant is a head_split one)."""
+        return self._length_sets(spec, mask_dtype).splits(spec)
+
+    def _length_sets(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype]) -> cuda_source.LengthSets:
         key, now = (VariantFeatures.of(spec), mask_dtype), call_cache.stamp()
         kept = self._variant_sets.lookup(key, now)
         if kept is not None:
-            return kept.pick(spec.q_len)
+            return kept
         family = self.family()
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
         kept = length_sets(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
         self._variant_sets.store(key, now, kept)
-        return kept.pick(spec.q_len)
+        return kept
 
     def variant(self, kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> KernelVariant:
         """The variant that serves `kernel` for this call on this backend's GPU family."""
@@ -306,20 +316,29 @@ class CUDABackend:
         """(dk, dv), and dq last if with_query (a fused_query variant only). prepared:
         prepare_backward's arrays for this variant.
 
+        A head_split variant runs head_splits(spec) CTAs per key block, each over its share of the
+        kv head's query heads, into fp32 parts [splits, B, Nk, Hkv, D] that key_value_from_parts
+        adds in split order.
+
         A fused_query variant also takes the counts that order its adds (prepare_backward's, zeroed)
         and updates them, and writes dQ's fp32 accumulator, whose tiles the first key block stores
         and the others add to (kernels/attention_backward_key_value_wgmma.cu); query_from_accumulator
         makes dQ of it."""
         delta, lse2, counts = prepared if variant.fused_query else (*prepared, None)
-        shapes = [token_major_shape(k.shape), token_major_shape(v.shape)]
-        dtypes = [spec.dtype, spec.dtype]
+        splits = self.head_splits(spec, None if mask is None else mask.dtype) if variant.head_split else 1
+        parts = (splits,) if variant.head_split else ()
+        shapes = [parts + token_major_shape(k.shape), parts + token_major_shape(v.shape)]
+        dtypes = [mx.float32, mx.float32] if variant.head_split else [spec.dtype, spec.dtype]
         if variant.fused_query:
             shapes.append(counts.shape + (fused_tile_floats(variant),))
             dtypes.append(mx.float32)
         results = self._launch(variant, spec, [q, k, v, d_out, lse2, delta], mask, rows=spec.kv_len,
                                heads=spec.kv_heads, output_shapes=shapes, output_dtypes=dtypes,
-                               counts=counts)
-        dk, dv = heads_view(results[0]), heads_view(results[1])
+                               counts=counts, splits=splits)
+        dk, dv = results[:2]
+        if variant.head_split:
+            dk, dv = self.key_value_from_parts(dk, dv, spec)
+        dk, dv = heads_view(dk), heads_view(dv)
         if with_query:
             return dk, dv, self.query_from_accumulator(results[2], counts, variant, spec)
         return dk, dv
@@ -344,6 +363,22 @@ class CUDABackend:
                      output_shapes=[(spec.batch, spec.q_len, spec.q_heads, spec.head_dim)],
                      output_dtypes=[spec.dtype], grid=grid, threadgroup=group)
         return heads_view(dq)
+
+    def key_value_from_parts(self, dk_parts: mx.array, dv_parts: mx.array, spec: AttentionSpec):
+        """dK and dV [B, Nk, Hkv, D] in the input dtype from a head-split dK/dV kernel's fp32
+        parts [splits, B, Nk, Hkv, D], added in split order (kernels/attention_backward_key_value_parts.cu)."""
+        key = ("key_value_parts", CUDA_TYPES[spec.dtype], spec.head_dim)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            kernel = self._compiled(key, lambda: (cuda_source.key_value_parts_name(*key[1:]),
+                                                  cuda_source.key_value_parts_source(*key[1:]), 0))
+        splits, shape = dk_parts.shape[0], dk_parts.shape[1:]
+        chunks = -(-(shape[0] * shape[1] * shape[2] * shape[3]) // cuda_source.key_value_parts_chunk(spec.head_dim))
+        blocks = -(-chunks // cuda_source.KEY_VALUE_PARTS_THREADS)
+        grid, group = _grid(blocks, cuda_source.KEY_VALUE_PARTS_THREADS)
+        return tuple(kernel(inputs=[dk_parts, dv_parts, _int_params(spec, 0, blocks, False, splits)],
+                            output_shapes=[shape, shape], output_dtypes=[spec.dtype, spec.dtype],
+                            grid=grid, threadgroup=group))
 
     def kernel(self, variant: KernelVariant):
         """The compiled kernel object of a variant (built once per variant and backend)."""
@@ -374,18 +409,18 @@ class CUDABackend:
         return len(self._kernels)
 
     def _launch(self, variant: KernelVariant, spec, arrays, mask, rows: int, heads: int, output_shapes,
-                output_dtypes, sinks=None, counts=None):
+                output_dtypes, sinks=None, counts=None, splits: int = 1):
         """Run `variant` over `rows` (queries or keys) of every (batch, head): one CTA per block
         of parallel_block rows and column slice; the mask, the sinks (fp32), the fused dQ's counts
         and the parameter arrays go last. q, k, v and d_out are passed as they lie; the mask and
         the sinks are read row-contiguous (made so: a copy only of a broadcast or strided one)."""
         blocks = -(-rows // variant.parallel_block)
-        total = spec.batch * heads * blocks * variant.slices
+        total = spec.batch * heads * blocks * variant.slices * splits
         grid, group = _grid(total, variant.threads)
         sinks_inputs = [sinks.astype(mx.float32)] if sinks is not None and variant.sinks else []
         inputs = arrays + contiguous_operands(([mask] if mask is not None else []) + sinks_inputs) + (
             [counts] if counts is not None else []) + [
-            _int_params(spec, blocks, total, block_major(spec, self.tuning)), float_params(spec)]
+            _int_params(spec, blocks, total, block_major(spec, self.tuning), splits), float_params(spec)]
         if not variant.tensor_maps:
             return self.kernel(variant)(inputs=inputs, output_shapes=output_shapes, output_dtypes=output_dtypes,
                                         grid=grid, threadgroup=group)

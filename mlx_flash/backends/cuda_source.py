@@ -90,6 +90,12 @@ FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
+# ... and split_heads_to<N>: a dK/dV row's CTAs (one per key block, kv head and column slice) each
+# sum a kv head's whole query-head group; where a GQA call has fewer than N of them (batch 1, short
+# N: B=1 Hkv=4 N=2048 is 64 CTAs at P = 128 on a GPU of 132 SMs), the group is split over the
+# smallest number of CTAs (a divisor of the group) that makes at least N, each writing fp32 parts
+# that one more kernel adds in order (HEAD_SPLIT, head_splits below; blocks_cuda.txt has the numbers).
+HEAD_SPLITS = "split_heads_to"
 
 
 def fused_query_option(spec: AttentionSpec) -> Optional[str]:
@@ -198,6 +204,9 @@ class Tuning:
             forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         scale_fold: None = the table's options column; True / False forces the wgmma forward's
             scale fold (where it applies: see SCALE_FOLD), or not.
+        head_splits: None = the table's options column (split_heads_to<N>, see head_splits); 1 =
+            never split a kv head's query-head group over dK/dV CTAs; n >= 2 = split every GQA call's
+            group in the largest divisor of it up to n.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -209,9 +218,13 @@ class Tuning:
     block_major: Optional[bool] = None
     fused_query: Optional[bool] = None
     scale_fold: Optional[bool] = None
+    head_splits: Optional[int] = None
     table: Optional[planner.Table] = None
 
     def __post_init__(self):
+        if self.head_splits is not None and (isinstance(self.head_splits, bool) or not isinstance(self.head_splits, int)
+                                             or self.head_splits < 1):
+            raise ValueError(f"[cuda] Tuning.head_splits must be None or an int >= 1, got {self.head_splits!r}.")
         blocks = dict(self.blocks) if isinstance(self.blocks, (Mapping, tuple, list)) else None
         if blocks is None:
             raise TypeError(f"[cuda] Tuning.blocks must be a dict {{kernel: (P, T, H[, warps])}}, got {self.blocks!r}.")
@@ -271,6 +284,8 @@ class KernelVariant:
             does not run.
         scale_fold: wgmma forward without an array mask or softcap: interior tiles fold a positive
             scale into exp2's FFMA (SCALE_FOLD).
+        head_split: dK/dV: CTAs share a kv head's query-head group (P_SPLITS of them at run time,
+            head_splits) and write fp32 parts of dK and dV, which the parts kernel adds (HEAD_SPLIT).
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
         tuning: the Tuning value it was planned with (part of the key).
@@ -297,6 +312,7 @@ class KernelVariant:
     sinks: bool = False
     fused_query: bool = False
     scale_fold: bool = False
+    head_split: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -365,7 +381,7 @@ class KernelVariant:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
-                                         ("f", self.scale_fold)) if on)
+                                         ("f", self.scale_fold), ("h", self.head_split)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -378,6 +394,8 @@ class KernelVariant:
                       window=self.window, softcap=self.softcap, mask_kind=self.mask_kind)
         if self.kernel != "backward_key_value":
             values["sinks"] = self.sinks
+        else:
+            values.update(head_split=self.head_split, gradient_type="float" if self.head_split else self.input_type)
         if self.instruction == "wgmma":
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
@@ -493,24 +511,71 @@ def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
 
 class LengthSets(NamedTuple):
     """The variant sets of one features key: `short`, and from `from_queries` queries on `long`
-    (None where the length changes nothing)."""
+    (None where the length changes nothing); each with a twin whose dK/dV variant splits the
+    query-head group (head_split), for the GQA calls that head_splits splits (`split_to`: the
+    dK/dV row's split_heads_to<N>, `forced`: Tuning.head_splits; twins None where neither is set)."""
 
     short: VariantSet
     from_queries: Optional[int]
     long: Optional[VariantSet]
+    split_to: Optional[int] = None
+    forced: Optional[int] = None
+    short_split: Optional[VariantSet] = None
+    long_split: Optional[VariantSet] = None
 
-    def pick(self, queries: int) -> VariantSet:
-        return self.long if self.from_queries is not None and queries >= self.from_queries else self.short
+    def splits(self, spec: AttentionSpec) -> int:
+        """How many CTAs share each kv head's query-head group in this call's dK/dV kernel."""
+        if self.short_split is None:
+            return 1
+        kv = self.short.backward_key_value
+        return head_splits(spec.batch, spec.kv_heads, spec.group, spec.kv_len, kv.parallel_block, kv.slices,
+                           self.split_to, self.forced)
+
+    def pick(self, spec: AttentionSpec) -> VariantSet:
+        long = self.from_queries is not None and spec.q_len >= self.from_queries
+        if self.splits(spec) > 1:
+            return self.long_split if long else self.short_split
+        return self.long if long else self.short
 
 
 def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
                 real_sm90: bool, table: planner.Table) -> LengthSets:
-    """variant_set's sets of calls with `features` below and from fused_query_from's length."""
+    """variant_set's sets of calls with `features` below and from fused_query_from's length, and
+    their head-split twins where the dK/dV row or the tuning splits heads."""
     short = variant_set(features, mask_dtype, family, tuning, real_sm90, table)
     start = fused_query_from(features, mask_dtype, family, tuning, real_sm90, table)
-    if start is None:
-        return LengthSets(short, None, None)
-    return LengthSets(short, start, variant_set(features, mask_dtype, family, tuning, real_sm90, table, True))
+    long = None if start is None else variant_set(features, mask_dtype, family, tuning, real_sm90, table, True)
+    kv = short.backward_key_value
+    where = f"the {kv.family} backward_key_value at head_dim={features.head_dim}"
+    split_to = option_keys(planner.plan("cuda", "backward_key_value", features.head_dim, features.dtype, kv.family,
+                                        tuning.table or table).cached, HEAD_SPLITS, where)
+    forced = tuning.head_splits
+    if (split_to is None and forced is None) or forced == 1:
+        return LengthSets(short, start, long)
+
+    def twin(variants: Optional[VariantSet]) -> Optional[VariantSet]:
+        if variants is None:
+            return None
+        return VariantSet(variants.forward, variants.backward_query,
+                          replace(variants.backward_key_value, head_split=True))
+
+    return LengthSets(short, start, long, None if forced else split_to, forced, twin(short), twin(long))
+
+
+@functools.lru_cache(maxsize=4096)
+def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_block: int, slices: int,
+                split_to: Optional[int], forced: Optional[int] = None) -> int:
+    """CTAs that share each kv head's query-head group in the dK/dV kernel (HEAD_SPLIT): 1 without
+    GQA; `forced` (Tuning.head_splits): the largest divisor of the group up to it; else the
+    smallest divisor of the group that gives the call at least `split_to` CTAs (the whole group
+    where none does), 1 where the call has that many already or split_to is None."""
+    if group <= 1 or (split_to is None and forced is None):
+        return 1
+    divisors = [d for d in range(1, group + 1) if group % d == 0]
+    if forced is not None:
+        return max(d for d in divisors if d <= forced)
+    ctas = batch * kv_heads * -(-kv_len // parallel_block) * slices
+    return next((d for d in divisors if ctas * d >= split_to), group)
 
 
 def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
@@ -662,12 +727,14 @@ def source(variant: KernelVariant) -> Tuple[str, str, List[str], List[str]]:
         parts = [template_text(HEADER), render(TEMPLATES[variant.kernel], **variant.constants())]
         suffix = ""
     inputs, outputs, body = _signature(variant.kernel, has_mask, mask_arg, suffix, variant.sinks,
-                                       variant.tensor_maps, variant.fused_query if suffix else None)
+                                       variant.tensor_maps, variant.fused_query if suffix else None,
+                                       variant.head_split)
     return "\n".join(parts), body, inputs, outputs
 
 
 def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: bool = False,
-               tensor_maps: bool = False, fused_query: Optional[bool] = None) -> Tuple[List[str], List[str], str]:
+               tensor_maps: bool = False, fused_query: Optional[bool] = None,
+               head_split: bool = False) -> Tuple[List[str], List[str], str]:
     """(input names, output names, body) of `kernel`: the body calls mlxflash::attention_<kernel><suffix>.
 
     The [B, H, N, D] inputs are followed by their layouts (`<name>_strides`, which MLX passes to a
@@ -676,12 +743,13 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     without sinks). The wgmma dK/dV kernel (fused_query not None) writes dq_acc after dv and takes
     dq_order (the prepare kernel's zeroed counts, which it updates) after the mask; both null unless
     fused_query. With tensor_maps (the wgmma kernels) the tensor-map template follows the
-    parameters and a scratch output for the CTAs' maps comes last."""
+    parameters and a scratch output for the CTAs' maps comes last. A head_split dK/dV kernel writes
+    fp32 dk_parts and dv_parts instead of dk and dv."""
     if kernel == "forward":
         inputs, outputs = ["q", "k", "v"], ["out", "lse"]
     else:
         inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
-        outputs = ["dq"] if kernel == "backward_query" else ["dk", "dv"]
+        outputs = ["dq"] if kernel == "backward_query" else (["dk_parts", "dv_parts"] if head_split else ["dk", "dv"])
     strided = [name for name in inputs if name in STRIDED_INPUTS]
     args = strided + [_layout(name) for name in strided] + inputs[len(strided):] + [mask_arg]
     if kernel != "backward_key_value":
@@ -754,6 +822,28 @@ def query_from_accumulator_shared_bytes(head_dim: int, traversal_block: int) -> 
 
 def query_from_accumulator_name(input_type: str, head_dim: int, traversal_block: int, chains: int = 1) -> str:
     return f"mlxflash_dq_from_acc_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}_t{traversal_block}x{chains}"
+
+
+KEY_VALUE_PARTS_THREADS = 256  # THREADS of kernels/attention_backward_key_value_parts.cu
+
+
+def key_value_parts_source(input_type: str, head_dim: int) -> Tuple[str, str, List[str], List[str]]:
+    """(header, body, inputs, outputs) of the kernel that adds a head-split dK/dV kernel's fp32
+    parts in split order and rounds them into dK and dV (HEAD_SPLIT)."""
+    header = template_text(HEADER) + "\n" + render(
+        "attention_backward_key_value_parts.cu", input_type=input_type, head_dim=head_dim,
+        threads=KEY_VALUE_PARTS_THREADS)
+    body = "mlxflash::attention_backward_key_value_parts(dk_parts, dv_parts, params, dk, dv);"
+    return header, body, ["dk_parts", "dv_parts", "params"], ["dk", "dv"]
+
+
+def key_value_parts_name(input_type: str, head_dim: int) -> str:
+    return f"mlxflash_kv_parts_{'bf16' if 'bfloat' in input_type else 'f16'}_d{head_dim}"
+
+
+def key_value_parts_chunk(head_dim: int) -> int:
+    """Elements each thread of the parts kernel takes (CHUNK of the template)."""
+    return 4 if head_dim % 4 == 0 else 1
 
 
 def _wgmma_wrappers(variant: KernelVariant) -> str:
