@@ -19,7 +19,7 @@
 #                                                   # (AB_ARGS: its other arguments; AB_S: its limit)
 #     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/ncu_profile.py (ncu): PROFILE_ARGS,
 #                                                   # PROFILE_S (240)
-# SANITIZE_ARGS: more arguments of the families' sanitize_cases.py run (e.g. --layout offset).
+# SANITIZE_ARGS: more arguments of every sanitize_cases.py run (e.g. --layout offset, --head-splits 2).
 # OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
@@ -120,7 +120,7 @@ for phase in $phases; do
                     python3 benchmarks/sanitize_cases.py "$cap" ${SANITIZE_ARGS:-} &
             done
             step "sanitizer_${tool}_fused_dq" "${SANITIZE_S:-160}" compute-sanitizer --tool "$tool" --error-exitcode 3 \
-                python3 benchmarks/sanitize_cases.py native --fused-dq --n 400 --head-dims 48 96 64 &
+                python3 benchmarks/sanitize_cases.py native --fused-dq --n 400 --head-dims 48 96 64 ${SANITIZE_ARGS:-} &
         done
         wait
         for tool in memcheck racecheck; do merge_shards "sanitizer_$tool"; done

@@ -23,6 +23,9 @@ stage; n = 150 refills every stage of all three.
 table turns on only for long calls. With --n 400 a case has 4 key blocks and 4-7 query blocks,
 so both chains of the walk without a causal mask (attention_backward_key_value_wgmma.cu) and the
 causal one take several adds.
+--head-splits 2 splits every case's two query heads over two dK/dV CTAs (Tuning.head_splits: the
+head_split kernels and the parts kernel); the block table's split_heads_to<N> does so for these
+small calls anyway where its row has the option.
 """
 import argparse
 import os
@@ -56,7 +59,8 @@ def laid_out(x: mx.array, layout: str) -> mx.array:
     return x
 
 
-def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fused_dq: bool = False) -> float:
+def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fused_dq: bool = False,
+        head_splits=None) -> float:
     """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
 
     Args:
@@ -65,12 +69,14 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
         n_override: N for every case instead of its own (None: each case's).
         layout: how q, k and v lie in memory (LAYOUTS).
         fused_dq: force the dK/dV kernel's fused dQ where it fits (Tuning.fused_query).
+        head_splits: Tuning.head_splits (None: the table's).
     """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
     else:
         os.environ[CAPABILITY_VARIABLE] = capability
-    backend = CUDABackend(tuning=Tuning(fused_query=True) if fused_dq else Tuning())  # reads the capability per call
+    # reads the capability per call
+    backend = CUDABackend(tuning=Tuning(fused_query=True if fused_dq else None, head_splits=head_splits))
     worst = 0.0
     for head_dim, mask, n in cases:
         n = n_override or n
@@ -101,7 +107,8 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
             worst = max(worst, float(np.linalg.norm(x - r) / max(np.linalg.norm(r), 1e-30)))
     family = backend.family()
     print(f"capability {capability}: family {family.name if family else None}, {layout} layout, {len(cases)} cases "
-          f"(head dims {', '.join(str(c[0]) for c in cases)}){', fused dQ' if fused_dq else ''}, "
+          f"(head dims {', '.join(str(c[0]) for c in cases)}){', fused dQ' if fused_dq else ''}"
+          f"{f', head splits {head_splits}' if head_splits else ''}, "
           f"worst relative error vs mlx fp32 {worst:.2e}",
           flush=True)
     return worst
@@ -116,6 +123,7 @@ def main(argv=None) -> int:
     parser.add_argument("--n", type=int, help="query length of every case (keys: n + 3) instead of its own")
     parser.add_argument("--layout", choices=LAYOUTS, default="row", help="how q, k and v lie in memory")
     parser.add_argument("--fused-dq", action="store_true", help="force the dK/dV kernel's fused dQ where it fits")
+    parser.add_argument("--head-splits", type=int, help="Tuning.head_splits (default: the table's)")
     args = parser.parse_args(argv)
     for capability in args.capabilities:
         if capability != "native" and not capability.isdigit():
@@ -123,7 +131,9 @@ def main(argv=None) -> int:
     if args.n is not None and args.n < 1:
         parser.error(f"--n must be a positive query length, got {args.n}")
     cases = [c for c in CASES if args.head_dims is None or c[0] in args.head_dims]
-    errors = [run(c, cases, args.n, args.layout, args.fused_dq) for c in args.capabilities]
+    if args.head_splits is not None and args.head_splits < 1:
+        parser.error(f"--head-splits must be >= 1, got {args.head_splits}")
+    errors = [run(c, cases, args.n, args.layout, args.fused_dq, args.head_splits) for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
     return 1 if max(errors) > 6e-2 else 0
 
