@@ -1,7 +1,8 @@
 """This tree's kernels against another version's, on one GPU, in interleaved rounds.
 
     python benchmarks/ab_versions.py --against REV [--backend cuda] [--shapes 4,16,4096,64,none ...]
-        [--passes forward forward_backward] [--rounds 15] [--back-to-back 8] [--tuning KEY=VALUE ...]
+        [--passes forward forward_backward] [--rounds 15] [--back-to-back 8] [--compiled]
+        [--tuning KEY=VALUE ...] [--against-tuning KEY=VALUE ...]
         [--out FILE.json]
     python benchmarks/ab_versions.py --against . --tuning scale_fold=True   # one option, this tree
 
@@ -114,7 +115,8 @@ def serve(backend_name: str, tuning: dict) -> None:
         key = (case, request["pass"], request["impl"])
         if key not in calls:
             attention = flash if request["impl"] == "flash" else bm.fast_attention
-            prepare, run = bm.mlx_pass(attention, case, inputs[case], request["pass"])
+            prepare, run = bm.mlx_pass(attention, case, inputs[case], request["pass"],
+                                       compiled=request.get("compiled", False))
             calls[key] = bm.Call(run, prepare, back_to_back=request["back_to_back"])
         print(json.dumps({"seconds": calls[key].timed_once()}), flush=True)
 
@@ -142,7 +144,7 @@ def compare(args) -> dict:
     from mlx_flash import benchmark as bm
     results = {"against": args.against, "backend": args.backend, "tuning": {k: repr(v) for k, v in args.tuning},
                "against_tuning": {k: repr(v) for k, v in args.against_tuning},
-               "back_to_back": args.back_to_back,
+               "back_to_back": args.back_to_back, "compiled": args.compiled,
                "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
         tree = versions.version_tree(args.against, scratch)
@@ -172,6 +174,7 @@ def compare(args) -> dict:
                         for worker_name, impl in order:
                             seconds = workers[worker_name].ask(op="sample", case=described, impl=impl,
                                                                back_to_back=args.back_to_back,
+                                                               compiled=args.compiled,
                                                                **{"pass": pass_name})["seconds"]
                             if round_:
                                 samples[(worker_name, impl)].append(seconds * 1e3)
@@ -214,6 +217,9 @@ def main(argv=None) -> int:
                         help="KEY=VALUE fields of this tree's cuda_source.Tuning (cuda backends only)")
     parser.add_argument("--against-tuning", nargs="+", type=parse_tuning, default=[],
                         help="KEY=VALUE fields of the other version's Tuning (cuda backends only)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="time each pass as an mx.compile'd function (mlx_pass(compiled=True), as bench.py "
+                             "--compiled and the dispatch table's recordings): less host time per call")
     parser.add_argument("--out", help="write every sample and the environment here (JSON)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     if "--serve" not in (sys.argv[1:] if argv is None else argv):
