@@ -105,6 +105,7 @@ constexpr bool FUSED_DQ = {{fused_query}};
 constexpr bool HEAD_SPLIT = {{head_split}};
 typedef {{gradient_type}} G;  // dK / dV elements: T, or float parts (HEAD_SPLIT)
 constexpr bool ROTATED = FUSED_DQ && !CAUSAL;  // (FUSED_DQ: no window) the walk and chains above
+constexpr bool STEP_MAJOR = FUSED_DQ && CAUSAL;  // the items' order (below, item_head)
 constexpr int CHAINS = {{chains}};  // accumulator tiles and counts per (query head, query block): cuda_source.fused_chains
 static_assert(CHAINS == (ROTATED ? 2 : 1), "CHAINS: two chains for the walk that wraps (ROTATED), else one");
 constexpr int STAGES = 2;  // Q / dO buffers in the producer's ring (as the forward)
@@ -225,12 +226,18 @@ __device__ void attention_backward_key_value_wgmma(
   int qb_begin, qb_count;  // the query blocks any key of this block is seen by
   query_block_range<CAUSAL, WINDOW, BN>(k0, k_last, Nq, diag, wleft, wright, qb_begin, qb_count);
   const int items = qb_count * heads;  // (query head from h0, query block) pairs
-  // Item it: query head h0 + it / qb_count, query block item_block(it). FUSED_DQ: the
+  // Item it: query head h0 + item_head(it), query block item_block(it). FUSED_DQ: the
   // walks above (ROTATED: down from this key block's diagonal, wrapping; qb_begin is 0 without a
-  // causal mask or window; causal: down from the last); otherwise up from the first.
+  // causal mask or window; causal: down from the last); otherwise up from the first. One head's
+  // walk after another, except for the causal fused dQ (STEP_MAJOR): there key blocks see
+  // different numbers of query blocks, so one head after another would put key block k's walk
+  // of its h-th head BM / BN * h items behind key block k - 1's, a lag that the chain of waits
+  // adds up along the key blocks; step by step, every head of a step before the next step, key
+  // block k reaches each (head, query block) at the same item as k - 1 does.
   const int diagonal = ROTATED ? min(kb * BM / BN, qb_count - 1) : 0;
+  auto item_head = [&](int it) { return STEP_MAJOR ? it % heads : it / qb_count; };
   auto item_block = [&](int it) {
-    const int s = it % qb_count;
+    const int s = STEP_MAJOR ? it / heads : it % qb_count;
     if (!FUSED_DQ) return qb_begin + s;
     if (!ROTATED) return qb_begin + qb_count - 1 - s;
     return diagonal >= s ? diagonal - s : diagonal - s + qb_count;
@@ -276,7 +283,7 @@ __device__ void attention_backward_key_value_wgmma(
         const int qb = item_block(it);
         const int first = ROTATED ? (qb * BN + BM - 1) / BM : 0;  // the first key block of chain 0
         const int chain = kb >= first ? 0 : 1, position = chain == 0 ? kb - first : kb;
-        const i64 tile = (((i64)b * Hq + h0 + it / qb_count) * nqb + qb) * CHAINS + chain;
+        const i64 tile = (((i64)b * Hq + h0 + item_head(it)) * nqb + qb) * CHAINS + chain;
         mbarrier_wait(dq_full, it & 1);            // both warpgroups' units are in the staging tile
         wait_for_count(dq_order + tile, position);  // the chain's key blocks before this one have added theirs
         if (position == 0) {                       // the first: a store (the accumulator is not zeroed)
@@ -298,7 +305,7 @@ __device__ void attention_backward_key_value_wgmma(
 #pragma unroll
       for (int r = 0; r < STATS_ROWS; ++r) {
         const int i = item_block(it) * BN + ptid + r * STATS_THREADS;
-        const i64 row = ((i64)b * Hq + h0 + it / qb_count) * Nq + min(i, Nq - 1);
+        const i64 row = ((i64)b * Hq + h0 + item_head(it)) * Nq + min(i, Nq - 1);
         next_l[r] = i < Nq ? lse2[row] : 0.f;
         next_d[r] = i < Nq ? delta[row] : 0.f;
       }
@@ -321,7 +328,7 @@ __device__ void attention_backward_key_value_wgmma(
         for (int p = 0; p < TILE_PANELS; ++p) tma_load_3d(smem_u32(tile + p * BN * 128), map, 64 * p, qs, gi, full);
       };
       for (int it = 0; it < items; ++it) {
-        const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
+        const int stage = it % STAGES, gi = item_head(it), qs = item_block(it) * BN;
         float l[STATS_ROWS], d[STATS_ROWS];
 #pragma unroll
         for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
@@ -343,7 +350,7 @@ __device__ void attention_backward_key_value_wgmma(
       return;
     }
     for (int it = 0; it < items; ++it) {
-      const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
+      const int stage = it % STAGES, gi = item_head(it), qs = item_block(it) * BN;
       const int h = h0 + gi;
       float l[STATS_ROWS], d[STATS_ROWS];
 #pragma unroll
@@ -448,7 +455,7 @@ __device__ void attention_backward_key_value_wgmma(
     // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute.
     auto step = [&](int it, auto first) {
       constexpr bool FIRST = decltype(first)::value;
-      const int stage = it % STAGES, gi = it / qb_count, qs = item_block(it) * BN;
+      const int stage = it % STAGES, gi = item_head(it), qs = item_block(it) * BN;
       const u32 parity = (it / STAGES) & 1;
       const u32 q_addr = smem_u32(Qs + stage * TILE_BYTES), do_addr = smem_u32(dOs + stage * TILE_BYTES);
       const float* Lst = Ls + stage * BN;
