@@ -251,37 +251,90 @@ def test_head_splits_with_fused_query(head_dim, mask):
 
 
 def test_head_splits_rule():
-    """cuda_source.head_splits: the smallest divisor of the group that reaches split_to CTAs (the
-    whole group where none does), a forced count as the largest divisor up to it, 1 without GQA."""
+    """cuda_source.head_splits: the largest divisor of the group whose CTAs fit `waves` waves on
+    the SMs, 1 without GQA or an SM count; a forced count as the largest divisor up to it."""
     rule = cuda_source.head_splits
-    # B=1, Hkv=4, N=2048 at P=128: 64 CTAs.
-    assert rule(1, 4, 4, 2048, 128, 1, 128) == 2
-    assert rule(1, 4, 4, 2048, 128, 1, 256) == 4
-    assert rule(1, 4, 4, 2048, 128, 1, 1000) == 4
-    assert rule(1, 4, 4, 8192, 128, 1, 128) == 1      # 256 CTAs already
-    assert rule(1, 4, 1, 2048, 128, 1, 128) == 1      # MHA
-    assert rule(1, 4, 6, 2048, 128, 1, 150) == 3      # divisors of 6: 64 x 2 < 150 <= 64 x 3
-    assert rule(1, 4, 4, 2048, 128, 2, 256) == 2      # column slices count as CTAs
-    assert rule(1, 4, 4, 2048, 128, 1, None) == 1
-    assert rule(1, 4, 6, 2048, 128, 1, None, forced=4) == 3
-    assert rule(64, 8, 4, 16384, 128, 1, None, forced=2) == 2
+    # (batch, kv heads, group, kv_len, P, slices, SMs, waves[, forced]); B=1 Hkv=4 N=2048 at P=128: 64 CTAs
+    assert rule(1, 4, 4, 2048, 128, 1, 132, 1) == 2
+    assert rule(1, 4, 4, 2048, 128, 1, 132, 2) == 4
+    assert rule(1, 4, 4, 1024, 128, 1, 132, 1) == 4
+    assert rule(1, 4, 4, 4096, 128, 1, 132, 1) == 1    # 128 CTAs already
+    assert rule(1, 4, 4, 4096, 128, 1, 132, 2) == 2
+    assert rule(1, 4, 1, 2048, 128, 1, 132, 1) == 1    # MHA
+    assert rule(1, 4, 6, 1024, 128, 1, 132, 1) == 3    # divisors of 6: 32 x 3 <= 132 < 32 x 6
+    assert rule(1, 4, 4, 2048, 64, 2, 132, 1) == 1     # column slices count as CTAs
+    assert rule(1, 4, 4, 2048, 128, 1, None, 1) == 1   # SM count unknown
+    assert rule(1, 4, 4, 2048, 128, 1, 132, None) == 1  # no option
+    assert rule(1, 4, 6, 2048, 128, 1, None, None, forced=4) == 3
+    assert rule(64, 8, 4, 16384, 128, 1, None, None, forced=2) == 2
     with pytest.raises(ValueError, match="head_splits"):
         Tuning(head_splits=0)
+    with pytest.raises(ValueError, match="sm_count"):
+        cuda.CUDABackend(sm_count=0)
 
 
-def test_head_split_calls_probe_their_own_kernels():
-    """A call that splits heads keys the first-contact guard by its own variant set, and the
-    guard's small problem (one kv head, two of its query heads) splits too, so the probe builds
-    and runs the head-split kernel and the parts kernel the call will run."""
-    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=80,
-                               tuning=Tuning(head_splits=4))
-    q, kv = mx.zeros((1, 8, 256, 64), mx.bfloat16), mx.zeros((1, 2, 256, 64), mx.bfloat16)
-    spec = check_inputs(q, kv, kv, mask="causal")[0]
-    mha = check_inputs(q, q, q, mask="causal")[0]
-    assert backend.head_splits(spec) == 4 and backend.head_splits(mha) == 1
-    assert backend.variant_key(spec) != backend.variant_key(mha)
-    small = guard.probe_spec(spec)
-    assert backend.head_splits(small) == 2 and backend.variant_key(small) == backend.variant_key(spec)
+def test_head_splits_by_the_table():
+    """The sm90 wgmma dK/dV rows' head_splits_to1 (and, for the causal fused dQ, the D = 128 row's
+    head_splits_fused_causal_to2) as calls meet them, on a GPU of 132 SMs (planned here; the
+    kernels are not run)."""
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=90,
+                               tuning=Tuning(wgmma_backward=True), sm_count=132)
+    unknown = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=90,
+                               tuning=Tuning(wgmma_backward=True))
+    for batch, q_heads, n, head_dim, mask, splits in [
+            (1, 16, 2048, 128, None, 2), (1, 16, 2048, 128, "causal", 2), (2, 16, 2048, 128, "causal", 1),
+            (1, 16, 4096, 128, None, 1), (1, 16, 4096, 128, "causal", 2), (1, 16, 8192, 128, "causal", 1),
+            (1, 16, 1024, 128, None, 4), (1, 32, 2048, 128, "causal", 2), (1, 16, 2048, 64, None, 2),
+            (1, 4, 2048, 128, None, 1)]:
+        q, kv = mx.zeros((batch, q_heads, n, head_dim), mx.bfloat16), mx.zeros((batch, 4, n, head_dim), mx.bfloat16)
+        spec = check_inputs(q, kv, kv, mask=mask)[0]
+        assert backend.head_splits(spec) == splits, (batch, q_heads, n, head_dim, mask)
+        assert backend.variant("backward_key_value", spec).head_split == (splits > 1)
+        assert unknown.head_splits(spec) == 1 and not unknown.variant("backward_key_value", spec).head_split
+
+
+def test_probes_run_the_calls_own_kernels():
+    """The first-contact guard keys a call by its own variant set and runs that set on its small
+    problem, whose size alone would choose others: a call whose dK/dV kernel splits heads (the
+    small problem splits too, by its own CTA count) and one that does not (the small problem would
+    split), one long enough for the fused dQ (the small problem is not)."""
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=90,
+                               tuning=Tuning(wgmma_backward=True), sm_count=132)
+
+    def call(batch, n, kv_heads=2):
+        return check_inputs(mx.zeros((batch, 8, n, 128), mx.bfloat16), mx.zeros((batch, kv_heads, n, 128), mx.bfloat16),
+                            mx.zeros((batch, kv_heads, n, 128), mx.bfloat16), mask="causal")[0]
+
+    split, whole, mha = call(1, 2048), call(4, 4096), call(1, 2048, kv_heads=8)
+    assert backend.head_splits(split) == 4 and backend.head_splits(whole) == 1 and backend.head_splits(mha) == 1
+    assert backend.variant("backward_key_value", whole).fused_query
+    assert backend.variant_key(split) != backend.variant_key(mha)
+
+    class Recorder:
+        """The backend's choices, kernels not run (the wgmma ones cannot run here): what the probe
+        hands to forward and backward."""
+        name, pins_variants, runs = "cuda", True, []
+
+        def variant_key(self, spec_, mask_dtype=None):
+            return backend.variant_key(spec_, mask_dtype)
+
+        def variants(self, spec_, mask_dtype=None):
+            return backend.variants(spec_, mask_dtype)
+
+        def forward(self, q_, k_, v_, mask_, spec_, variants=None, **kwargs):
+            self.runs.append((spec_, variants))
+            return mx.zeros(q_.shape, q_.dtype), mx.zeros(q_.shape[:3])
+
+        def backward(self, q_, k_, v_, mask_, out_, lse_, d_out_, d_lse_, spec_, variants=None, **kwargs):
+            self.runs.append((spec_, variants))
+            return mx.zeros_like(q_), mx.zeros_like(k_), mx.zeros_like(v_), None
+
+    recorder = Recorder()
+    for spec in (split, whole, mha):
+        small = guard.probe_spec(spec)
+        assert guard.FirstContact()._probe(recorder, spec, None)[0] is None
+        assert [run for run in recorder.runs[-2:]] == [(small, backend.variants(spec))] * 2
+    assert backend.variants(guard.probe_spec(whole)) != backend.variants(whole)  # what pinning is for
 
 
 def _out_and_grads(case, backend="cuda"):

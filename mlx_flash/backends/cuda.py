@@ -59,6 +59,26 @@ def device_capability() -> Optional[int]:
     return int(digits) if digits else None
 
 
+@functools.lru_cache(maxsize=None)
+def device_sm_count() -> Optional[int]:
+    """The GPU's streaming multiprocessors (what the dK/dV kernel's head splits plan for), None if
+    unknown: MLX does not report it, so it is asked of the CUDA driver (libcuda, the driver
+    library every CUDA program loads; CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT of device 0, the
+    one MLX runs on)."""
+    if not cuda_available():
+        return None
+    import ctypes
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+        device, count = ctypes.c_int(0), ctypes.c_int(0)
+        if (driver.cuInit(0) != 0 or driver.cuDeviceGet(ctypes.byref(device), 0) != 0
+                or driver.cuDeviceGetAttribute(ctypes.byref(count), 16, device) != 0):
+            return None
+    except (OSError, AttributeError):  # no driver library by that name, or a stub without the symbols
+        return None
+    return count.value if count.value > 0 else None
+
+
 def capability_override() -> Optional[int]:
     """MLX_FLASH_CUDA_CAPABILITY as an int (e.g. 86), None when unset."""
     text = os.environ.get(CAPABILITY_VARIABLE, "").strip().lower().removeprefix("sm_").removeprefix("sm")
@@ -111,6 +131,9 @@ class CUDABackend:
             shared_memory); None = mx.fast.cuda_kernel. Any other factory (the CPU emulator's)
             makes the backend available without a GPU and never runs the wgmma kernels.
         capability: plan for this compute capability; None = MLX_FLASH_CUDA_CAPABILITY, else the GPU's.
+        sm_count: the SMs the dK/dV kernel's head splits plan for (cuda_source.head_splits); None =
+            the GPU's (device_sm_count) with MLX's kernels, none with another factory (no splits
+            unless the tuning forces them).
     """
 
     name = "cuda"
@@ -118,14 +141,20 @@ class CUDABackend:
     # out, dq, dk, dv are views of [B, N, H, D] buffers.
     row_contiguous_inputs = False
     token_major_outputs = True
+    # forward / backward take `variants`: the first-contact guard runs a call's own set on its
+    # small problem (guard.py), whose size alone would choose other ones.
+    pins_variants = True
 
     def __init__(self, tuning: Tuning = Tuning(), kernel_factory: Optional[Callable] = None,
-                 capability: Optional[int] = None):
+                 capability: Optional[int] = None, sm_count: Optional[int] = None):
         if not isinstance(tuning, Tuning):
             raise TypeError(f"[cuda] tuning must be a cuda_source.Tuning, got {type(tuning).__name__}.")
         self.tuning = tuning
         self._factory = kernel_factory
         self._capability = capability
+        if sm_count is not None and (isinstance(sm_count, bool) or not isinstance(sm_count, int) or sm_count < 1):
+            raise ValueError(f"[cuda] sm_count must be None or a positive int, got {sm_count!r}.")
+        self._sm_count = sm_count
         # Compile cache: variant (or the preprocessing kernel's key) -> kernel object.
         self._kernels: dict = {}
         self._variant_sets = call_cache.Kept()  # (features, mask dtype) -> LengthSets
@@ -141,6 +170,12 @@ class CUDABackend:
 
     def family(self) -> Optional[Family]:
         return family_of(self.capability())
+
+    def sm_count(self) -> Optional[int]:
+        """The SMs the head splits plan for (see __init__)."""
+        if self._sm_count is not None or self._factory is not None:
+            return self._sm_count
+        return device_sm_count()
 
     def real_sm90(self) -> bool:
         """The wgmma kernels may run: the real GPU (not an override) is an sm_90, through MLX."""
@@ -168,7 +203,8 @@ class CUDABackend:
         family = self.family()
         if family is None:
             raise ValueError(f"[cuda] {self.unsupported_reason(spec)}")
-        kept = length_sets(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family))
+        kept = length_sets(key[0], mask_dtype, family, self.tuning, self.real_sm90(), self.table(family),
+                           self.sm_count())
         self._variant_sets.store(key, now, kept)
         return kept
 
@@ -218,29 +254,32 @@ class CUDABackend:
                     f"cp.async; families: {known})")
         return None
 
-    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None) -> Tuple[mx.array, mx.array]:
+    def forward(self, q, k, v, mask, spec: AttentionSpec, sinks=None,
+                variants: Optional[VariantSet] = None) -> Tuple[mx.array, mx.array]:
         """(out [B, Hq, Nq, D] in q's dtype (a view of a [B, Nq, Hq, D] buffer), lse [B, Hq, Nq]
-        fp32, natural log, sinks included)."""
+        fp32, natural log, sinks included). variants: the set to run instead of the call's own
+        (the first-contact probe's: see pins_variants)."""
         if is_empty(spec):
             return empty_forward(q, k, v, mask, spec, sinks)
         B, Hq, Nq, D = spec.batch, spec.q_heads, spec.q_len, spec.head_dim
-        variant = self.variants(spec, None if mask is None else mask.dtype).forward
+        variant = (variants or self.variants(spec, None if mask is None else mask.dtype)).forward
         out, lse = self._launch(variant, spec, [q, k, v], mask, rows=Nq, heads=Hq,
                                 output_shapes=[(B, Nq, Hq, D), (B, Hq, Nq)], output_dtypes=[spec.dtype, mx.float32],
                                 sinks=sinks)
         return heads_view(out), lse
 
     def backward(self, q, k, v, mask, out, lse, d_out, d_lse, spec: AttentionSpec, sinks=None,
-                 lse_is_local: bool = True):
+                 lse_is_local: bool = True, variants: Optional[VariantSet] = None):
         """(dq, dk, dv, d_sinks) in the input dtype. d_lse (or None) is the cotangent of lse.
-        lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse.
+        lse_is_local is ignored: the kernels compute P = exp(S - lse) for any lse. variants: the
+        set to run instead of the call's own (the first-contact probe's: see pins_variants).
 
         d_sinks (None without sinks) is fused into the dQ kernel: per-warp parts, summed here in a
         fixed order (deterministic, no atomics). Where the dK/dV variant accumulates dQ as well
         (fused_query: no sinks then), the dQ kernel does not run."""
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
-        variants = self.variants(spec, None if mask is None else mask.dtype)
+        variants = variants or self.variants(spec, None if mask is None else mask.dtype)
         if variants.backward_key_value.fused_query:
             prepared = self.prepare_backward(out, lse, d_out, d_lse, spec, variants.backward_key_value)
             dk, dv, dq = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, prepared, spec,
@@ -325,7 +364,11 @@ class CUDABackend:
         and the others add to (kernels/attention_backward_key_value_wgmma.cu); query_from_accumulator
         makes dQ of it."""
         delta, lse2, counts = prepared if variant.fused_query else (*prepared, None)
-        splits = self.head_splits(spec, None if mask is None else mask.dtype) if variant.head_split else 1
+        splits = 1
+        if variant.head_split:
+            splits = self.head_splits(spec, None if mask is None else mask.dtype)
+            if splits == 1:  # a call's split kernel pinned on a problem that would not split (the probe's)
+                splits = spec.group
         parts = (splits,) if variant.head_split else ()
         shapes = [parts + token_major_shape(k.shape), parts + token_major_shape(v.shape)]
         dtypes = [mx.float32, mx.float32] if variant.head_split else [spec.dtype, spec.dtype]

@@ -199,12 +199,15 @@ class KernelFactory:
 
 
 def backend(seed: int = 0, eager_copies: bool = False, capability: int = 90, tuning: Tuning = Tuning(),
-            layout: str = "row") -> CUDABackend:
+            layout: str = "row", sm_count: Optional[int] = None) -> CUDABackend:
     """A "cuda" backend that runs its kernels on the CPU; pass it as flash_attention's `backend`.
 
     Args:
         seed, eager_copies, layout: see KernelFactory.
         capability: the compute capability whose family plans the kernels (90: sm90's mma.sync rows).
         tuning: overrides of the block table (as CUDABackend's).
+        sm_count: the SMs the dK/dV kernel's head splits plan for (as CUDABackend's; None: no splits
+            unless the tuning forces them).
     """
-    return CUDABackend(tuning=tuning, kernel_factory=KernelFactory(seed, eager_copies, layout), capability=capability)
+    return CUDABackend(tuning=tuning, kernel_factory=KernelFactory(seed, eager_copies, layout), capability=capability,
+                       sm_count=sm_count)

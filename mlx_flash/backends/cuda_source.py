@@ -90,12 +90,14 @@ FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
-# ... and split_heads_to<N>: a dK/dV row's CTAs (one per key block, kv head and column slice) each
-# sum a kv head's whole query-head group; where a GQA call has fewer than N of them (batch 1, short
-# N: B=1 Hkv=4 N=2048 is 64 CTAs at P = 128 on a GPU of 132 SMs), the group is split over the
-# smallest number of CTAs (a divisor of the group) that makes at least N, each writing fp32 parts
-# that one more kernel adds in order (HEAD_SPLIT, head_splits below; blocks_cuda.txt has the numbers).
-HEAD_SPLITS = "split_heads_to"
+# ... and head_splits_to<W> / head_splits_fused_causal_to<W>: a dK/dV row's CTAs (one per key
+# block, kv head and column slice) each sum a kv head's whole query-head group; where a GQA call
+# has too few of them for the GPU's SMs (B=1 Hkv=4 N=2048 is 64 CTAs at P = 128 on 132 SMs), the
+# group is split over as many CTAs of a key block as fit W waves of them (head_splits), each
+# writing fp32 parts that one more kernel adds in order (HEAD_SPLIT); the second option for the
+# causal fused dQ's calls (blocks_cuda.txt has the numbers).
+HEAD_SPLITS = "head_splits_to"
+HEAD_SPLITS_FUSED_CAUSAL = "head_splits_fused_causal_to"
 
 
 def fused_query_option(spec: AttentionSpec) -> Optional[str]:
@@ -204,9 +206,9 @@ class Tuning:
             forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         scale_fold: None = the table's options column; True / False forces the wgmma forward's
             scale fold (where it applies: see SCALE_FOLD), or not.
-        head_splits: None = the table's options column (split_heads_to<N>, see head_splits); 1 =
-            never split a kv head's query-head group over dK/dV CTAs; n >= 2 = split every GQA call's
-            group in the largest divisor of it up to n.
+        head_splits: None = the table's options column (head_splits_to<W>, see head_splits, on a
+            GPU whose SM count is known); 1 = never split a kv head's query-head group over dK/dV
+            CTAs; n >= 2 = split every GQA call's group in the largest divisor of it up to n.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -512,45 +514,57 @@ def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
 class LengthSets(NamedTuple):
     """The variant sets of one features key: `short`, and from `from_queries` queries on `long`
     (None where the length changes nothing); each with a twin whose dK/dV variant splits the
-    query-head group (head_split), for the GQA calls that head_splits splits (`split_to`: the
-    dK/dV row's split_heads_to<N>, `forced`: Tuning.head_splits; twins None where neither is set)."""
+    query-head group (head_split), for the GQA calls that head_splits splits (`sm_count`: the
+    GPU's SMs, `waves` / `long_waves`: the dK/dV row's head_splits_to<W> for the short / long
+    set, `forced`: Tuning.head_splits; twins None where none applies)."""
 
     short: VariantSet
     from_queries: Optional[int]
     long: Optional[VariantSet]
-    split_to: Optional[int] = None
+    sm_count: Optional[int] = None
+    waves: Optional[int] = None
+    long_waves: Optional[int] = None
     forced: Optional[int] = None
     short_split: Optional[VariantSet] = None
     long_split: Optional[VariantSet] = None
 
+    def is_long(self, spec: AttentionSpec) -> bool:
+        return self.from_queries is not None and spec.q_len >= self.from_queries
+
     def splits(self, spec: AttentionSpec) -> int:
         """How many CTAs share each kv head's query-head group in this call's dK/dV kernel."""
-        if self.short_split is None:
+        if self.short_split is None or spec.group <= 1:
             return 1
         kv = self.short.backward_key_value
         return head_splits(spec.batch, spec.kv_heads, spec.group, spec.kv_len, kv.parallel_block, kv.slices,
-                           self.split_to, self.forced)
+                           self.sm_count, self.long_waves if self.is_long(spec) else self.waves, self.forced)
 
     def pick(self, spec: AttentionSpec) -> VariantSet:
-        long = self.from_queries is not None and spec.q_len >= self.from_queries
+        long = self.is_long(spec)
         if self.splits(spec) > 1:
             return self.long_split if long else self.short_split
         return self.long if long else self.short
 
 
 def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
-                real_sm90: bool, table: planner.Table) -> LengthSets:
+                real_sm90: bool, table: planner.Table, sm_count: Optional[int] = None) -> LengthSets:
     """variant_set's sets of calls with `features` below and from fused_query_from's length, and
-    their head-split twins where the dK/dV row or the tuning splits heads."""
+    their head-split twins where the tuning splits heads or the dK/dV row has head_splits_to<W>
+    (head_splits_fused_causal_to<W> for the causal fused dQ's long set) and the GPU's SM count
+    (`sm_count`) is known."""
     short = variant_set(features, mask_dtype, family, tuning, real_sm90, table)
     start = fused_query_from(features, mask_dtype, family, tuning, real_sm90, table)
     long = None if start is None else variant_set(features, mask_dtype, family, tuning, real_sm90, table, True)
     kv = short.backward_key_value
     where = f"the {kv.family} backward_key_value at head_dim={features.head_dim}"
-    split_to = option_keys(planner.plan("cuda", "backward_key_value", features.head_dim, features.dtype, kv.family,
-                                        tuning.table or table).cached, HEAD_SPLITS, where)
+    options = planner.plan("cuda", "backward_key_value", features.head_dim, features.dtype, kv.family,
+                           tuning.table or table).cached
+    waves = option_keys(options, HEAD_SPLITS, where)
+    long_waves = waves
+    if features.causal and long is not None and long.backward_key_value.fused_query:
+        long_waves = option_keys(options, HEAD_SPLITS_FUSED_CAUSAL, where) or waves
     forced = tuning.head_splits
-    if (split_to is None and forced is None) or forced == 1:
+    if forced == 1 or (forced is None and (sm_count is None or (waves is None and long_waves is None))):
         return LengthSets(short, start, long)
 
     def twin(variants: Optional[VariantSet]) -> Optional[VariantSet]:
@@ -559,23 +573,36 @@ def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
         return VariantSet(variants.forward, variants.backward_query,
                           replace(variants.backward_key_value, head_split=True))
 
-    return LengthSets(short, start, long, None if forced else split_to, forced, twin(short), twin(long))
+    return LengthSets(short, start, long, sm_count, waves, long_waves, forced, twin(short), twin(long))
 
 
 @functools.lru_cache(maxsize=4096)
 def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_block: int, slices: int,
-                split_to: Optional[int], forced: Optional[int] = None) -> int:
-    """CTAs that share each kv head's query-head group in the dK/dV kernel (HEAD_SPLIT): 1 without
-    GQA; `forced` (Tuning.head_splits): the largest divisor of the group up to it; else the
-    smallest divisor of the group that gives the call at least `split_to` CTAs (the whole group
-    where none does), 1 where the call has that many already or split_to is None."""
-    if group <= 1 or (split_to is None and forced is None):
+                sm_count: Optional[int], waves: Optional[int], forced: Optional[int] = None) -> int:
+    """CTAs that share each kv head's query-head group in the dK/dV kernel (HEAD_SPLIT).
+
+    1 without GQA. `forced` (Tuning.head_splits): the largest divisor of the group up to it.
+    Otherwise the largest divisor d of the group whose CTAs (d per key block, kv head and column
+    slice) fit `waves` waves of one CTA per SM on sm_count SMs (the wgmma dK/dV kernels' shared
+    memory and registers allow no second): the row's head_splits_to<W> (its
+    head_splits_fused_causal_to<W> for the causal fused dQ; 1 where neither applies or sm_count is
+    unknown). So a GQA call of too few key blocks for the GPU runs each CTA on a share of the
+    heads, on SMs that would otherwise idle, and a call that fills them is left alone: H200 (132
+    SMs), B=1 Hq=16 Hkv=4 D=128 fwd+bwd, 2 splits against none: N=2048 (64 CTAs) 0.674x, causal
+    0.655x; but 4 against 2 there 1.06x / 1.17x, and 2 against none at B=2 N=2048 causal (128
+    CTAs) 1.038x, N=4096 (128 CTAs) 1.01x. The causal fused dQ is the exception (its adds go
+    key block by key block, so each CTA's walk keeps in step with the one before): N=4096 (128
+    CTAs) 0.706x with 2 splits, N=8192 (256) 0.991x, B=4 N=4096 (512) 0.988x (blocks_cuda.txt).
+    """
+    if group <= 1:
         return 1
     divisors = [d for d in range(1, group + 1) if group % d == 0]
     if forced is not None:
         return max(d for d in divisors if d <= forced)
+    if sm_count is None or waves is None:
+        return 1
     ctas = batch * kv_heads * -(-kv_len // parallel_block) * slices
-    return next((d for d in divisors if ctas * d >= split_to), group)
+    return max(d for d in divisors if d == 1 or ctas * d <= waves * sm_count)
 
 
 def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,

@@ -178,6 +178,10 @@ class FirstContact:
         small = probe_spec(spec)
         x = probe_inputs(small, mask_dtype)
         sink_args = {"sinks": x.sinks} if x.sinks is not None else {}
+        if getattr(backend, "pins_variants", False):
+            # The call's own kernels, which its size chose (the CUDA backend's fused dQ from a length,
+            # its dK/dV kernel's head splits where a call has few CTAs), not the small problem's.
+            sink_args["variants"] = backend.variants(spec, mask_dtype)
         stage = "forward"
         try:
             out, lse = backend.forward(x.q, x.k, x.v, x.mask, small, **sink_args)
