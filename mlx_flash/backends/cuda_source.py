@@ -90,13 +90,15 @@ FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
-# ... and head_splits_to<W> / head_splits_fused_causal_to<W>: a dK/dV row's CTAs (one per key
-# block, kv head and column slice) each sum a kv head's whole query-head group; where a GQA call
-# has too few of them for the GPU's SMs (B=1 Hkv=4 N=2048 is 64 CTAs at P = 128 on 132 SMs), the
-# group is split over as many CTAs of a key block as fit W waves of them (head_splits), each
-# writing fp32 parts that one more kernel adds in order (HEAD_SPLIT); the second option for the
-# causal fused dQ's calls (blocks_cuda.txt has the numbers).
+# ... and head_splits_to<W> / head_splits_causal_to<W> / head_splits_fused_causal_to<W>: a dK/dV
+# row's CTAs (one per key block, kv head and column slice) each sum a kv head's whole query-head
+# group; where a GQA call has too few of them for the GPU's SMs (B=1 Hkv=4 N=2048 is 64 CTAs at
+# P = 128 on 132 SMs), the group is split over as many CTAs of a key block as fit W waves of them
+# (head_splits), each writing fp32 parts that one more kernel adds in order (HEAD_SPLIT); the
+# second option in the first's place for causal calls, the third for the causal fused dQ's
+# (blocks_cuda.txt has the numbers).
 HEAD_SPLITS = "head_splits_to"
+HEAD_SPLITS_CAUSAL = "head_splits_causal_to"
 HEAD_SPLITS_FUSED_CAUSAL = "head_splits_fused_causal_to"
 
 
@@ -515,8 +517,8 @@ class LengthSets(NamedTuple):
     """The variant sets of one features key: `short`, and from `from_queries` queries on `long`
     (None where the length changes nothing); each with a twin whose dK/dV variant splits the
     query-head group (head_split), for the GQA calls that head_splits splits (`sm_count`: the
-    GPU's SMs, `waves` / `long_waves`: the dK/dV row's head_splits_to<W> for the short / long
-    set, `forced`: Tuning.head_splits; twins None where none applies)."""
+    GPU's SMs, `waves` / `long_waves`: the dK/dV row's W for the short / long set (see
+    length_sets), `forced`: Tuning.head_splits; twins None where none applies)."""
 
     short: VariantSet
     from_queries: Optional[int]
@@ -550,8 +552,8 @@ def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
                 real_sm90: bool, table: planner.Table, sm_count: Optional[int] = None) -> LengthSets:
     """variant_set's sets of calls with `features` below and from fused_query_from's length, and
     their head-split twins where the tuning splits heads or the dK/dV row has head_splits_to<W>
-    (head_splits_fused_causal_to<W> for the causal fused dQ's long set) and the GPU's SM count
-    (`sm_count`) is known."""
+    (head_splits_causal_to<W> in its place for causal calls, head_splits_fused_causal_to<W> for
+    the causal fused dQ's long set) and the GPU's SM count (`sm_count`) is known."""
     short = variant_set(features, mask_dtype, family, tuning, real_sm90, table)
     start = fused_query_from(features, mask_dtype, family, tuning, real_sm90, table)
     long = None if start is None else variant_set(features, mask_dtype, family, tuning, real_sm90, table, True)
@@ -560,6 +562,8 @@ def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
     options = planner.plan("cuda", "backward_key_value", features.head_dim, features.dtype, kv.family,
                            tuning.table or table).cached
     waves = option_keys(options, HEAD_SPLITS, where)
+    if features.causal:
+        waves = option_keys(options, HEAD_SPLITS_CAUSAL, where) or waves
     long_waves = waves
     if features.causal and long is not None and long.backward_key_value.fused_query:
         long_waves = option_keys(options, HEAD_SPLITS_FUSED_CAUSAL, where) or waves
