@@ -7,7 +7,7 @@ family's limits: the same variants the backends compile, with nothing re-derived
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import List, Optional
 
 import mlx.core as mx
@@ -86,7 +86,8 @@ def _fallback(kernel: str, reason: str, family: Optional[str] = None) -> KernelP
 
 def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "none",
           capability: Optional[int] = None, family: Optional[str] = None, tuning=None,
-          q_len: int = 1) -> List[KernelPlan]:
+          q_len: int = 1, kv_len: Optional[int] = None, group: int = 1, kv_heads: int = 1, batch: int = 1,
+          sm_count: Optional[int] = None) -> List[KernelPlan]:
     """The plan of every kernel of a call.
 
     Args:
@@ -100,37 +101,53 @@ def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "non
         family: metal: "m1" or "m3"; None = this machine's (MLX_FLASH_METAL_FAMILY, else detected).
         tuning: cuda: a cuda_source.Tuning (default: the block table's choices).
         q_len: the call's query count (cuda: a row's fused_dq_from<N> picks the dK/dV kernel by it).
+        kv_len, group, kv_heads, batch: the call's key count (None = q_len), query heads per kv
+            head, kv heads and batch (cuda: they decide the dK/dV kernel's head splits, see
+            head_splits_line).
+        sm_count: cuda: the GPU's SMs (None = this machine's GPU's, unknown without one).
 
     Returns:
         One KernelPlan per kernel (forward, backward_query, backward_key_value).
     """
-    spec = make_spec(head_dim, dtype, mask, q_len=q_len)
+    spec = _sized(make_spec(head_dim, dtype, mask, q_len=q_len, kv_len=kv_len, group=group), kv_heads, batch)
     mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
     if backend == "cuda":
-        return _cuda_plans(spec, mask_dtype, capability, tuning)
+        return _cuda_plans(spec, mask_dtype, capability, tuning, sm_count)
     if backend == "metal":
         return _metal_plans(spec, family)
     raise ValueError(f"[plan] backend must be 'cuda' or 'metal', got {backend!r}.")
 
 
-def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuning) -> List[KernelPlan]:
+def _cuda_length_sets(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuning,
+                      sm_count: Optional[int] = None):
+    """(backend, its LengthSets for the call, or the reason it cannot serve it) as a GPU of
+    `capability` (None: this machine's) plans the call: the sets the backend would pick from (the
+    dK/dV kernel's fused dQ by length, its head splits by the call's CTAs)."""
     from .backends import cuda, cuda_source
 
     tuning = tuning if tuning is not None else cuda_source.Tuning()
     if capability is None:
-        backend = cuda.CUDABackend(tuning=tuning)
+        backend = cuda.CUDABackend(tuning=tuning, sm_count=sm_count)
         real_sm90 = backend.real_sm90()
     else:
-        backend = cuda.CUDABackend(tuning=tuning, capability=capability)
+        backend = cuda.CUDABackend(tuning=tuning, capability=capability, sm_count=sm_count)
         real_sm90 = True  # what a GPU of that capability runs: wgmma where its family has it
     reason = backend.unsupported_reason(spec)
     if reason is not None:
-        return [_fallback(kernel, reason) for kernel in KERNELS]
+        return backend, reason
+    family = backend.family()
+    return backend, cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning,
+                                            real_sm90, backend.table(family), backend.sm_count())
+
+
+def _cuda_plans(spec: AttentionSpec, mask_dtype, capability: Optional[int], tuning,
+                sm_count: Optional[int] = None) -> List[KernelPlan]:
+    backend, kept = _cuda_length_sets(spec, mask_dtype, capability, tuning, sm_count)
+    if isinstance(kept, str):
+        return [_fallback(kernel, kept) for kernel in KERNELS]
     family = backend.family()
     table = backend.table(family)
-    # The set the backend would run for this length (the dK/dV kernel's fused dQ by length).
-    variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family, tuning, real_sm90,
-                                       table).pick(spec)
+    variants = kept.pick(spec)
     result = []
     for kernel in KERNELS:
         variant = getattr(variants, kernel)
@@ -157,6 +174,35 @@ def _metal_plans(spec: AttentionSpec, family: Optional[str]) -> List[KernelPlan]
                                  variant.threadgroup_memory_bytes, metal_source.THREADGROUP_MEMORY_LIMIT,
                                  metal_source.MAX_THREADS_PER_THREADGROUP, variant.name, p.table))
     return result
+
+
+def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capability: Optional[int] = None,
+                     q_len: int = 1, kv_len: Optional[int] = None, group: int = 1, kv_heads: int = 1,
+                     batch: int = 1, sm_count: Optional[int] = None) -> List[str]:
+    """How many CTAs of the CUDA dK/dV kernel share each kv head's `group` query heads in such a
+    call (cuda_source.head_splits), in words; empty for MHA or where the kernels cannot serve the
+    call. Arguments as for `plans`."""
+    if group <= 1:
+        return []
+    spec = _sized(make_spec(head_dim, dtype, mask, q_len, kv_len, group), kv_heads, batch)
+    mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
+    backend, kept = _cuda_length_sets(spec, mask_dtype, capability, None, sm_count)
+    if isinstance(kept, str):
+        return []
+    splits, sms = kept.splits(spec), backend.sm_count()
+    call = f"B={batch} x {kv_heads} kv heads x {group} query heads each, Nk={spec.kv_len}"
+    where = f"on {sms} SMs" if sms else "with the SM count unknown (--sm-count)"
+    if splits == 1:
+        return [f"dK/dV head splits: none (a kv head's query heads in one CTA; {call}, {where})"]
+    return [f"dK/dV head splits: {splits} CTAs share each kv head's query heads ({call}, {where})"]
+
+
+def _sized(spec: AttentionSpec, kv_heads: int, batch: int) -> AttentionSpec:
+    """make_spec's call (batch 1, one kv head) with `kv_heads` kv heads and `batch` entries."""
+    for name, value in (("kv_heads", kv_heads), ("batch", batch)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"[plan] {name} must be a positive int, got {value!r}.")
+    return replace(spec, batch=batch, kv_heads=kv_heads, q_heads=spec.group * kv_heads)
 
 
 def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capability: Optional[int] = None,

@@ -205,6 +205,25 @@ def test_plan_command():
     assert bad.returncode == 2 and "--head-dim" in bad.stderr
 
 
+def test_plan_command_head_splits():
+    """--group / --kv-heads / --batch / --sm-count: how many dK/dV CTAs share a kv head's query heads
+    (the table's head_splits_* on sm90), and the kernel that splits them in the plan."""
+    common = ("--backend", "cuda", "--capability", "90", "--head-dim", "128", "--mask", "causal", "--group", "4",
+              "--kv-heads", "4", "--sm-count", "132")
+    text = _run_plan(*common, "--seq-len", "2048").stdout
+    assert "dK/dV head splits: 2 CTAs share" in text
+    assert "dK/dV head splits: none" in _run_plan(*common, "--seq-len", "2048", "--batch", "2").stdout
+    assert "dK/dV head splits: none" in _run_plan(*common, "--seq-len", "8192").stdout
+    assert "head splits" not in _run_plan(*common[:-6], "--seq-len", "2048").stdout  # MHA
+    rows = inspect.plans("cuda", 128, "bfloat16", "causal", capability=90, q_len=2048, group=4, kv_heads=4,
+                         sm_count=132)
+    assert rows[2].name.endswith("_ch") and not rows[0].name.endswith("h")  # the head_split variant
+    assert inspect.plans("cuda", 128, "bfloat16", "causal", capability=90, q_len=2048, group=4, kv_heads=4,
+                         batch=2, sm_count=132)[2].name.endswith("_c")
+    with pytest.raises(ValueError, match="kv_heads"):
+        inspect.plans("cuda", 128, kv_heads=0)
+
+
 BACKEND_MODULES = sorted(p.stem for p in (ROOT / "mlx_flash" / "backends").glob("*.py") if p.stem != "__init__")
 
 

@@ -9,7 +9,9 @@ as two small arrays, so a new sequence length or batch never recompiles.
 No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's fused dQ, which
 the table turns on for long calls without an array mask at D = 97..128 (fused_dq_from<N>,
 fused_dq_causal_from<N>) and Tuning.fused_query forces, adds into an fp32 accumulator in a fixed
-order; one more kernel makes dQ of it).
+order; one more kernel makes dQ of it). A GQA call with too few key blocks for the GPU's SMs has
+several dK/dV CTAs share each kv head's query heads (the table's head_splits_to<W>, Tuning.head_splits),
+each writing fp32 parts that one more kernel adds in split order.
 Supported natively: fp16 / bf16, any head dim 1..512, any Nq / Nk, GQA / MQA, causal, sliding window, softcap, bool / additive array
 masks with broadcast strides, on every GPU family of kernels/families_cuda.txt (compute
 capability 8.0 and up). float32 inputs, value_dim != head_dim, head_dim > 512 and GPUs without
