@@ -543,6 +543,11 @@ def device_description() -> Dict[str, Any]:
         except Exception:  # older MLX or no Metal: try the next source
             continue
     info = {key: (value if isinstance(value, (int, float, str, bool)) else str(value)) for key, value in info.items()}
+    if device.type == mx.gpu and "architecture" in info:  # a CUDA GPU: its SMs (the dK/dV head splits plan for them)
+        from .backends.cuda import device_sm_count
+        sms = device_sm_count()
+        if sms is not None:
+            info.setdefault("multiprocessor_count", sms)
     name = info.get("device_name") or platform.processor() or platform.machine()
     return {"device": str(device), "device_type": "gpu" if device.type == mx.gpu else "cpu",
             "device_name": name, "device_info": info}
