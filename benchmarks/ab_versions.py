@@ -233,6 +233,9 @@ def main(argv=None) -> int:
     if (args.tuning or args.against_tuning) and args.backend not in ("cuda", "cuda-emulated"):
         parser.error(f"--tuning sets the CUDA backend's Tuning: it needs --backend cuda or cuda-emulated, "
                      f"got --backend {args.backend}")
+    if args.compiled and args.backend == "cuda-emulated":
+        parser.error("--compiled needs a GPU backend: the CPU emulator's kernels read their inputs' values, which "
+                     "mx.compile does not let a function do")
     if args.rounds < 1 or args.back_to_back < 1:
         parser.error(f"--rounds and --back-to-back must be >= 1, got {args.rounds} and {args.back_to_back}")
     args.shapes = args.shapes or [parse_shape(s) for s in DEFAULT_SHAPES]
