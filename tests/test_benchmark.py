@@ -371,6 +371,22 @@ def test_ab_versions_tuning_applies_to_this_tree_and_names_the_kernels(tmp_path)
     assert 0 < row["output_difference"] < 2e-2  # the same function, summed in another order
 
 
+def test_ab_versions_against_tuning_applies_to_the_other_side(tmp_path):
+    """--against-tuning builds the other side's backend with its Tuning fields: here head splits on
+    one side of a GQA call (the dK/dV kernel's name carries the split flag), none on the other."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
+               "cuda-emulated", "--tuning", "head_splits=1", "--against-tuning", "head_splits=2", "--shapes",
+               "1,4,40,32,causal,2", "--passes", "forward", "--rounds", "1", "--back-to-back", "1",
+               "--out", str(tmp_path / "ab.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    payload = json.loads((tmp_path / "ab.json").read_text())
+    assert payload["against_tuning"] == {"head_splits": "2"}
+    (row,) = payload["rows"]
+    this, other = row["kernels"]["this"], row["kernels"]["other"]
+    assert this[:2] == other[:2] and this[2].endswith("_c") and other[2].endswith("_ch")
+
+
 def test_ab_versions_bad_arguments_are_named(tmp_path):
     script = str(ROOT / "benchmarks" / "ab_versions.py")
     for arguments, message in [([], "--against is required"),
@@ -379,7 +395,11 @@ def test_ab_versions_bad_arguments_are_named(tmp_path):
                                (["--against", "HEAD", "--shapes", "1,2,64"], "--shapes takes B,H,N,D,mask"),
                                (["--against", "HEAD", "--tuning", "scale_fold"], "--tuning takes KEY=VALUE"),
                                (["--against", "HEAD", "--backend", "mlx", "--tuning", "scale_fold=True"],
-                                "needs --backend cuda")]:
+                                "needs --backend cuda"),
+                               (["--against", "HEAD", "--backend", "mlx", "--against-tuning", "head_splits=2"],
+                                "needs --backend cuda"),
+                               (["--against", "HEAD", "--backend", "cuda-emulated", "--compiled"],
+                                "--compiled needs a GPU backend")]:
         done = subprocess.run([sys.executable, script, *arguments], capture_output=True, text=True, timeout=60,
                               env=ENV, cwd=tmp_path)
         assert done.returncode != 0 and message in done.stdout + done.stderr, (arguments, done.stderr)
