@@ -354,15 +354,21 @@ def test_ab_versions_times_both_trees_in_turn(tmp_path, doubled):
     assert done.stdout.count("forward_backward") == 2
 
 
+def _emulated_ab_forward(tmp_path, shape: str, *tunings) -> dict:
+    """ab_versions.py's JSON for one forward sample of `shape` on the CPU emulator, this tree
+    against itself, with `tunings` (--tuning / --against-tuning arguments)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
+               "cuda-emulated", *tunings, "--shapes", shape, "--passes", "forward", "--rounds", "1",
+               "--back-to-back", "1", "--out", str(tmp_path / "ab.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((tmp_path / "ab.json").read_text())
+
+
 def test_ab_versions_tuning_applies_to_this_tree_and_names_the_kernels(tmp_path):
     """--tuning builds this tree's CUDA backend with those Tuning fields (here on the CPU emulator):
     the rows record the kernels each side ran, and only this side's forward takes the override."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
-               "cuda-emulated", "--tuning", "blocks={'forward': (64, 16, 32)}", "--shapes", "1,2,40,32,none",
-               "--passes", "forward", "--rounds", "1", "--back-to-back", "1", "--out", str(tmp_path / "ab.json")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    payload = json.loads((tmp_path / "ab.json").read_text())
+    payload = _emulated_ab_forward(tmp_path, "1,2,40,32,none", "--tuning", "blocks={'forward': (64, 16, 32)}")
     assert payload["tuning"] == {"blocks": "{'forward': (64, 16, 32)}"}
     (row,) = payload["rows"]
     this, other = row["kernels"]["this"], row["kernels"]["other"]
@@ -374,13 +380,8 @@ def test_ab_versions_tuning_applies_to_this_tree_and_names_the_kernels(tmp_path)
 def test_ab_versions_against_tuning_applies_to_the_other_side(tmp_path):
     """--against-tuning builds the other side's backend with its Tuning fields: here head splits on
     one side of a GQA call (the dK/dV kernel's name carries the split flag), none on the other."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
-               "cuda-emulated", "--tuning", "head_splits=1", "--against-tuning", "head_splits=2", "--shapes",
-               "1,4,40,32,causal,2", "--passes", "forward", "--rounds", "1", "--back-to-back", "1",
-               "--out", str(tmp_path / "ab.json")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=ENV, cwd=tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    payload = json.loads((tmp_path / "ab.json").read_text())
+    payload = _emulated_ab_forward(tmp_path, "1,4,40,32,causal,2", "--tuning", "head_splits=1",
+                                   "--against-tuning", "head_splits=2")
     assert payload["against_tuning"] == {"head_splits": "2"}
     (row,) = payload["rows"]
     this, other = row["kernels"]["this"], row["kernels"]["other"]
