@@ -294,6 +294,26 @@ def test_head_splits_by_the_table():
         assert unknown.head_splits(spec) == 1 and not unknown.variant("backward_key_value", spec).head_split
 
 
+@emulator
+def test_emulated_head_splits_by_a_table():
+    """The table's rule end to end on the CPU emulator: a table whose sm86 dK/dV rows carry
+    head_splits_to1, a GPU of 4 SMs. A GQA call of 2 CTAs splits (the head_split kernel and the
+    parts kernel run), one of 8 does not, though the guard's small problem alone would split (the
+    probe runs the call's own unsplit kernels); both against float64."""
+    shipped = planner.shipped_table("cuda")
+    rows = tuple(replace(r, cached=frozenset(r.cached | {cuda_source.HEAD_SPLITS + "1"}))
+                 if (r.kernel, r.family) == ("backward_key_value", "sm86") else r for r in shipped.rows)
+    backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(seed=2), capability=86, sm_count=4,
+                               tuning=Tuning(table=planner.Table("cuda", "test", rows)))
+    for kv_len, splits in ((60, 2), (200, 1)):  # P = 64 keys: 1 / 4 key blocks x 2 kv heads
+        case = Case(kv_heads=2, group=2, q_len=70, kv_len=kv_len, head_dim=64, dtype="bfloat16", mask="causal")
+        a = make_arrays(case)
+        spec = check_inputs(a.q, a.k, a.v, mask=a.mask)[0]
+        assert backend.head_splits(spec) == splits
+        assert backend.head_splits(guard.probe_spec(spec)) == 2
+        check_case(case, backend=backend)
+
+
 def test_probes_run_the_calls_own_kernels():
     """The first-contact guard keys a call by its own variant set and runs that set on its small
     problem, whose size alone would choose others: a call whose dK/dV kernel splits heads (the
