@@ -543,7 +543,7 @@ def device_description() -> Dict[str, Any]:
         except Exception:  # older MLX or no Metal: try the next source
             continue
     info = {key: (value if isinstance(value, (int, float, str, bool)) else str(value)) for key, value in info.items()}
-    if device.type == mx.gpu and "architecture" in info:  # a CUDA GPU: its SMs (the dK/dV head splits plan for them)
+    if device.type == mx.gpu:  # a CUDA GPU's SMs (the dK/dV head splits plan for them; None elsewhere)
         from .backends.cuda import device_sm_count
         sms = device_sm_count()
         if sms is not None:

@@ -109,8 +109,7 @@ def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "non
     Returns:
         One KernelPlan per kernel (forward, backward_query, backward_key_value).
     """
-    spec = _sized(make_spec(head_dim, dtype, mask, q_len=q_len, kv_len=kv_len, group=group), kv_heads, batch)
-    mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
+    spec, mask_dtype = _call(head_dim, dtype, mask, q_len, kv_len, group, kv_heads, batch)
     if backend == "cuda":
         return _cuda_plans(spec, mask_dtype, capability, tuning, sm_count)
     if backend == "metal":
@@ -184,8 +183,7 @@ def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     call. Arguments as for `plans`."""
     if group <= 1:
         return []
-    spec = _sized(make_spec(head_dim, dtype, mask, q_len, kv_len, group), kv_heads, batch)
-    mask_dtype = {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
+    spec, mask_dtype = _call(head_dim, dtype, mask, q_len, kv_len, group, kv_heads, batch)
     backend, kept = _cuda_length_sets(spec, mask_dtype, capability, None, sm_count)
     if isinstance(kept, str):
         return []
@@ -197,12 +195,16 @@ def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     return [f"dK/dV head splits: {splits} CTAs share each kv head's query heads ({call}, {where})"]
 
 
-def _sized(spec: AttentionSpec, kv_heads: int, batch: int) -> AttentionSpec:
-    """make_spec's call (batch 1, one kv head) with `kv_heads` kv heads and `batch` entries."""
+def _call(head_dim: int, dtype: str, mask: str, q_len: int, kv_len: Optional[int], group: int, kv_heads: int,
+          batch: int):
+    """(spec, mask dtype) of the call `plans` and `head_splits_line` describe: make_spec's (batch 1,
+    one kv head) with `kv_heads` kv heads and `batch` entries."""
     for name, value in (("kv_heads", kv_heads), ("batch", batch)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"[plan] {name} must be a positive int, got {value!r}.")
-    return replace(spec, batch=batch, kv_heads=kv_heads, q_heads=spec.group * kv_heads)
+    spec = make_spec(head_dim, dtype, mask, q_len=q_len, kv_len=kv_len, group=group)
+    spec = replace(spec, batch=batch, kv_heads=kv_heads, q_heads=spec.group * kv_heads)
+    return spec, {"bool": mx.bool_, "additive": spec.dtype}.get(mask)
 
 
 def auto_route(head_dim: int, dtype: str = "bfloat16", mask: str = "none", capability: Optional[int] = None,

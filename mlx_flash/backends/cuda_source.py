@@ -537,9 +537,10 @@ class LengthSets(NamedTuple):
         """How many CTAs share each kv head's query-head group in this call's dK/dV kernel."""
         if self.short_split is None or spec.group <= 1:
             return 1
-        kv = self.short.backward_key_value
+        long = self.is_long(spec)
+        kv = (self.long if long else self.short).backward_key_value
         return head_splits(spec.batch, spec.kv_heads, spec.group, spec.kv_len, kv.parallel_block, kv.slices,
-                           self.sm_count, self.long_waves if self.is_long(spec) else self.waves, self.forced)
+                           self.sm_count, self.long_waves if long else self.waves, self.forced)
 
     def pick(self, spec: AttentionSpec) -> VariantSet:
         long = self.is_long(spec)
@@ -588,9 +589,9 @@ def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_blo
     1 without GQA. `forced` (Tuning.head_splits): the largest divisor of the group up to it.
     Otherwise the largest divisor d of the group whose CTAs (d per key block, kv head and column
     slice) fit `waves` waves of one CTA per SM on sm_count SMs (the wgmma dK/dV kernels' shared
-    memory and registers allow no second): the row's head_splits_to<W> (its
-    head_splits_fused_causal_to<W> for the causal fused dQ; 1 where neither applies or sm_count is
-    unknown). So a GQA call of too few key blocks for the GPU runs each CTA on a share of the
+    memory and registers allow no second): the row's head_splits_to<W>, head_splits_causal_to<W>
+    or head_splits_fused_causal_to<W> as length_sets picks it (1 where none applies or sm_count
+    is unknown). So a GQA call of too few key blocks for the GPU runs each CTA on a share of the
     heads, on SMs that would otherwise idle, and a call that fills them is left alone: H200 (132
     SMs), B=1 Hq=16 Hkv=4 D=128 fwd+bwd, 2 splits against none: N=2048 (64 CTAs) 0.674x, causal
     0.655x; but 4 against 2 there 1.06x / 1.17x, and 2 against none at B=2 N=2048 causal (128

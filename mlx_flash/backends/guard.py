@@ -177,17 +177,17 @@ class FirstContact:
         """(verdict, the failure's whole message or None)."""
         small = probe_spec(spec)
         x = probe_inputs(small, mask_dtype)
-        sink_args = {"sinks": x.sinks} if x.sinks is not None else {}
+        call_args = {"sinks": x.sinks} if x.sinks is not None else {}
         if getattr(backend, "pins_variants", False):
             # The call's own kernels, which its size chose (the CUDA backend's fused dQ from a length,
             # its dK/dV kernel's head splits where a call has few CTAs), not the small problem's.
-            sink_args["variants"] = backend.variants(spec, mask_dtype)
+            call_args["variants"] = backend.variants(spec, mask_dtype)
         stage = "forward"
         try:
-            out, lse = backend.forward(x.q, x.k, x.v, x.mask, small, **sink_args)
+            out, lse = backend.forward(x.q, x.k, x.v, x.mask, small, **call_args)
             mx.eval(out, lse)
             stage = "backward"
-            grads = backend.backward(x.q, x.k, x.v, x.mask, out, lse, x.d_out, None, small, **sink_args)
+            grads = backend.backward(x.q, x.k, x.v, x.mask, out, lse, x.d_out, None, small, **call_args)
             stage = "backward_query"
             mx.eval(grads[0])
             stage = "backward_key_value"
