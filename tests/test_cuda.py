@@ -274,9 +274,9 @@ def test_head_splits_rule():
 
 
 def test_head_splits_by_the_table():
-    """The sm90 wgmma dK/dV rows' head_splits_causal_to1 (D <= 96, 161..192) and head_splits_to1
-    (the other rows), and the D = 128 row's head_splits_fused_causal_to2 (the causal fused dQ), as
-    calls meet them, on a GPU of 132 SMs (planned here; the kernels are not run)."""
+    """The sm90 wgmma dK/dV rows' head_splits_causal_to1 (D <= 96) and head_splits_to1 (past 96),
+    and the D = 128 row's head_splits_fused_causal_to2 (the causal fused dQ), as calls meet them,
+    on a GPU of 132 SMs (planned here; the kernels are not run)."""
     backend = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=90,
                                tuning=Tuning(wgmma_backward=True), sm_count=132)
     unknown = cuda.CUDABackend(kernel_factory=cuda_emulator.KernelFactory(), capability=90,
@@ -288,7 +288,7 @@ def test_head_splits_by_the_table():
             (1, 16, 2048, 64, "causal", 2), (1, 16, 1024, 256, "causal", 2), (1, 16, 1024, 256, None, 2),
             (1, 16, 2048, 96, None, 1), (1, 16, 2048, 160, None, 2), (1, 16, 2048, 192, None, 1),
             (1, 16, 2048, 192, "causal", 1), (1, 16, 1024, 192, "causal", 2),
-            (1, 16, 1024, 192, None, 1), (1, 16, 512, 512, None, 2), (1, 4, 2048, 128, None, 1)]:
+            (1, 16, 1024, 192, None, 2), (1, 16, 512, 512, None, 2), (1, 4, 2048, 128, None, 1)]:
         q, kv = mx.zeros((batch, q_heads, n, head_dim), mx.bfloat16), mx.zeros((batch, 4, n, head_dim), mx.bfloat16)
         spec = check_inputs(q, kv, kv, mask=mask)[0]
         assert backend.head_splits(spec) == splits, (batch, q_heads, n, head_dim, mask)
