@@ -23,9 +23,10 @@ stage; n = 150 refills every stage of all three.
 table turns on only for long calls. With --n 400 a case has 4 key blocks and 4-7 query blocks,
 so both chains of the walk without a causal mask (attention_backward_key_value_wgmma.cu) and the
 causal one take several adds.
---head-splits 2 splits every case's two query heads over two dK/dV CTAs (Tuning.head_splits: the
-head_split kernels and the parts kernel); the block table's split_heads_to<N> does so for these
-small calls anyway where its row has the option.
+--group G gives every case G query heads on its one kv head (default 2). --head-splits S splits
+them over S dK/dV CTAs (Tuning.head_splits: the head_split kernels and the parts kernel; with
+--group 3 --head-splits 2 the splits are uneven, 2 + 1 heads); the block table's
+head_splits_to<W> does so for these small calls anyway where its row has the option.
 """
 import argparse
 import os
@@ -60,7 +61,7 @@ def laid_out(x: mx.array, layout: str) -> mx.array:
 
 
 def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fused_dq: bool = False,
-        head_splits=None) -> float:
+        head_splits=None, group: int = 2) -> float:
     """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
 
     Args:
@@ -70,6 +71,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
         layout: how q, k and v lie in memory (LAYOUTS).
         fused_dq: force the dK/dV kernel's fused dQ where it fits (Tuning.fused_query).
         head_splits: Tuning.head_splits (None: the table's).
+        group: query heads on the one kv head.
     """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
@@ -81,7 +83,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
     for head_dim, mask, n in cases:
         n = n_override or n
         mx.random.seed(head_dim)
-        q = mx.random.normal((1, 2, n, head_dim)).astype(mx.bfloat16)
+        q = mx.random.normal((1, group, n, head_dim)).astype(mx.bfloat16)
         k = mx.random.normal((1, 1, n + 3, head_dim)).astype(mx.bfloat16)
         v = mx.random.normal((1, 1, n + 3, head_dim)).astype(mx.bfloat16)
         q, k, v = (laid_out(x, layout) for x in (q, k, v))
@@ -89,7 +91,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
         if mask == "bool":
             kwargs["mask"] = mx.random.uniform(shape=(1, 1, n, n + 3)) < 0.7
         elif mask == "additive":
-            kwargs["mask"] = mx.random.normal((1, 2, n, n + 3)).astype(mx.bfloat16)
+            kwargs["mask"] = mx.random.normal((1, group, n, n + 3)).astype(mx.bfloat16)
         elif mask == "window":
             kwargs.update(mask="causal", window_size=(17, 0))
 
@@ -108,7 +110,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
     family = backend.family()
     print(f"capability {capability}: family {family.name if family else None}, {layout} layout, {len(cases)} cases "
           f"(head dims {', '.join(str(c[0]) for c in cases)}){', fused dQ' if fused_dq else ''}"
-          f"{f', head splits {head_splits}' if head_splits else ''}, "
+          f"{f', head splits {head_splits}' if head_splits else ''}, {group} query heads, "
           f"worst relative error vs mlx fp32 {worst:.2e}",
           flush=True)
     return worst
@@ -124,6 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layout", choices=LAYOUTS, default="row", help="how q, k and v lie in memory")
     parser.add_argument("--fused-dq", action="store_true", help="force the dK/dV kernel's fused dQ where it fits")
     parser.add_argument("--head-splits", type=int, help="Tuning.head_splits (default: the table's)")
+    parser.add_argument("--group", type=int, default=2, help="query heads on the one kv head (default 2)")
     args = parser.parse_args(argv)
     for capability in args.capabilities:
         if capability != "native" and not capability.isdigit():
@@ -133,7 +136,10 @@ def main(argv=None) -> int:
     cases = [c for c in CASES if args.head_dims is None or c[0] in args.head_dims]
     if args.head_splits is not None and args.head_splits < 1:
         parser.error(f"--head-splits must be >= 1, got {args.head_splits}")
-    errors = [run(c, cases, args.n, args.layout, args.fused_dq, args.head_splits) for c in args.capabilities]
+    if args.group < 1:
+        parser.error(f"--group must be >= 1, got {args.group}")
+    errors = [run(c, cases, args.n, args.layout, args.fused_dq, args.head_splits, args.group)
+              for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
     return 1 if max(errors) > 6e-2 else 0
 

@@ -12,8 +12,9 @@
 // read the whole tile back as A fragments: every score is computed once per CTA however many
 // column groups share it (large D: the dK / dV accumulators need several warps per row).
 // GQA heads are summed inside the CTA in a fixed order: no atomics, bitwise reproducible.
-// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], a divisor of the group) share a key block's group, each
-// summing GROUP / SPLITS of its query heads into an fp32 part ([SPLITS, B, Nk, Hkv, D] buffers);
+// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], at most the group) share a key block's group, each
+// summing GROUP / SPLITS of its query heads (the first GROUP % SPLITS one more) into an fp32 part
+// ([SPLITS, B, Nk, Hkv, D] buffers);
 // the parts kernel (attention_backward_key_value_parts.cu) adds them in split order. Where a call
 // has too few key blocks to fill the GPU (GQA at batch 1, short N), the same work on more SMs.
 namespace mlxflash {
@@ -82,7 +83,9 @@ __device__ void attention_backward_key_value(
   const int wrow = rg * 16 * WM;  // this warp's first key row in the block
   const int qcol = cg * BNW;      // this warp's first score column (query) in the step
 
-  const int heads = group / splits, h0 = hk * group + split * heads;  // this CTA's query heads h0..
+  // This CTA's query heads h0.. (group / splits each, the first group % splits splits one more).
+  const int per_split = group / splits, extra = group % splits;
+  const int heads = per_split + (split < extra), h0 = hk * group + split * per_split + min(split, extra);
   const Rows<const T> kg = head_rows(k, lk, b, hk).from(k0);
   const Rows<const T> vg = head_rows(v, lv, b, hk).from(k0);
   // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).

@@ -97,8 +97,9 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
-// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], a divisor of the group, next to each other in CTA order)
-// share a key block, each walking GROUP / SPLITS of its query heads and storing its dK / dV sums
+// HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], at most the group, next to each other in CTA order)
+// share a key block, each walking GROUP / SPLITS of its query heads (the first GROUP % SPLITS one
+// more, so a group of 7 runs as 4 + 3) and storing its dK / dV sums
 // as an fp32 part ([SPLITS, B, Nk, Hkv, D] buffers) that the parts kernel adds in split order
 // (attention_backward_key_value_parts.cu). With FUSED_DQ a split's adds wait for the previous key
 // block's CTA of the same split: still a lower index.
@@ -210,7 +211,9 @@ __device__ void attention_backward_key_value_wgmma(
   const int tid = threadIdx.x, warpgroup = warpgroup_index();
   const int col0 = (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
-  const int heads = group / splits, h0 = hk * group + split * heads;  // this CTA's query heads h0..
+  // This CTA's query heads h0.. (group / splits each, the first group % splits splits one more).
+  const int per_split = group / splits, extra = group % splits;
+  const int heads = per_split + (split < extra), h0 = hk * group + split * per_split + min(split, extra);
   const Rows<const T> kg = head_rows(k, lk, b, hk);
   const Rows<const T> vg = head_rows(v, lv, b, hk);
   // Q / dO rows of the group's query heads (vector loads for all of them: head stride too).

@@ -195,6 +195,10 @@ HEAD_SPLIT_CASES = [
           window=(20, 3), layout="columns"), 3, "an odd head dim (element-wise parts), strided rows"),
     (Case(kv_heads=1, group=2, q_len=61, kv_len=67, head_dim=320, dtype="bfloat16", mask="additive"), 2,
      "column slices: the split index beside the slice index"),
+    (Case(kv_heads=2, group=3, q_len=90, kv_len=100, head_dim=96, dtype="bfloat16"), 2,
+     "uneven splits: 2 + 1 heads"),
+    (Case(kv_heads=1, group=7, q_len=80, kv_len=70, head_dim=64, dtype="float16", mask="causal", sinks=True), 3,
+     "uneven splits: 3 + 2 + 2 heads, sinks"),
 ]
 HEAD_SPLIT_IDS = [f"d{c.head_dim}-{c.mask}-g{c.group}/{n}" for c, n, _ in HEAD_SPLIT_CASES]
 
@@ -237,11 +241,12 @@ def test_head_splits(case, splits, what):
 
 @gpu
 @sm90_only
-@pytest.mark.parametrize("head_dim,mask", [(128, "none"), (128, "causal"), (64, "none")])
-def test_head_splits_with_fused_query(head_dim, mask):
+@pytest.mark.parametrize("head_dim,mask,group", [(128, "none", 4), (128, "causal", 4), (64, "none", 4),
+                                                 (128, "causal", 7)])
+def test_head_splits_with_fused_query(head_dim, mask, group):
     """Head splits and the fused dQ together: each split's adds into dQ's accumulator wait for the
-    previous key block's CTA of the same split (a lower index)."""
-    case = Case(kv_heads=2, group=4, q_len=520, kv_len=400, head_dim=head_dim, dtype="bfloat16", mask=mask)
+    previous key block's CTA of the same split (a lower index); a group of 7 splits as 4 + 3."""
+    case = Case(kv_heads=2, group=group, q_len=520, kv_len=400, head_dim=head_dim, dtype="bfloat16", mask=mask)
     reset_fallback_counts()
     _head_splits_agree(case, 2, lambda tuning: cuda.CUDABackend(tuning=replace(tuning, fused_query=True)))
     a = make_arrays(case)
@@ -251,8 +256,9 @@ def test_head_splits_with_fused_query(head_dim, mask):
 
 
 def test_head_splits_rule():
-    """cuda_source.head_splits: the largest divisor of the group whose CTAs fit `waves` waves on
-    the SMs, 1 without GQA or an SM count; a forced count as the largest divisor up to it."""
+    """cuda_source.head_splits: the count whose CTAs fit `waves` waves on the SMs with the fewest
+    heads in the longest split (then the fewest CTAs), 1 without GQA or an SM count; a forced
+    count up to the group."""
     rule = cuda_source.head_splits
     # (batch, kv heads, group, kv_len, P, slices, SMs, waves[, forced]); B=1 Hkv=4 N=2048 at P=128: 64 CTAs
     assert rule(1, 4, 4, 2048, 128, 1, 132, 1) == 2
@@ -261,11 +267,16 @@ def test_head_splits_rule():
     assert rule(1, 4, 4, 4096, 128, 1, 132, 1) == 1    # 128 CTAs already
     assert rule(1, 4, 4, 4096, 128, 1, 132, 2) == 2
     assert rule(1, 4, 1, 2048, 128, 1, 132, 1) == 1    # MHA
-    assert rule(1, 4, 6, 1024, 128, 1, 132, 1) == 3    # divisors of 6: 32 x 3 <= 132 < 32 x 6
+    assert rule(1, 4, 6, 1024, 128, 1, 132, 1) == 3    # 32 x 4 <= 132, but 4 splits of 6 are 2 + 2 + 1 + 1
+    assert rule(1, 4, 7, 2048, 128, 1, 132, 1) == 2    # 7 heads as 4 + 3 (Qwen2.5-7B's 28 / 4)
+    assert rule(1, 4, 7, 1024, 128, 1, 132, 1) == 4    # 2 + 2 + 2 + 1
+    assert rule(1, 4, 5, 2048, 128, 1, 132, 2) == 3    # 4 would fit too, its longest split as long (2 heads)
+    assert rule(1, 4, 4, 1024, 96, 1, 132, 1) == 2     # 44 CTAs: 3 would fit, its longest split as long
     assert rule(1, 4, 4, 2048, 64, 2, 132, 1) == 1     # column slices count as CTAs
     assert rule(1, 4, 4, 2048, 128, 1, None, 1) == 1   # SM count unknown
     assert rule(1, 4, 4, 2048, 128, 1, 132, None) == 1  # no option
-    assert rule(1, 4, 6, 2048, 128, 1, None, None, forced=4) == 3
+    assert rule(1, 4, 6, 2048, 128, 1, None, None, forced=4) == 4
+    assert rule(1, 4, 3, 2048, 128, 1, None, None, forced=4) == 3
     assert rule(64, 8, 4, 16384, 128, 1, None, None, forced=2) == 2
     with pytest.raises(ValueError, match="head_splits"):
         Tuning(head_splits=0)

@@ -210,7 +210,7 @@ class Tuning:
             scale fold (where it applies: see SCALE_FOLD), or not.
         head_splits: None = the table's options column (head_splits_to<W>, see head_splits, on a
             GPU whose SM count is known); 1 = never split a kv head's query-head group over dK/dV
-            CTAs; n >= 2 = split every GQA call's group in the largest divisor of it up to n.
+            CTAs; n >= 2 = split every GQA call's group over min(n, group) CTAs.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
     """
@@ -586,10 +586,12 @@ def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_blo
                 sm_count: Optional[int], waves: Optional[int], forced: Optional[int] = None) -> int:
     """CTAs that share each kv head's query-head group in the dK/dV kernel (HEAD_SPLIT).
 
-    1 without GQA. `forced` (Tuning.head_splits): the largest divisor of the group up to it.
-    Otherwise the largest divisor d of the group whose CTAs (d per key block, kv head and column
-    slice) fit `waves` waves of one CTA per SM on sm_count SMs (the wgmma dK/dV kernels' shared
-    memory and registers allow no second): the row's head_splits_to<W>, head_splits_causal_to<W>
+    1 without GQA. A split walks group // d of the heads, the first group % d splits one more
+    (a group of 7 in 2 splits: 4 + 3). `forced` (Tuning.head_splits): min(forced, group).
+    Otherwise, among the d whose CTAs (d per key block, kv head and column slice) fit `waves`
+    waves of one CTA per SM on sm_count SMs (the wgmma dK/dV kernels' shared memory and registers
+    allow no second), the one whose longest split has the fewest heads, the fewest CTAs of those
+    (so a group of 4 takes 2, not 3): the row's head_splits_to<W>, head_splits_causal_to<W>
     or head_splits_fused_causal_to<W> as length_sets picks it (1 where none applies or sm_count
     is unknown). So a GQA call of too few key blocks for the GPU runs each CTA on a share of the
     heads, on SMs that would otherwise idle, and a call that fills them is left alone: H200 (132
@@ -601,13 +603,13 @@ def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_blo
     """
     if group <= 1:
         return 1
-    divisors = [d for d in range(1, group + 1) if group % d == 0]
     if forced is not None:
-        return max(d for d in divisors if d <= forced)
+        return min(forced, group)
     if sm_count is None or waves is None:
         return 1
     ctas = batch * kv_heads * -(-kv_len // parallel_block) * slices
-    return max(d for d in divisors if d == 1 or ctas * d <= waves * sm_count)
+    fitting = [d for d in range(1, group + 1) if d == 1 or ctas * d <= waves * sm_count]
+    return min(fitting, key=lambda d: (-(-group // d), d))
 
 
 def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
