@@ -192,7 +192,9 @@ def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     where = f"on {sms} SMs" if sms else "with the SM count unknown (--sm-count)"
     if splits == 1:
         return [f"dK/dV head splits: none (a kv head's query heads in one CTA; {call}, {where})"]
-    return [f"dK/dV head splits: {splits} CTAs share each kv head's query heads ({call}, {where})"]
+    per, extra = divmod(group, splits)  # the kernels' share: the first group % splits take one more
+    shares = " + ".join(str(per + (i < extra)) for i in range(splits))
+    return [f"dK/dV head splits: {splits} CTAs share each kv head's query heads, {shares} ({call}, {where})"]
 
 
 def _call(head_dim: int, dtype: str, mask: str, q_len: int, kv_len: Optional[int], group: int, kv_heads: int,

@@ -211,7 +211,9 @@ def test_plan_command_head_splits():
     common = ("--backend", "cuda", "--capability", "90", "--head-dim", "128", "--mask", "causal", "--group", "4",
               "--kv-heads", "4", "--sm-count", "132")
     text = _run_plan(*common, "--seq-len", "2048").stdout
-    assert "dK/dV head splits: 2 CTAs share" in text
+    assert "dK/dV head splits: 2 CTAs share each kv head's query heads, 2 + 2" in text
+    group7 = _run_plan(*common[:9], "7", *common[10:], "--seq-len", "2048").stdout  # Qwen2.5-7B's 28 / 4
+    assert "dK/dV head splits: 2 CTAs share each kv head's query heads, 4 + 3" in group7
     assert "dK/dV head splits: none" in _run_plan(*common, "--seq-len", "2048", "--batch", "2").stdout
     assert "dK/dV head splits: none" in _run_plan(*common, "--seq-len", "8192").stdout
     assert "head splits" not in _run_plan(*common[:-6], "--seq-len", "2048").stdout  # MHA
