@@ -15,8 +15,8 @@
 // HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], at most the group) share a key block's group, each
 // summing GROUP / SPLITS of its query heads (the first GROUP % SPLITS one more) into an fp32 part
 // ([SPLITS, B, Nk, Hkv, D] buffers); the parts kernel (attention_backward_key_value_parts.cu)
-// adds them in split order. Where a call
-// has too few key blocks to fill the GPU (GQA at batch 1, short N), the same work on more SMs.
+// adds them in split order. Where a call has too few key blocks to fill the GPU (GQA at batch 1,
+// short N), the same work on more SMs.
 namespace mlxflash {
 namespace bwdkv {
 typedef {{input_type}} T;
