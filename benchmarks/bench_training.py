@@ -10,7 +10,10 @@ both variants (so the resident memory is the same); each variant has its own com
     mlx-flash  the same step traced under `mlx_flash.integrations.mlx_lm.patched(backend)`
 
 For each sequence length: warm-up steps of both, then interleaved rounds (the order alternates)
-of --steps timed steps each; the time is the median over all timed steps. Peak memory is
+of --steps timed steps each; the time is the median over all timed steps, and the speed's spread
+the quartiles of the per-round ratios (mlx-lm's median step in a round over mlx-flash's: both met
+the same clocks and neighbours). The gpu preset times 16 rounds of 8 steps: with 3 rounds of 4
+the 2K step's ratio moved 0.96-1.07x from run to run on an H200, with 128 steps 1.01-1.03x. Peak memory is
 mx.get_peak_memory() over one step after mx.clear_cache() and mx.reset_peak_memory(), with the
 other variant idle (resident: weights, gradients-to-be, AdamW state; "resident" in the JSON is
 the active memory before the step), measured over --memory-steps such steps per variant, the
@@ -59,8 +62,8 @@ from mlx_flash.integrations import mlx_lm as flash_mlx_lm  # noqa: E402
 PRESETS = {
     # Llama-style block at head dim 128, GQA 4:1 (16 query heads, 4 kv heads), 4 layers.
     "gpu": dict(hidden_size=2048, intermediate_size=5632, heads=16, kv_heads=4, head_dim=128, layers=4,
-                vocab_size=32000, seq_lens=[2048, 8192, 16384], dtype="bfloat16", warmup=3, rounds=3,
-                steps=4, memory_steps=5),
+                vocab_size=32000, seq_lens=[2048, 8192, 16384], dtype="bfloat16", warmup=3, rounds=16,
+                steps=8, memory_steps=7),
     # The same structure, tiny: runs in seconds on a 2-core CPU (the path, not a speed figure).
     "cpu": dict(hidden_size=128, intermediate_size=256, heads=4, kv_heads=1, head_dim=32, layers=2,
                 vocab_size=512, seq_lens=[64, 128], dtype="bfloat16", warmup=1, rounds=2, steps=2, memory_steps=2),
@@ -157,6 +160,7 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
                 runner.run(variant, inputs, targets)
                 memory[variant]["peaks"].append(mx.get_peak_memory())
     times = {variant: [] for variant in VARIANTS}
+    round_ratios = []  # mlx-lm's median step over mlx-flash's, per round
     for r in range(settings.rounds):
         order = VARIANTS if r % 2 == 0 else tuple(reversed(VARIANTS))
         for variant in order:
@@ -165,6 +169,8 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
                     start = time.perf_counter()
                     runner.run(variant, inputs, targets)
                     times[variant].append(time.perf_counter() - start)
+        base, flash = (statistics.median(times[v][-settings.steps:]) for v in VARIANTS)
+        round_ratios.append(base / flash)
     row = {"seq_len": seq_len, "tokens_per_step": seq_len}
     for variant in VARIANTS:
         ms = statistics.median(times[variant]) * 1e3
@@ -176,6 +182,9 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
                             warmup_loss=losses[variant])
     flash, base = row["mlx-flash"], row["mlx-lm"]
     row["speed_ratio"] = base["step_ms"] / flash["step_ms"]  # > 1: patched is faster
+    spread = bm.Timing(round_ratios)
+    row["speed_ratio_rounds"] = round_ratios
+    row["speed_ratio_quartiles"] = [spread.quantile(0.25), spread.quantile(0.75)]
     row["peak_ratio"] = flash["peak_bytes"] / base["peak_bytes"]  # < 1: patched uses less
     above = [row[v]["peak_bytes"] - row[v]["resident_bytes"] for v in ("mlx-flash", "mlx-lm")]
     row["peak_above_resident_ratio"] = above[0] / above[1] if above[1] > 0 else None
@@ -183,14 +192,15 @@ def measure_length(runner: Runner, seq_len: int, settings, seed: int):
 
 
 def table(rows) -> str:
-    lines = ["| tokens | mlx-lm ms | mlx-flash ms | speed (mlx-lm / flash) | mlx-lm peak MiB | "
+    lines = ["| tokens | mlx-lm ms | mlx-flash ms | speed (mlx-lm / flash; rounds q1-q3) | mlx-lm peak MiB | "
              "mlx-flash peak MiB | peak (flash / mlx-lm) | above resident (flash / mlx-lm) |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         base, flash = row["mlx-lm"], row["mlx-flash"]
         above = row["peak_above_resident_ratio"]
+        q1, q3 = row["speed_ratio_quartiles"]
         lines.append(f"| {row['seq_len']} | {bm.format_ms(base['step_ms'])} | {bm.format_ms(flash['step_ms'])} | "
-                     f"{row['speed_ratio']:.2f}x | {base['peak_bytes'] / MIB:.0f} | {flash['peak_bytes'] / MIB:.0f} | "
+                     f"{row['speed_ratio']:.2f}x ({q1:.2f}-{q3:.2f}) | {base['peak_bytes'] / MIB:.0f} | {flash['peak_bytes'] / MIB:.0f} | "
                      f"{row['peak_ratio']:.3f}x | {'-' if above is None else f'{above:.3f}x'} |")
     return "\n".join(lines)
 

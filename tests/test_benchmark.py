@@ -682,4 +682,10 @@ def test_bench_training_runs_the_tree_it_is_told(tmp_path):
                                "--rounds", "1", "--warmup", "1", "--memory-steps", "1", "--out", str(out)],
                               env=env, capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr[-2000:]
-        assert json.loads(out.read_text())["environment"]["mlx_flash_path"] == str(expected.resolve())
+        result = json.loads(out.read_text())
+        assert result["environment"]["mlx_flash_path"] == str(expected.resolve())
+    row = result["rows"][0]  # one round: its ratio is the speed, and both quartiles
+    assert len(row["speed_ratio_rounds"]) == 1
+    assert row["speed_ratio_quartiles"] == [row["speed_ratio_rounds"][0]] * 2
+    assert abs(row["speed_ratio_rounds"][0] - row["speed_ratio"]) < 1e-9
+    assert f"x ({row['speed_ratio_quartiles'][0]:.2f}-" in done.stdout
