@@ -8,7 +8,8 @@ namespace kvparts {
 typedef {{input_type}} T;
 constexpr int HEAD_DIM = {{head_dim}};
 constexpr int THREADS = {{threads}};
-constexpr int CHUNK = HEAD_DIM % 4 == 0 ? 4 : 1;  // elements a thread adds, rounds and stores
+constexpr int CHUNK = {{chunk}};  // elements a thread adds, rounds and stores (cuda_source.key_value_parts_chunk)
+static_assert(CHUNK == 1 || (CHUNK == 4 && HEAD_DIM % 4 == 0), "a float4 per thread where D allows, else one element");
 }  // namespace kvparts
 
 __device__ void attention_backward_key_value_parts(const float* __restrict__ dk_parts,

@@ -181,6 +181,8 @@ def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     """How many CTAs of the CUDA dK/dV kernel share each kv head's `group` query heads in such a
     call (cuda_source.head_splits), in words; empty for MHA or where the kernels cannot serve the
     call. Arguments as for `plans`."""
+    from .backends import cuda_source
+
     if group <= 1:
         return []
     spec, mask_dtype = _call(head_dim, dtype, mask, q_len, kv_len, group, kv_heads, batch)
@@ -192,8 +194,7 @@ def head_splits_line(head_dim: int, dtype: str = "bfloat16", mask: str = "none",
     where = f"on {sms} SMs" if sms else "with the SM count unknown (--sm-count)"
     if splits == 1:
         return [f"dK/dV head splits: none (a kv head's query heads in one CTA; {call}, {where})"]
-    per, extra = divmod(group, splits)  # the kernels' share: the first group % splits take one more
-    shares = " + ".join(str(per + (i < extra)) for i in range(splits))
+    shares = " + ".join(map(str, cuda_source.split_shares(group, splits)))
     return [f"dK/dV head splits: {splits} CTAs share each kv head's query heads, {shares} ({call}, {where})"]
 
 

@@ -260,6 +260,8 @@ def test_head_splits_rule():
     heads in the longest split (then the fewest CTAs), 1 without GQA or an SM count; a forced
     count up to the group."""
     rule = cuda_source.head_splits
+    assert cuda_source.split_shares(7, 2) == (4, 3) and cuda_source.split_shares(4, 2) == (2, 2)
+    assert cuda_source.split_shares(7, 4) == (2, 2, 2, 1) and sum(cuda_source.split_shares(11, 3)) == 11
     # (batch, kv heads, group, kv_len, P, slices, SMs, waves[, forced]); B=1 Hkv=4 N=2048 at P=128: 64 CTAs
     assert rule(1, 4, 4, 2048, 128, 1, 132, 1) == 2
     assert rule(1, 4, 4, 2048, 128, 1, 132, 2) == 4
@@ -1007,8 +1009,6 @@ def test_prepare_delta_and_lse2(head_dim, q_len, layout):
     preprocessing kernel on the CPU emulator: 16-byte chunks for row-contiguous inputs (D % 8 ==
     0), element loads for strided columns ("spread") and D = 37; row counts that leave a warp's
     last rows, and a block's last warps, without a row."""
-    from dataclasses import replace
-
     from mlx_flash import inspect
     B, H = 2, 3
     spec = replace(inspect.make_spec(head_dim, "bfloat16", "none", q_len=q_len), batch=B, q_heads=H, kv_heads=H)

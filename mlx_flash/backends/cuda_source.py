@@ -581,13 +581,20 @@ def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
     return LengthSets(short, start, long, sm_count, waves, long_waves, forced, twin(short), twin(long))
 
 
+def split_shares(group: int, splits: int) -> Tuple[int, ...]:
+    """Query heads of each of `splits` CTAs sharing a kv head's `group` (HEAD_SPLIT in the dK/dV
+    kernels, which take the same shares): group // splits each, the first group % splits one more."""
+    per, extra = divmod(group, splits)
+    return tuple(per + (i < extra) for i in range(splits))
+
+
 @functools.lru_cache(maxsize=4096)
 def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_block: int, slices: int,
                 sm_count: Optional[int], waves: Optional[int], forced: Optional[int] = None) -> int:
     """CTAs that share each kv head's query-head group in the dK/dV kernel (HEAD_SPLIT).
 
-    1 without GQA. A split walks group // d of the heads, the first group % d splits one more
-    (a group of 7 in 2 splits: 4 + 3). `forced` (Tuning.head_splits): min(forced, group).
+    1 without GQA. A split walks its split_shares of the heads (a group of 7 in 2 splits: 4 + 3).
+    `forced` (Tuning.head_splits): min(forced, group).
     Otherwise, among the d whose CTAs (d per key block, kv head and column slice) fit `waves`
     waves of one CTA per SM on sm_count SMs (the wgmma dK/dV kernels' shared memory and registers
     allow no second), the one whose longest split has the fewest heads, the fewest CTAs of those
@@ -609,7 +616,7 @@ def head_splits(batch: int, kv_heads: int, group: int, kv_len: int, parallel_blo
         return 1
     ctas = batch * kv_heads * -(-kv_len // parallel_block) * slices
     fitting = [d for d in range(1, group + 1) if d == 1 or ctas * d <= waves * sm_count]
-    return min(fitting, key=lambda d: (-(-group // d), d))
+    return min(fitting, key=lambda d: (max(split_shares(group, d)), d))
 
 
 def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
@@ -866,7 +873,7 @@ def key_value_parts_source(input_type: str, head_dim: int) -> Tuple[str, str, Li
     parts in split order and rounds them into dK and dV (HEAD_SPLIT)."""
     header = template_text(HEADER) + "\n" + render(
         "attention_backward_key_value_parts.cu", input_type=input_type, head_dim=head_dim,
-        threads=KEY_VALUE_PARTS_THREADS)
+        threads=KEY_VALUE_PARTS_THREADS, chunk=key_value_parts_chunk(head_dim))
     body = "mlxflash::attention_backward_key_value_parts(dk_parts, dv_parts, params, dk, dv);"
     return header, body, ["dk_parts", "dv_parts", "params"], ["dk", "dv"]
 
@@ -876,7 +883,7 @@ def key_value_parts_name(input_type: str, head_dim: int) -> str:
 
 
 def key_value_parts_chunk(head_dim: int) -> int:
-    """Elements each thread of the parts kernel takes (CHUNK of the template)."""
+    """Elements each thread of the parts kernel takes (the template's CHUNK; the launch's grid)."""
     return 4 if head_dim % 4 == 0 else 1
 
 
