@@ -148,7 +148,8 @@ def compare(args) -> dict:
                "rounds": args.rounds, "environment": bm.environment(args.backend, args.backend), "rows": []}
     with tempfile.TemporaryDirectory(prefix="ab_versions_") as scratch:
         tree = versions.version_tree(args.against, scratch)
-        workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)), "other": Worker(tree, args.backend, dict(args.against_tuning))}
+        workers = {"this": Worker(str(ROOT), args.backend, dict(args.tuning)),
+                   "other": Worker(tree, args.backend, dict(args.against_tuning))}
         results["packages"] = {name: worker.package for name, worker in workers.items()}
         print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"
               f"{'shape':<40} {'pass':<16} {'this ms':>9} {'other ms':>9} {'ratio':>7} {'(spread)':<13} "
