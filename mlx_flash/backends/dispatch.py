@@ -2,7 +2,9 @@
 
 kernels/dispatch_cuda.txt lists, per GPU family, the (dtype, head dim, head layout, mask, N
 range) where a recorded benchmark measured mx.fast.scaled_dot_product_attention (cuDNN) faster
-than the "cuda" backend's kernels in both the forward and the forward+backward pass. It is data, written by
+than the "cuda" backend's kernels in the forward or the forward+backward pass by more than a
+margin, and where the routed call's worse pass loses less to ours than ours would lose to
+mx.fast in its worse pass (benchmarks/dispatch_table.py states the rule). It is data, written by
 benchmarks/dispatch_table.py from a recorded benchmarks/bench.py JSON, never by hand; a family
 without rows routes nothing. `select_backend` (backends/__init__.py) consults it for
 backend="auto" only, after the "fast" backend's "serves exactly" rule (fast.py) and its fused
@@ -21,7 +23,7 @@ Columns (each followed by at least one space; '#' starts a comment):
              (only square problems are measured: MLX may take another path for Nq != Nk)
     max_n    largest measured N of the range (beyond it nothing routes)
     forward  the range's largest mx.fast / ours median-time ratio, forward pass (< 1: mx.fast faster;
-             up to 1 + the recording's margin where the other pass is a clear win)
+             above 1 where the other pass's win is the larger)
     fwd_bwd  the same for forward+backward
 """
 from __future__ import annotations
