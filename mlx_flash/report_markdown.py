@@ -88,6 +88,10 @@ def render_markdown(report: Dict[str, Any]) -> str:
                        f"**{r['status']}**" if r["status"] != "PASS" else r["status"]])
     lines += [markdown_table(["D", "dtype", "mask", "H/Hkv", "out", "lse", "dq", "dk", "dv", "tol fwd / grad",
                               "result"], rows), ""]
+    if any(r.get("reduced_float32") for r in report["correctness"]):
+        lines += ["float32 rows served by MLX's own operations are held to float16's limits: MLX runs float32 "
+                  "matmuls on this device at reduced precision (TF32-like, its default; MLX_ENABLE_TF32=0 "
+                  "keeps them at float32's).", ""]
     direct = [r for r in report["correctness"] if "kernel" in r]
     if direct:
         lines += ["The kernels of the FALLBACK cases, called directly (what the fallback hid):", ""]

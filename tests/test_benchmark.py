@@ -543,10 +543,29 @@ def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
     from mlx_flash import __main__ as main_job
 
     # Tolerances no real computation meets: the check must fail and say so.
-    monkeypatch.setattr(main_job, "GRADIENT_TOLERANCE", {"float32": 0.0, "float16": 0.0, "bfloat16": 0.0})
+    monkeypatch.setattr(main_job.reference, "GRADIENT_TOLERANCE", {"float32": 0.0, "float16": 0.0, "bfloat16": 0.0})
     assert main_job.main(["--quick", "--sizes", "16"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "CORRECTNESS FAILED" in out
+
+
+@pytest.mark.usefixtures("on_cpu")  # the CPU's float32 matmuls are float32's
+def test_main_job_holds_float32_through_reduced_matmuls_to_float16_limits(monkeypatch, capsys):
+    """Where MLX's float32 matmuls round to fewer bits (TF32 on a CUDA GPU, an M5's accelerators),
+    a float32 case served by MLX's operations is held to float16's limits and the table says why;
+    on this CPU they are exact, and float32's limits hold."""
+    from mlx_flash import __main__ as main_job, reference
+
+    assert reference.float32_matmuls_reduced(mx.cpu) is False
+    assert reference.limits("float32") == (1e-4, 2e-4) and reference.limits("bfloat16", True) == (3e-2, 6e-2)
+    assert [r["limits"] for r in main_job.check_backend("mlx", "float32", 32)] == [(1e-4, 2e-4)] * 3
+    monkeypatch.setattr(reference, "float32_matmuls_reduced", lambda device=None: True)
+    results = main_job.check_backend("mlx", "float32", 32)
+    assert all(r["reduced_float32"] and r["limits"] == reference.limits("float16") and r["passed"] for r in results)
+    assert not any(r["reduced_float32"] for r in main_job.check_backend("mlx", "bfloat16", 32))
+    assert main_job.run_check("mlx", "float32", 32)
+    out = capsys.readouterr().out
+    assert "4e-03/1e-02" in out and "MLX_ENABLE_TF32=0 python -m mlx_flash" in out and "FAIL" not in out
 
 
 @pytest.mark.parametrize("arguments, message", [

@@ -133,3 +133,21 @@ def test_markdown_table_escapes_pipes():
     text = report_markdown.markdown_table(["a", "b"], [[1, "x | y"], [2.5, None]])
     (header, rows), = _tables(text)
     assert header == ["a", "b"] and rows == [["1", "x | y"], ["2.5", "-"]]
+
+
+@pytest.mark.usefixtures("on_cpu")  # the CPU's float32 matmuls are float32's
+def test_float32_served_by_mlx_operations_meets_their_precision(monkeypatch):
+    """A float32 case served by MLX's own operations is held to float16's limits where MLX's
+    float32 matmuls round to fewer bits (reference.float32_matmuls_reduced; TF32 on a CUDA GPU),
+    and to float32's where they do not (this CPU)."""
+    from mlx_flash import reference
+
+    case = report.CheckCase(64, "float32", "causal")
+    record = report.check_case(case, "mlx")
+    assert record["status"] == "PASS" and not record["reduced_float32"]
+    assert record["tolerance"] == {"forward": 1e-4, "gradient": 2e-4}
+    monkeypatch.setattr(reference, "float32_matmuls_reduced", lambda device=None: True)
+    record = report.check_case(case, "mlx")
+    assert record["status"] == "PASS" and record["reduced_float32"]
+    assert record["tolerance"] == {"forward": 4e-3, "gradient": 1e-2}
+    assert not report.check_case(report.CheckCase(64, "bfloat16", "causal"), "mlx")["reduced_float32"]

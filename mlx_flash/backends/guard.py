@@ -10,7 +10,7 @@ How: the first call that needs a set of kernel variants (the forward, dQ and dK/
 call uses: `backend.variant_key(spec)`) runs that set eagerly, outside the user's graph, on a
 small random problem with the same compile-time constants (`probe_spec`). A failure to compile
 or to run is caught. With the self-check on, the results are compared with the "mlx" backend in
-float32 on the same rounded inputs. A failure becomes the reason string that the backend's
+float32 on the same rounded inputs, computed on the CPU (whose float32 matmuls are float32's). A failure becomes the reason string that the backend's
 `unsupported_reason` returns, so `select_backend` serves the call (and every later call that
 needs the same variants) on the fallback path, with one FallbackWarning and a count per call.
 
@@ -212,12 +212,17 @@ class FirstContact:
 
         reference_backend = get_backend("mlx")
         ref_spec = dataclasses.replace(small, dtype=mx.float32)
-        f32 = [None if a is None else a.astype(mx.float32) for a in (x.q, x.k, x.v, x.d_out)]
         mask = x.mask
-        sink_args = {"sinks": x.sinks.astype(mx.float32)} if x.sinks is not None else {}
-        ref_out, ref_lse = reference_backend.forward(f32[0], f32[1], f32[2], mask, ref_spec, **sink_args)
-        ref_grads = reference_backend.backward(f32[0], f32[1], f32[2], mask, ref_out, ref_lse, f32[3], None,
-                                               ref_spec, **sink_args)
+        # On the CPU: there MLX's float32 matmuls are float32's. On a GPU they may round to fewer
+        # bits (reference.float32_matmuls_reduced: TF32 on CUDA, an M5's accelerators), and a
+        # correct float32 kernel would then differ from this reference by ~4e-4, past float32's limit.
+        with mx.stream(mx.cpu):
+            f32 = [None if a is None else a.astype(mx.float32) for a in (x.q, x.k, x.v, x.d_out)]
+            sink_args = {"sinks": x.sinks.astype(mx.float32)} if x.sinks is not None else {}
+            ref_out, ref_lse = reference_backend.forward(f32[0], f32[1], f32[2], mask, ref_spec, **sink_args)
+            ref_grads = reference_backend.backward(f32[0], f32[1], f32[2], mask, ref_out, ref_lse, f32[3], None,
+                                                   ref_spec, **sink_args)
+            mx.eval(ref_out, ref_lse, *[g for g in ref_grads if g is not None])
         names = ("out", "lse", "dq", "dk", "dv", "d_sinks")
         dtype = str(spec.dtype).split(".")[-1]
         stages = {"out": "forward", "lse": "forward", "dq": "backward_query", "d_sinks": "backward_query",
