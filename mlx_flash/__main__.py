@@ -98,8 +98,7 @@ def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> Lis
         fallbacks = [r for r, n in fallback_counts().items() if n > before.get(r, 0)]
         # Served by MLX's own operations (the "mlx" backend, or a fallback to it or to mx.fast):
         # float32 at the precision of MLX's matmuls on this device (reference.limits says why).
-        reduced = (dtype == "float32" and (backend == "mlx" or bool(fallbacks))
-                   and reference.float32_matmuls_reduced())
+        reduced = reference.reduced_float32(dtype, backend == "mlx" or bool(fallbacks))
         forward_limit, gradient_limit = reference.limits(dtype, reduced)
         passed = (max(errors["out"], errors["lse"]) <= forward_limit
                   and max(errors["dq"], errors["dk"], errors["dv"]) <= gradient_limit)

@@ -6,6 +6,7 @@ full score matrix, so keep it to test sizes.
 from __future__ import annotations
 
 import math
+from typing import Tuple
 
 import numpy as np
 
@@ -27,12 +28,19 @@ GRADIENT_TOLERANCE = {"float32": 2e-4, "float16": 1e-2, "bfloat16": 6e-2}
 REDUCED_FLOAT32_LIMITS = "float16"
 
 
-def limits(dtype: str, through_reduced_matmuls: bool = False):
+def limits(dtype: str, through_reduced_matmuls: bool = False) -> Tuple[float, float]:
     """(forward, gradient) relative-error limits for results of input dtype `dtype` (a name:
     "float32", "float16", "bfloat16"); through_reduced_matmuls: a float32 result computed
     through matrix products that round to fewer bits (see REDUCED_FLOAT32_LIMITS)."""
     key = REDUCED_FLOAT32_LIMITS if dtype == "float32" and through_reduced_matmuls else dtype
     return FORWARD_TOLERANCE[key], GRADIENT_TOLERANCE[key]
+
+
+def reduced_float32(dtype: str, through_mlx_operations: bool) -> bool:
+    """Whether a result of input dtype `dtype` is float32 computed through reduced-precision
+    matmuls: its path ran MLX's own operations (the "mlx" backend, a fallback to it or to
+    mx.fast: the caller knows) on the default device, whose float32 matmuls round to fewer bits."""
+    return dtype == "float32" and through_mlx_operations and float32_matmuls_reduced()
 
 
 _REDUCED: dict = {}

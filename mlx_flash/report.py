@@ -155,7 +155,7 @@ def check_case(case: CheckCase, backend: str, seed: int = 0) -> Dict[str, Any]:
     errors = _reference_errors((q, k, v, d_out), kwargs, (out, lse, dq, dk, dv))
     fallbacks = _new_fallbacks(before)
     # Served by MLX's own operations: float32 at the precision of MLX's matmuls here (reference.limits).
-    reduced = case.dtype == "float32" and (backend == "mlx" or bool(fallbacks)) and reference.float32_matmuls_reduced()
+    reduced = reference.reduced_float32(case.dtype, backend == "mlx" or bool(fallbacks))
     limits = dict(zip(("forward", "gradient"), reference.limits(case.dtype, reduced)))
     status = "FAIL" if not _passed(errors, limits) else "FALLBACK" if fallbacks else "PASS"
     record.update(status=status, errors=errors, tolerance=limits, fallbacks=fallbacks, reduced_float32=reduced)

@@ -58,8 +58,8 @@ def bench_rows(dtype, head_dim, mask, n, ours, theirs, kv_heads=4, **extra):
 def synthetic():
     """bf16 D=128 causal (MHA): mx.fast faster at 1024..4096 except 2048's forward (noise-level
     win), then ours from 8192; bf16 D=64 non-causal: faster at 512, 1024 in both layouts, at 2048
-    under MHA only (the GQA forward loses 1.5x beside a fwd+bwd win of 10 %); fp16 D=256: faster but unfused (never routes); fp16
-    D=64 causal: our row fell back."""
+    under MHA only (the GQA forward loses 1.5x beside a fwd+bwd win of 10 %); fp16 D=256: faster
+    but unfused (never routes); fp16 D=64 causal: our row fell back."""
     rows = []
     for n, ours, theirs in ((1024, (1.0, 3.0), (0.8, 2.0)), (2048, (2.0, 6.0), (1.97, 4.0)),
                             (4096, (4.0, 12.0), (3.0, 9.0)), (8192, (8.0, 24.0), (7.0, 30.0)),

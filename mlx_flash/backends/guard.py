@@ -10,9 +10,10 @@ How: the first call that needs a set of kernel variants (the forward, dQ and dK/
 call uses: `backend.variant_key(spec)`) runs that set eagerly, outside the user's graph, on a
 small random problem with the same compile-time constants (`probe_spec`). A failure to compile
 or to run is caught. With the self-check on, the results are compared with the "mlx" backend in
-float32 on the same rounded inputs, computed on the CPU (whose float32 matmuls are float32's). A failure becomes the reason string that the backend's
-`unsupported_reason` returns, so `select_backend` serves the call (and every later call that
-needs the same variants) on the fallback path, with one FallbackWarning and a count per call.
+float32 on the same rounded inputs, computed on the CPU (whose float32 matmuls are float32's). A
+failure becomes the reason string that the backend's `unsupported_reason` returns, so
+`select_backend` serves the call (and every later call that needs the same variants) on the
+fallback path, with one FallbackWarning and a count per call.
 
 The probe runs in plain Python at call time, which is before `mx.custom_function` adds the
 call to the user's graph; it evaluates only arrays it made itself, which MLX allows under
