@@ -6,7 +6,13 @@ HYPOTHESIS_PROFILE=dev.
 """
 import os
 
-import mlx.core as mx
+# MLX runs float32 matmul-family operations at reduced precision (TF32) on GPUs with matrix units
+# unless MLX_ENABLE_TF32=0 (its "Numerical Precision" docs). The float32 limits here are
+# float32's, so a GPU machine runs the suite with full float32 matmuls (set MLX_ENABLE_TF32=1 to
+# run it at MLX's default instead). Set before MLX first reads it (it keeps the first value).
+os.environ.setdefault("MLX_ENABLE_TF32", "0")
+
+import mlx.core as mx  # noqa: E402
 import pytest
 from hypothesis import HealthCheck, settings
 
