@@ -3,6 +3,7 @@
     python3 benchmarks/dispatch_table.py RUN/a.json [RUN/b.json ...]   # one GPU's runs; family from its GPU
     python3 benchmarks/dispatch_table.py results/h200_dispatch.json     # a file may hold a list of runs
     python3 benchmarks/dispatch_table.py RUN/a.json --print             # show, write nothing
+    python3 benchmarks/dispatch_table.py RUN/a.json --markdown          # the ratios and verdicts (RESULTS.md)
     python3 benchmarks/dispatch_table.py                                   # rewrite the header only
 
 The recording: two runs per dtype (no mask and causal; the array masks), each bounded to under
@@ -241,6 +242,45 @@ def update(text: str, family: Optional[str], payloads: List[Dict], margin: float
     return render(recorded, [r for r in rows if r.family != family] + new)
 
 
+MASK_GROUPS = (("none", "causal"), ("additive", "bool"))
+
+
+def markdown(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> str:
+    """The recording as benchmarks/RESULTS.md shows it: per dtype and mask group ("none, causal";
+    "additive, bool"), a row per (head dim, mask, N) with our time / mx.fast's per measured head
+    layout (Hq/Hkv) and pass, and which side backend="auto" runs for each head-layout class there
+    (decide's verdicts; "-": not measured)."""
+    rows = [r for r in rows if r.get("status") == "ok" and r.get("q_len") == r.get("kv_len")
+            and r.get("implementation") in ("mlx-flash", "mx.fast") and r.get("pass") in PASSES]
+    verdicts = decide(rows, margin)
+    times = {(point_of(r), (r["q_heads"], r["kv_heads"]), r["implementation"], r["pass"]): r["median_ms"]
+             for r in rows}
+    out = []
+    for dtype in sorted({p[0] for p, *_ in times}):
+        for group in MASK_GROUPS:
+            in_group = [(p, lay) for p, lay, *_ in times if p[0] == dtype and p[3] in group]
+            if not in_group:
+                continue
+            points = sorted({(p[1], p[3], p[4]) for p, _ in in_group}, key=lambda x: (x[0], group.index(x[1]), x[2]))
+            layouts = sorted({lay for _, lay in in_group}, key=lambda lay: (lay[0] != lay[1], lay))
+            classes = [c for c in dispatch.HEADS if any(dispatch.heads_of(*lay) == c for lay in layouts)]
+            header = ["D", "mask", "N"] + [f"{name} {q}/{kv}" for q, kv in layouts for name in ("fwd", "fwd+bwd")]
+            header.append(f"auto runs {' / '.join(c.upper() for c in classes)}")
+            lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            for head_dim, mask, n in points:
+                cells = [str(head_dim), mask, str(n)]
+                for lay in layouts:
+                    at = (dtype, head_dim, dispatch.heads_of(*lay), mask, n)
+                    for pass_name in PASSES:
+                        ours, theirs = (times.get((at, lay, impl, pass_name)) for impl in ("mlx-flash", "mx.fast"))
+                        cells.append(f"{ours / theirs:.2f}" if ours and theirs else "-")
+                verdict = [verdicts.get((dtype, head_dim, c, mask, n), "-") for c in classes]
+                cells.append(" / ".join(v if v == "-" else "mx.fast" if v else "ours" for v in verdict))
+                lines.append("| " + " | ".join(cells) + " |")
+            out += [f"{dtype}, masks {', '.join(group)} (our time / mx.fast's):", ""] + lines + [""]
+    return "\n".join(out)
+
+
 def runs_of(data) -> List[Dict]:
     """The bench.py runs in one recorded file: a run (a dict with "rows") or a list of them (one
     published table's recordings kept together, as results/h100_dispatch.json)."""
@@ -260,6 +300,8 @@ def main(argv=None) -> int:
                              "less in its worse pass than ours in its worse one) (default %(default)s)")
     parser.add_argument("--table", type=Path, default=TABLE, help="the table to update (default %(default)s)")
     parser.add_argument("--print", action="store_true", help="print the new table instead of writing it")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the recording's ratios and verdicts as RESULTS.md's tables; write nothing")
     args = parser.parse_args(argv)
     if not 0 <= args.margin < 1:
         parser.error(f"--margin must be in [0, 1), got {args.margin}")
@@ -283,6 +325,11 @@ def main(argv=None) -> int:
         if len(families) != 1:
             parser.error(f"the recorded runs are of different CUDA families {sorted(families)}: one family at a time")
         family = families.pop()
+    if args.markdown:
+        if not payloads:
+            parser.error("--markdown needs the recorded runs")
+        print(markdown([row for p in payloads for row in p["rows"]], args.margin))
+        return 0
     uncompiled = [str(path) for path, p in runs if not p.get("environment", {}).get("mlx_compiled")]
     if uncompiled:
         parser.error(f"{', '.join(uncompiled)}: not recorded with bench.py --compiled (the table compares "

@@ -133,6 +133,23 @@ def test_tool_routes_where_the_worse_pass_loses_less():
     assert decide((2.0, 4.0), (1.7, 4.8)) is None
 
 
+def test_tool_markdown_shows_the_ratios_and_verdicts():
+    """--markdown: per dtype and mask group, a row per (D, mask, N), our time / mx.fast's per
+    layout and pass ("-" where a layout was not measured), and the verdict of each class."""
+    rows = (bench_rows("bfloat16", 128, "none", 4096, (0.93, 1.11), (1.0, 1.0))               # MHA: routes
+            + bench_rows("bfloat16", 128, "none", 4096, (1.0, 2.0), (1.0, 2.0), kv_heads=1)   # GQA: a tie
+            + bench_rows("bfloat16", 64, "causal", 2048, (2.0, 4.0), (1.0, 2.0))
+            + bench_rows("bfloat16", 64, "bool", 2048, (1.0, 2.0), (2.0, 4.0)))
+    text = TOOL.markdown(rows)
+    assert text.splitlines()[0] == "bfloat16, masks none, causal (our time / mx.fast's):"
+    assert ("| D | mask | N | fwd 4/4 | fwd+bwd 4/4 | fwd 4/1 | fwd+bwd 4/1 | auto runs MHA / GQA |" in text)
+    assert "| 64 | causal | 2048 | 2.00 | 2.00 | - | - | mx.fast / - |" in text
+    assert "| 128 | none | 4096 | 0.93 | 1.11 | 1.00 | 1.00 | mx.fast / ours |" in text
+    assert "bfloat16, masks additive, bool (our time / mx.fast's):" in text
+    assert "| 64 | bool | 2048 | 0.50 | 0.50 | ours |" in text
+    assert text.index("| 64 | causal") < text.index("| 128 | none")  # by head dim, then mask, then N
+
+
 def test_tool_margin_zero_joins_the_noise_level_point():
     rows = TOOL.table_rows("sm90", TOOL.decide(synthetic(), margin=0.0))
     assert ("bfloat16", 128, "causal", 512, 4096) in [(r.dtype, r.head_dim, r.mask, r.min_n, r.max_n) for r in rows]
@@ -176,6 +193,9 @@ def test_tool_updates_one_family_and_keeps_the_others(tmp_path, capsys):
         TOOL.main([str(eager), "--table", str(table)])
     assert "eager.json: not recorded with bench.py --compiled" in capsys.readouterr().err
     assert table.read_text() == text
+    # --markdown prints the recording's tables and writes nothing.
+    assert TOOL.main([str(recorded), "--table", str(table), "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("bfloat16, masks none, causal") and table.read_text() == text
 
 
 def test_shipped_table_is_the_tools_output_and_parses():
