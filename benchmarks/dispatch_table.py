@@ -1,7 +1,7 @@
 """Write kernels/dispatch_cuda.txt's rows for one GPU family from a recorded bench.py JSON.
 
     python3 benchmarks/dispatch_table.py RUN/a.json [RUN/b.json ...]   # one GPU's runs; family from its GPU
-    python3 benchmarks/dispatch_table.py results/h200_dispatch.json     # a file may hold a list of runs
+    python3 benchmarks/dispatch_table.py results/h200_dispatch.json     # a file may hold several runs
     python3 benchmarks/dispatch_table.py RUN/a.json --print             # show, write nothing
     python3 benchmarks/dispatch_table.py RUN/a.json --markdown          # the ratios and verdicts (RESULTS.md)
     python3 benchmarks/dispatch_table.py                                   # rewrite the header only
@@ -29,9 +29,10 @@ N=4096, where compiled it is 1.02-1.33x faster than cuDNN's from N=2048 (H100, b
     python3 benchmarks/dispatch_table.py $OUT/dispatch_h200_bf16.json $OUT/dispatch_h200_fp16.json \
         $OUT/dispatch_masks_h200_bf16.json $OUT/dispatch_masks_h200_fp16.json
 
-The runs behind one table are kept in one file, a JSON list of bench.py JSONs
-(benchmarks/results/h200_dispatch.json; the H100's earlier recording: h100_dispatch.json); the
-tool reads either form. A family's rows are all replaced by the runs given, so give every run
+The runs behind one table are kept in one file: a JSON list of bench.py JSONs
+(the H100's earlier recording, h100_dispatch.json), or a dict holding that list as "recording"
+beside other measurements of the table (benchmarks/results/h200_dispatch.json); the tool reads
+every form. A family's rows are all replaced by the runs given, so give every run
 of the family's table at once.
 
 The rule (a call does not know whether a backward follows, so both passes count, and the
@@ -282,11 +283,15 @@ def markdown(rows: Iterable[Dict], margin: float = DEFAULT_MARGIN) -> str:
 
 
 def runs_of(data) -> List[Dict]:
-    """The bench.py runs in one recorded file: a run (a dict with "rows") or a list of them (one
-    published table's recordings kept together, as results/h100_dispatch.json)."""
+    """The bench.py runs in one recorded file: a run (a dict with "rows"), a list of them (one
+    published table's recordings kept together, as results/h100_dispatch.json), or a dict whose
+    "recording" is that list beside other data about the table (results/h200_dispatch.json)."""
+    if isinstance(data, dict) and "recording" in data:
+        data = data["recording"]
     runs = data if isinstance(data, list) else [data]
     if not runs or not all(isinstance(r, dict) and "rows" in r for r in runs):
-        raise ValueError("a recorded file must hold a bench.py JSON (a dict with 'rows') or a list of them")
+        raise ValueError("a recorded file must hold a bench.py JSON (a dict with 'rows'), a list of them, or a "
+                         "dict with such a list as 'recording'")
     return runs
 
 

@@ -448,7 +448,13 @@ def test_tool_needs_every_layout_at_a_point_and_merges_runs(tmp_path):
     from_list = tmp_path / "from_list.txt"
     assert TOOL.main([str(both), "--table", str(from_list)]) == 0
     assert from_list.read_text() == text
-    for bad in ([], [{"environment": env}], {"environment": env}):
+    # ... and so does a dict holding them as "recording" beside other data (results/h200_dispatch.json).
+    both.write_text(json.dumps({"recording": [json.loads(Path(p).read_text()) for p in paths],
+                                "back_to_back_8": {"runs": [{"rows": []}]}}))
+    from_dict = tmp_path / "from_dict.txt"
+    assert TOOL.main([str(both), "--table", str(from_dict)]) == 0
+    assert from_dict.read_text() == text
+    for bad in ([], [{"environment": env}], {"environment": env}, {"recording": []}):
         both.write_text(json.dumps(bad))
         with pytest.raises(SystemExit):
             TOOL.main([str(both), "--table", str(from_list)])

@@ -92,12 +92,12 @@ from .sinks import empty_lse, sinks_gradient
 # (640 MB on an H100).
 # Each MLX op is a kernel launch there, and a chunk costs about 40 of them, so fewer, larger
 # chunks win. On an H100 (B=1 H=16 fwd+bwd, benchmarks/mlx_backend_variants.py,
-# results/h100_cpu2core_mlx_backend_variants.json), against 1/512 of the memory, 1/128 took
+# results/h100_mlx_backend.json), against 1/512 of the memory, 1/128 took
 # N=4096 D=128 bf16 causal 6.75 -> 6.00 ms, N=8192 23.6 -> 18.5, D=64 6.90 -> 5.50, D=256 9.92 ->
 # 7.38, fp32 N=8192 causal 41.3 -> 31.1 ms; 1/32 was no faster (6.12, 20.4, 5.45, 7.22, 34.6 ms).
 # Then, at 1/128, 1/2 of the scores against 1/4 (the same plan from N=8192 at H=16, where the
 # device share caps both): D=64 6.35 -> 5.47 ms, N=4096 D=256 7.22 -> 5.92, N=2048 D=256 causal
-# 3.96 -> 3.65, N=4096 D=128 causal 6.11 -> 6.20 (results/h100_cpu2core_mlx_backend_variants.json,
+# 3.96 -> 3.65, N=4096 D=128 causal 6.11 -> 6.20 (results/h100_mlx_backend.json,
 # "h100_score_fractions").
 # Earlier, at 1/512, 1/8 of the scores was slower than 1/4 at 6 of 7 shapes (bf16 N=4096 D=128
 # causal 9.37 vs 8.52 ms, D=64 8.43 vs 7.94 ms, N=2048 D=256 causal 7.15 vs 4.22 ms). MLX's CUDA
@@ -594,7 +594,7 @@ def whole_function(spec: AttentionSpec, whole_bytes: int = WHOLE_BYTES, device_t
     is small, that memory is cheap and the recompute is not. On the 2-core CPU (fp32 B=1 H=8 D=64,
     fwd+bwd, against mx.fast): chunked 1.34x at N=512 and 1.28x at N=1024, whole 1.00x at both.
     Causal, chunks of 4 MiB blocks took 0.72x at N=1024 (the whole matrix 1.00x) and one chunk
-    1.34x at N=256 and 512 (results/h100_cpu2core_mlx_backend_variants.json,
+    1.34x at N=256 and 512 (results/cpu2core_mlx_backend.json,
     "cpu2core_small_before", "cpu2core_causal_small_blocks"). Smaller blocks skip more (1 MiB:
     0.79x at N=512, 0.69x at 1024) but were not kept: the ring's per-rank peak (its key pieces,
     distributed/ring.py) is held to 1.3x of one process running its share, and 1 MiB blocks
