@@ -11,13 +11,15 @@ and the ratios mlx / unfused and mlx / mx.fast (time, memory).
     python benchmarks/bench_fallback.py --preset gpu --memory-limit 0.25   # and the mlx path under a limit
     python benchmarks/bench_fallback.py --preset cpu     # the 2-core CPU: fp32 B=1 H=8 D=64
 
-Writes the rows as JSON to --out (default benchmarks/results/fallback_<device>.json).
+Writes the rows as JSON to --out (default: the temporary directory's fallback_<device>.json;
+published results are merged into benchmarks/results/ by hand, one file per published table).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -127,7 +129,8 @@ def main(argv=None):
         del inputs
     print()
     print(bm.format_table(header, table))
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"fallback_{env['device_type']}.json")
+    # Outside the source tree unless named: published results are merged into benchmarks/results by hand.
+    out = Path(args.out or Path(tempfile.gettempdir()) / f"fallback_{env['device_type']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     print(f"wrote {out}")

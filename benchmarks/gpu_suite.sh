@@ -20,7 +20,7 @@
 #     PHASES=profile benchmarks/gpu_suite.sh        # benchmarks/ncu_profile.py (ncu): PROFILE_ARGS,
 #                                                   # PROFILE_S (240)
 # SANITIZE_ARGS: more arguments of every sanitize_cases.py run (e.g. --layout offset, --head-splits 2).
-# OUT_DIR defaults to $OUT, else benchmarks/results/gpu_suite. Every step has a time limit and
+# OUT_DIR defaults to $OUT, else ${TMPDIR:-/tmp}/gpu_suite (outside the tree). Every step has a time limit and
 # reports TIMEOUT rather than running past it: TESTS_S (240) for each test process, which run at
 # once (the three families in FAMILY_SHARDS = 2 processes each, the native run in NATIVE_SHARDS =
 # 8: NVRTC compiles one kernel at a time per process; in one process on an H200 machine 16 of the
@@ -35,7 +35,7 @@
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
-out_dir="${1:-${OUT:-benchmarks/results/gpu_suite}}"
+out_dir="${1:-${OUT:-${TMPDIR:-/tmp}/gpu_suite}}"
 mkdir -p "$out_dir"
 summary="$out_dir/suite.log"
 phases="${PHASES:-tests sanitize bench}"
