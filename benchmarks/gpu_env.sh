@@ -6,7 +6,7 @@ command -v say > /dev/null || say() { echo "$*"; }
 if [ "${INSTALL_WHEELS:-1}" != 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site .whl/*.whl || { say "wheel install failed"; return 3; }
-    export PYTHONPATH="/tmp/site:$PWD"
+    export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"  # bin: mlx.launch
 else
     say "not installing .whl/*.whl (none here, or INSTALL_WHEELS=0): using the mlx python3 has"
     export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from child_env import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,8 +55,7 @@ def launch(n: int, script, *args, timeout: float = 240, env=None) -> subprocess.
     """
     command = [launcher(), "-n", str(n), "--backend", "ring", "--starting-port", str(free_port_base(n)),
                "--cwd", str(ROOT), "--python", sys.executable, "--", str(script), *map(str, args)]
-    environment = dict(os.environ, **(env or {}))
-    environment["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), environment.get("PYTHONPATH")) if p)
+    environment = child_env(**(env or {}))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env=environment, start_new_session=True)
     try:

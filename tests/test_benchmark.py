@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,9 +13,17 @@ import mlx.core as mx
 import pytest
 
 from mlx_flash import benchmark as bm
+from mlx_flash.backends import auto_backend_name
+
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+ENV = child_env()
+# What a child process started here picks: "auto"'s backend and the terminal's rate unit follow the
+# default device (GFLOP/s on a CPU, where TFLOP/s would print as 0.00x; TFLOP/s on a GPU).
+ON_GPU = mx.default_device().type == mx.gpu
+AUTO_BACKEND = auto_backend_name(mx.default_device())
+RATE_UNIT = "TFLOP/s" if ON_GPU else "GFLOP/s"
 ENVIRONMENT_KEYS = {"device", "device_name", "mlx_version", "mlx_flash_version", "git_commit", "date",
                     "backend", "platform", "load_average"}
 
@@ -300,8 +307,9 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
                "--max-repeats", "1", "--target-seconds", "0", "--torch", "--out", str(tmp_path), "--name", "t"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    # GFLOP/s on a CPU (TFLOP/s would print as 0.00x); the JSON keeps TFLOP/s.
-    assert "implementation" in done.stdout and "GFLOP/s" in done.stdout and "mlx-flash[mlx]" in done.stdout
+    # The terminal's rate unit follows the device; the JSON keeps TFLOP/s.
+    assert "implementation" in done.stdout and RATE_UNIT in done.stdout
+    assert f"mlx-flash[{AUTO_BACKEND}]" in done.stdout
     payload = json.loads((tmp_path / "t.json").read_text())
     assert ENVIRONMENT_KEYS <= set(payload["environment"])
     assert payload["environment"]["mlx_version"] == mx.__version__
@@ -311,7 +319,8 @@ def test_bench_cli_writes_table_json_and_png(tmp_path):
     assert all(r["status"] == "ok" for r in measured), [r["status"] for r in measured if r["status"] != "ok"]
     assert all(r["median_ms"] > 0 and r["tflops"] > 0 and r["peak_memory_bytes"] > 0 for r in measured)
     assert all(r["time_vs_mx_fast"] == 1.0 for r in measured if r["implementation"] == "mx.fast")
-    # No torch with CUDA here: the column is skipped with its reason, not an error.
+    # float32 inputs, and no torch with CUDA on a CPU machine: the column is skipped with its
+    # reason, not an error.
     torch_rows = [r for r in rows if r["implementation"] == "torch-fa2"]
     assert torch_rows and all(r["status"].startswith("skipped: torch") for r in torch_rows)
     png = tmp_path / "t_d64_float32.png"
@@ -464,7 +473,7 @@ def test_bench_memory_guard_and_time_budget(tmp_path, capsys, monkeypatch):
     # The recorded JSON renders as Markdown (what benchmarks/RESULTS.md quotes).
     bench.main(["--markdown", str(tmp_path / "g.json")])
     table = capsys.readouterr().out
-    assert "**B=1 H=2 N=64 D=64 float32**" in table and "| mlx-flash[mlx] | fwd |" in table
+    assert "**B=1 H=2 N=64 D=64 float32**" in table and f"| mlx-flash[{AUTO_BACKEND}] | fwd |" in table
     assert "| unfused | fwd | skipped: estimated" in table
 
 
@@ -530,12 +539,16 @@ def test_main_job_quick_run_checks_and_prints_the_table():
                           timeout=120, env=ENV, cwd=ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
     out = done.stdout
-    assert "backend: 'mlx' (auto)" in out and "correctness: PASS" in out
-    assert "memory ratio" in out and "MLX ms" in out and "GFLOP/s" in out  # GFLOP/s on a CPU
+    from mlx_flash.__main__ import DEVICE_DEFAULTS
+
+    defaults = DEVICE_DEFAULTS["gpu" if ON_GPU else "cpu"]
+    assert f"backend: '{AUTO_BACKEND}' (auto)" in out and "correctness: PASS" in out
+    assert "memory ratio" in out and "MLX ms" in out and defaults["rate_unit"] == RATE_UNIT and RATE_UNIT in out
     # Every column is explained on a line of its own, and a summary line closes the run.
-    for column in ("N", "pass", "memory", "memory ratio", "ms", "time ratio", "GFLOP/s"):
+    for column in ("N", "pass", "memory", "memory ratio", "ms", "time ratio", RATE_UNIT):
         assert f"\n  {column} " in out, column
-    assert out.strip().splitlines()[-1].startswith("summary: mlx-flash[mlx] correct; at N=256 forward+backward")
+    assert out.strip().splitlines()[-1].startswith(
+        f"summary: mlx-flash[{AUTO_BACKEND}] correct; at N={defaults['quick_sizes'][-1]} forward+backward")
     assert out.count("PASS") >= 4 and "FAIL" not in out
 
 

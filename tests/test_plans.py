@@ -9,7 +9,6 @@ at run time). Capabilities without a family (below sm_80) plan the fallback. Als
 import ast
 import importlib
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import pytest
 from mlx_flash import inspect
 from mlx_flash.backends import cuda_source
 from mlx_flash.backends.cuda_source import Tuning
+
+from child_env import child_env
 
 HEAD_DIMS = range(1, 513)
 CUDA_DTYPES = ("float16", "bfloat16")
@@ -183,7 +184,7 @@ def test_metal_family_plans_fit(family):
 
 
 def _run_plan(*args):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()
     env.pop("MLX_FLASH_CUDA_CAPABILITY", None)
     return subprocess.run([sys.executable, "-m", "mlx_flash", "plan", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=120)

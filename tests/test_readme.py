@@ -1,8 +1,9 @@
 """The README's "Using it" example runs as written and prints what it promises (a few seconds)."""
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from child_env import child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -14,7 +15,7 @@ def test_readme_example_runs_as_written(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(example)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          cwd=tmp_path, env=child_env())
     assert done.returncode == 0, done.stdout + done.stderr
     first, second = done.stdout.strip().splitlines()
     difference = float(first.rsplit(" ", 1)[1])

@@ -8,7 +8,6 @@ case list of --quick is checked separately.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import mlx_flash  # noqa: E402
 from mlx_flash import report, report_markdown  # noqa: E402
 from mlx_flash import __main__ as mlx_main
 from mlx_flash.backends import guard  # noqa: E402
+from child_env import child_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +53,7 @@ def _tables(markdown: str):
 
 def test_report_command_through_the_simulator(tmp_path):
     """`python -m mlx_flash report --quick` in a fresh process: both files, every table readable."""
-    env = dict(os.environ, MLX_FLASH_METAL_SIM="1", PYTHONPATH=str(ROOT))
+    env = child_env(MLX_FLASH_METAL_SIM="1")
     env.pop("MLX_FLASH_METALSIM_FAULT", None)
     result = subprocess.run([sys.executable, "-m", "mlx_flash", "report", "--quick", "--out", str(tmp_path),
                              "--max-cases", "1", "--sizes", "32"], cwd=ROOT, env=env, capture_output=True,

@@ -24,6 +24,8 @@ BASE = planner.find_row(planner.shipped_table("metal"), "forward", D, "fp32", "m
 @pytest.fixture
 def sim(monkeypatch, tmp_path):
     """The Metal simulator as an M3, tuned tables under tmp_path."""
+    pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
+                                          "ziglang package (pip install ziglang)")
     monkeypatch.setenv("MLX_FLASH_METAL_SIM", "1")
     monkeypatch.setenv("MLX_FLASH_METAL_FAMILY", "m3")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
