@@ -51,15 +51,20 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # each size runs four calls (a memory call and a timed call per implementation), so N=4096 is
 # the largest that keeps the whole job under 3 minutes. H=2 keeps the time down; mx.fast's
 # peak memory (N x N scores) still grows 4x per doubling of N while mlx-flash's grows ~2x.
+# quick_settings: --quick's repeats. On a CPU, one or two samples keep the run (and the tests that
+# run it) to seconds. On a GPU a call at the quick sizes takes about a millisecond, and one or two
+# samples put the time ratio anywhere (an H200 read 1.57x and 0.81x in two runs of one tree), so a
+# warm-up and up to 20 samples, a quarter of a second per implementation and size.
 DEVICE_DEFAULTS = {
     "cpu": {"sizes": [512, 1024, 2048, 4096], "quick_sizes": [128, 256], "dtype": "float32",
             "head_dim": 64, "heads": 2, "passes": ["forward_backward"], "rate_unit": "GFLOP/s",
-            "settings": bm.Settings(warmup=0, min_repeats=1, max_repeats=3, target_seconds=1.0)},
+            "settings": bm.Settings(warmup=0, min_repeats=1, max_repeats=3, target_seconds=1.0),
+            "quick_settings": bm.Settings(warmup=0, min_repeats=1, max_repeats=2, target_seconds=0.0)},
     "gpu": {"sizes": [2048, 4096, 8192, 16384], "quick_sizes": [1024, 2048], "dtype": "bfloat16",
             "head_dim": 128, "heads": 16, "passes": ["forward", "forward_backward"], "rate_unit": "TFLOP/s",
-            "settings": bm.Settings(warmup=2, min_repeats=3, max_repeats=10, target_seconds=0.5)},
+            "settings": bm.Settings(warmup=2, min_repeats=3, max_repeats=10, target_seconds=0.5),
+            "quick_settings": bm.Settings(warmup=1, min_repeats=5, max_repeats=20, target_seconds=0.25)},
 }
-QUICK_SETTINGS = bm.Settings(warmup=0, min_repeats=1, max_repeats=2, target_seconds=0.0)
 
 
 def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> List[Dict]:
@@ -307,7 +312,7 @@ def run_job(args) -> int:
     passes = list(config["passes"])
     if args.forward and "forward" not in passes:
         passes.insert(0, "forward")
-    settings = QUICK_SETTINGS if args.quick else config["settings"]
+    settings = config["quick_settings" if args.quick else "settings"]
     env = bm.device_description()
     print(f"mlx-flash {__version__}, MLX {mx.__version__}, device {env['device_name']} ({env['device']})")
     name, message, code = resolve_backend(args.backend, device)

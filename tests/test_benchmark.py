@@ -552,6 +552,33 @@ def test_main_job_quick_run_checks_and_prints_the_table():
     assert out.count("PASS") >= 4 and "FAIL" not in out
 
 
+@pytest.mark.parametrize("device_type", ["cpu", "gpu"])
+def test_main_job_quick_times_with_its_devices_repeats(monkeypatch, device_type):
+    """--quick takes the device's repeats: on a GPU a warm-up and several samples (one or two
+    single calls of a millisecond put the time ratio anywhere), on a CPU one or two."""
+    from mlx_flash import __main__ as main_job
+
+    seen = {}
+
+    def comparison(name, cases, passes, settings, rate_unit):
+        seen.update(settings=settings, sizes=[c.q_len for c in cases], rate_unit=rate_unit)
+
+    class Device:  # what run_job reads of the default device
+        type = mx.gpu if device_type == "gpu" else mx.cpu
+
+    monkeypatch.setattr(main_job, "run_comparison", comparison)
+    monkeypatch.setattr(main_job.mx, "default_device", lambda: Device())
+    monkeypatch.setattr(main_job, "resolve_backend", lambda requested, device: ("mlx", None, None))
+    assert main_job.main(["--quick", "--skip-check"]) == 0
+    defaults = main_job.DEVICE_DEFAULTS[device_type]
+    assert seen == {"settings": defaults["quick_settings"], "sizes": defaults["quick_sizes"],
+                    "rate_unit": defaults["rate_unit"]}
+    if device_type == "gpu":
+        assert seen["settings"].warmup >= 1 and seen["settings"].min_repeats >= 5
+    assert main_job.main(["--skip-check"]) == 0
+    assert seen["settings"] == defaults["settings"] and seen["sizes"] == defaults["sizes"]
+
+
 def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
     from mlx_flash import __main__ as main_job
 
