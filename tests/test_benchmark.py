@@ -553,15 +553,17 @@ def test_main_job_quick_run_checks_and_prints_the_table():
 
 
 @pytest.mark.parametrize("device_type", ["cpu", "gpu"])
-def test_main_job_quick_times_with_its_devices_repeats(monkeypatch, device_type):
+def test_main_job_times_with_its_devices_repeats(monkeypatch, device_type):
     """--quick takes the device's repeats: on a GPU a warm-up and several samples (one or two
-    single calls of a millisecond put the time ratio anywhere), on a CPU one or two."""
+    single calls of a millisecond put the time ratio anywhere), on a CPU one or two. On a GPU a
+    sample is 8 calls back to back; mlx-flash is timed with the --backend asked for."""
     from mlx_flash import __main__ as main_job
 
     seen = {}
 
-    def comparison(name, cases, passes, settings, rate_unit):
-        seen.update(settings=settings, sizes=[c.q_len for c in cases], rate_unit=rate_unit)
+    def comparison(name, cases, passes, settings, rate_unit, timed=None, back_to_back=1):
+        seen.update(settings=settings, sizes=[c.q_len for c in cases], rate_unit=rate_unit, timed=timed,
+                    back_to_back=back_to_back)
 
     class Device:  # what run_job reads of the default device
         type = mx.gpu if device_type == "gpu" else mx.cpu
@@ -572,11 +574,45 @@ def test_main_job_quick_times_with_its_devices_repeats(monkeypatch, device_type)
     assert main_job.main(["--quick", "--skip-check"]) == 0
     defaults = main_job.DEVICE_DEFAULTS[device_type]
     assert seen == {"settings": defaults["quick_settings"], "sizes": defaults["quick_sizes"],
-                    "rate_unit": defaults["rate_unit"]}
+                    "rate_unit": defaults["rate_unit"], "timed": "auto",
+                    "back_to_back": 8 if device_type == "gpu" else 1}
     if device_type == "gpu":
         assert seen["settings"].warmup >= 1 and seen["settings"].min_repeats >= 5
-    assert main_job.main(["--skip-check"]) == 0
+    assert main_job.main(["--skip-check", "--backend", "mlx"]) == 0
     assert seen["settings"] == defaults["settings"] and seen["sizes"] == defaults["sizes"]
+    assert seen["timed"] == "mlx"
+
+
+def test_main_job_marks_the_sizes_auto_hands_to_mx_fast(monkeypatch, capsys):
+    """Under backend="auto" a size the dispatch table routes is timed as routed and says so (the
+    route counted by flash_attention is what marks it); the legend names the back-to-back samples."""
+    from mlx_flash import __main__ as main_job, fallback
+
+    fallback.reset_fallback_counts()
+    seen = []
+
+    def compare(backend, case, passes, settings, progress=None, back_to_back=1):
+        seen.append((backend, case.q_len, back_to_back))
+        if case.q_len == 1024:  # what flash_attention records for a routed call
+            fallback.record_route("dispatch_cuda.txt line 40: sm90 bfloat16 D=128 mha none N=1024..4096; "
+                                  "using mx.fast.scaled_dot_product_attention")
+        return {(name, p): {"median_ms": 1.0 if name == "mx.fast" else 1.25, "peak_memory_bytes": 100, "tflops": 1.0}
+                for name in ("mlx-flash", "mx.fast") for p in passes}
+
+    monkeypatch.setattr(main_job, "compare_with_mlx", compare)
+    cases = [bm.BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=n, kv_len=n, head_dim=128, dtype="bfloat16")
+             for n in (1024, 2048)]
+    last = main_job.run_comparison("cuda", cases, ["forward_backward"], bm.Settings(), "TFLOP/s", timed="auto",
+                                   back_to_back=8)
+    out = capsys.readouterr().out
+    fallback.reset_fallback_counts()
+    assert seen == [("auto", 1024, 8), ("auto", 2048, 8)]
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:2] in (["1024", "fwd+bwd"],
+                                                                                      ["2048", "fwd+bwd"])}
+    assert "hands it to mx.fast (dispatch_cuda.txt line 40)" in rows["1024"]
+    assert "mx.fast" not in rows["2048"] and "1.25x" in rows["2048"]
+    assert "8 calls issued back to back" in out and "--backend cuda times the kernels" in out
+    assert last["N"] == 2048 and last["routed"] is False
 
 
 def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
