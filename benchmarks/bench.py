@@ -37,9 +37,6 @@ from mlx_flash.fallback import fallback_counts, route_counts
 IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused", "torch-fa2", "torch-cudnn")
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "mlx-flash-bench"
 BASELINE = "mx.fast"
-# Unfused attention keeps ~1.3 (forward) and ~3.7 (forward+backward) score-sized arrays alive
-# (measured with mx.get_peak_memory on CPU, fp32 and bf16); the estimate rounds up for margin.
-_SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,27 +179,6 @@ def memory_budget(args) -> Tuple[Optional[float], str]:
     return args.memory_fraction * total, f"{args.memory_fraction:.0%} of {bm.format_bytes(total)} device memory"
 
 
-def mx_fast_is_fused(case: bm.BenchCase, pass_name: str) -> bool:
-    """Whether MLX 0.32 runs mx.fast attention fused here (then it needs no N^2 memory).
-
-    Only feeds the out-of-memory estimate. CPU: never. Metal: the forward for the head dims of
-    its kernels; any traced gradient runs unfused. CUDA: cuDNN for fp16/bf16 with D <= 128."""
-    device = mx.default_device()
-    if device.type != mx.gpu:
-        return False
-    if mx.metal.is_available():
-        return pass_name == "forward" and case.head_dim in (64, 72, 80, 96, 128, 192, 256)
-    return case.dtype != "float32" and case.head_dim <= 128
-
-
-def estimated_bytes(implementation: str, case: bm.BenchCase, pass_name: str) -> float:
-    """Upper estimate of the N^2-sized memory a row needs (0 for the fused paths)."""
-    if implementation == "unfused" or (implementation == BASELINE and not mx_fast_is_fused(case, pass_name)):
-        pairs = case.batch * case.q_heads * case.q_len * case.kv_len
-        return _SCORE_ARRAYS[pass_name] * pairs * bm.DTYPES[case.dtype].size
-    return 0.0
-
-
 def mask_fields(mask: str) -> Dict[str, Any]:
     """BenchCase's fields for one of --masks."""
     return {"causal": mask == "causal", "array_mask": mask if mask in ("bool", "additive") else "none"}
@@ -280,7 +256,7 @@ def run_case(case: bm.BenchCase, seed: int, args, flash: FlashBackend, torch_imp
             if implementation == "mlx-flash":
                 row["backend"] = flash.name
             rows[implementation, pass_name] = row
-            estimate = estimated_bytes(implementation, case, pass_name)
+            estimate = bm.score_memory_estimate(implementation, case, pass_name)
             skip = None
             if implementation == "mlx-flash" and flash.error:
                 skip = flash.error

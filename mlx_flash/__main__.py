@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -54,6 +54,11 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # each size runs four calls (a memory call and a timed call per implementation), so N=4096 is
 # the largest that keeps the whole job under 3 minutes. H=2 keeps the time down; mx.fast's
 # peak memory (N x N scores) still grows 4x per doubling of N while mlx-flash's grows ~2x.
+# Step 2's memory guard: a pass of mx.fast whose N x N scores (benchmark.score_memory_estimate) would
+# exceed this fraction of the device's memory is not run. On a Mac, MLX's attention backward is
+# unfused: at the GPU sizes (H=16, N=16384, bf16) its scores need ~40 GB, more than most Macs have,
+# and running out of memory there ends the process. benchmarks/bench.py's default is the same.
+MEMORY_FRACTION = 0.4
 # quick_settings: --quick's repeats. On a CPU, one or two samples keep the run (and the tests that
 # run it) to seconds. On a GPU a call at the quick sizes takes about a millisecond, and one or two
 # samples put the time ratio anywhere (an H200 read 1.57x and 0.81x in two runs of one tree), so a
@@ -150,13 +155,17 @@ class Progress:
 
 
 def compare_with_mlx(backend: str, case: bm.BenchCase, passes: List[str], settings: bm.Settings,
-                     progress: Optional[Callable] = None, back_to_back: int = 1) -> Dict:
+                     progress: Optional[Callable] = None, back_to_back: int = 1,
+                     skip_mlx: Sequence[str] = ()) -> Dict:
     """The given passes of mlx-flash (flash_attention(backend=backend)) and mx.fast on the same
-    inputs, interleaved, each sample `back_to_back` calls waited for once (benchmark.Call)."""
+    inputs, interleaved, each sample `back_to_back` calls waited for once (benchmark.Call).
+    skip_mlx: passes mx.fast does not run (the memory guard's)."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     items = {}
     for name, attention in (("mlx-flash", bm.flash_attention_with(backend)), ("mx.fast", bm.fast_attention)):
         for pass_name in passes:
+            if name == "mx.fast" and pass_name in skip_mlx:
+                continue
             prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)
             items[name, pass_name] = (bm.Call(run, prepare, back_to_back=back_to_back), case, pass_name, None)
     return bm.measure_many(items, settings, catch=False, progress=progress)
@@ -267,7 +276,8 @@ def run_check(name: str, dtype: str, head_dim: int) -> bool:
 
 
 def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], settings: bm.Settings,
-                   rate_unit: str, timed: Optional[str] = None, back_to_back: int = 1) -> Dict:
+                   rate_unit: str, timed: Optional[str] = None, back_to_back: int = 1,
+                   memory_budget: Optional[float] = None) -> Dict:
     """Step 2: the table and its column notes; returns the largest case's fwd+bwd figures.
 
     Args:
@@ -275,6 +285,9 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         timed: the `backend` argument mlx-flash is timed with (default: name); "auto" times what
             a caller of flash_attention gets, routes to mx.fast included (marked in a note column).
         back_to_back: calls per timed sample (see DEVICE_DEFAULTS).
+        memory_budget: bytes; a pass of mx.fast whose N x N scores are estimated past it
+            (benchmark.score_memory_estimate) is not run, and its row says what it would need
+            (None: no guard).
     """
     first = cases[0]
     timed = timed or name
@@ -289,13 +302,24 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         for case, weight in zip(cases, weights):
             unit = weight / calls_per_size
             routes_before = route_counts()
+            estimates = {p: bm.score_memory_estimate("mx.fast", case, p) for p in passes}
+            skip = [p for p in passes if memory_budget is not None and estimates[p] > memory_budget]
             measured = compare_with_mlx(timed, case, passes, settings, back_to_back=back_to_back,
-                                        progress=lambda _: progress.advance(unit))
+                                        progress=lambda _: progress.advance(unit), skip_mlx=skip)
             progress.finish_step(weight)
             routed = [r.split(":")[0] for r, n in route_counts().items() if n > routes_before.get(r, 0)]
-            note = f"backend='auto' hands it to mx.fast ({'; '.join(routed)})" if routed else ""
             for pass_name in passes:
-                mine, theirs = measured["mlx-flash", pass_name], measured["mx.fast", pass_name]
+                mine, theirs = measured["mlx-flash", pass_name], measured.get(("mx.fast", pass_name))
+                if theirs is None:
+                    rows.append([case.q_len, bm.PASS_LABELS[pass_name], bm.format_bytes(mine["peak_memory_bytes"]),
+                                 "-", "-", bm.format_ms(mine["median_ms"]), "-", "-",
+                                 bm.format_rate(mine["tflops"] * 1e12, rate_unit), "-"])
+                    notes.append(f"MLX not run: its N x N scores would need ~{bm.format_bytes(estimates[pass_name])}, "
+                                 f"over the memory guard's {bm.format_bytes(memory_budget)}")
+                    if pass_name == "forward_backward":
+                        last = {"N": case.q_len, "mine": mine, "theirs": None, "estimate": estimates[pass_name],
+                                "routed": bool(routed)}
+                    continue
                 memory_ratio = (mine["peak_memory_bytes"] / theirs["peak_memory_bytes"]
                                 if theirs["peak_memory_bytes"] else None)
                 rows.append([case.q_len, bm.PASS_LABELS[pass_name],
@@ -305,7 +329,7 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
                              f"{mine['median_ms'] / theirs['median_ms']:.2f}x",
                              bm.format_rate(mine["tflops"] * 1e12, rate_unit),
                              bm.format_rate(theirs["tflops"] * 1e12, rate_unit)])
-                notes.append(note)
+                notes.append(f"backend='auto' hands it to mx.fast ({'; '.join(routed)})" if routed else "")
                 if pass_name == "forward_backward":
                     last = {"N": case.q_len, "mine": mine, "theirs": theirs, "memory_ratio": memory_ratio,
                             "routed": bool(routed)}
@@ -334,7 +358,11 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         "                divided by the time; the papers' count, comparable across implementations"]
         + (["  note          backend='auto' (the default) hands calls that MLX runs faster to mx.fast: such a row\n"
             "                times mx.fast twice (--backend " + name + " times the kernels themselves)"]
-           if any(notes) else [])))
+           if any(n.startswith("backend=") for n in notes) else [])
+        + ([f"  MLX not run   the memory guard ({MEMORY_FRACTION:.0%} of the device's memory) keeps MLX from passes whose\n"
+            "                N x N scores would exceed it, where running them could exhaust the memory; mlx-flash\n"
+            "                needs O(N)"]
+           if any(n.startswith("MLX not run") for n in notes) else [])))
     return last
 
 
@@ -363,8 +391,10 @@ def run_job(args) -> int:
     correct = True if args.skip_check else run_check(name, dtype, head_dim)
     cases = [bm.BenchCase(batch=args.batch, q_heads=heads, kv_heads=heads, q_len=n, kv_len=n, head_dim=head_dim,
                           dtype=dtype, causal=args.causal) for n in sizes]
+    memory = bm.device_memory_bytes()
     last = run_comparison(name, cases, passes, settings, config["rate_unit"], timed=args.backend,
-                          back_to_back=config["back_to_back"])
+                          back_to_back=config["back_to_back"],
+                          memory_budget=None if memory is None else MEMORY_FRACTION * memory)
 
     if args.kernels:
         print(f"\n3. backend {name!r} entry points, called directly (backward given the evaluated forward)")
@@ -382,7 +412,10 @@ def run_job(args) -> int:
     elapsed = time.perf_counter() - started
     check = "correctness not checked" if args.skip_check else ("correct" if correct else "CORRECTNESS FAILED")
     summary = f"\nsummary: mlx-flash[{name}] {check}"
-    if last:
+    if last and last["theirs"] is None:
+        summary += (f"; at N={last['N']} forward+backward needs {bm.format_bytes(last['mine']['peak_memory_bytes'])}, "
+                    f"where MLX's would need ~{bm.format_bytes(last['estimate'])} (not run)")
+    elif last:
         mine, theirs = last["mine"], last["theirs"]
         summary += (f"; at N={last['N']} forward+backward needs "
                     + (f"{last['memory_ratio']:.2f}x MLX's peak memory "

@@ -553,6 +553,33 @@ def device_description() -> Dict[str, Any]:
             "device_name": name, "device_info": info}
 
 
+# Unfused attention keeps ~1.3 (forward) and ~3.7 (forward+backward) score-sized arrays alive
+# (measured with mx.get_peak_memory on CPU, fp32 and bf16); the estimate rounds up for margin.
+SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
+
+
+def mx_fast_is_fused(case: BenchCase, pass_name: str) -> bool:
+    """Whether MLX 0.32 runs mx.fast attention fused here (then it needs no N^2 memory).
+
+    Only feeds the out-of-memory estimate. CPU: never. Metal: the forward for the head dims of
+    its kernels; any traced gradient runs unfused. CUDA: cuDNN for fp16/bf16 with D <= 128."""
+    device = mx.default_device()
+    if device.type != mx.gpu:
+        return False
+    if mx.metal.is_available():
+        return pass_name == "forward" and case.head_dim in (64, 72, 80, 96, 128, 192, 256)
+    return case.dtype != "float32" and case.head_dim <= 128
+
+
+def score_memory_estimate(implementation: str, case: BenchCase, pass_name: str) -> float:
+    """Upper estimate of the N^2-sized memory a pass of "unfused" or "mx.fast" needs (0 where
+    it runs fused; mlx-flash's is O(N)). The out-of-memory guards of bench.py and the main job."""
+    if implementation == "unfused" or (implementation == "mx.fast" and not mx_fast_is_fused(case, pass_name)):
+        pairs = case.batch * case.q_heads * case.q_len * case.kv_len
+        return SCORE_ARRAYS[pass_name] * pairs * DTYPES[case.dtype].size
+    return 0.0
+
+
 def device_memory_bytes() -> Optional[int]:
     """Memory the default device can use: MLX's memory_size / total_memory; on a CPU, the host
     RAM; None for a GPU that reports neither."""

@@ -561,7 +561,7 @@ def test_main_job_times_with_its_devices_repeats(monkeypatch, device_type):
 
     seen = {}
 
-    def comparison(name, cases, passes, settings, rate_unit, timed=None, back_to_back=1):
+    def comparison(name, cases, passes, settings, rate_unit, timed=None, back_to_back=1, memory_budget=None):
         seen.update(settings=settings, sizes=[c.q_len for c in cases], rate_unit=rate_unit, timed=timed,
                     back_to_back=back_to_back)
 
@@ -591,7 +591,7 @@ def test_main_job_marks_the_sizes_auto_hands_to_mx_fast(monkeypatch, capsys):
     fallback.reset_fallback_counts()
     seen = []
 
-    def compare(backend, case, passes, settings, progress=None, back_to_back=1):
+    def compare(backend, case, passes, settings, progress=None, back_to_back=1, skip_mlx=()):
         seen.append((backend, case.q_len, back_to_back))
         if case.q_len == 1024:  # what flash_attention records for a routed call
             fallback.record_route("dispatch_cuda.txt line 40: sm90 bfloat16 D=128 mha none N=1024..4096; "
@@ -613,6 +613,33 @@ def test_main_job_marks_the_sizes_auto_hands_to_mx_fast(monkeypatch, capsys):
     assert "mx.fast" not in rows["2048"] and "1.25x" in rows["2048"]
     assert "8 calls issued back to back" in out and "--backend cuda times the kernels" in out
     assert last["N"] == 2048 and last["routed"] is False
+
+
+def test_main_job_does_not_run_mlx_past_its_memory_guard(monkeypatch, capsys):
+    """Where MLX's N x N scores would pass the guard's share of the device's memory (a Mac's at
+    the GPU sizes: MLX's backward there is unfused), the job times mlx-flash alone and says what
+    MLX would need, instead of running it out of memory."""
+    from mlx_flash import __main__ as main_job
+
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=16, dtype="float32")
+    needs = bm.score_memory_estimate("mx.fast", case, "forward_backward")
+    assert needs == 5 * 2 * 64 * 64 * 4  # the CPU runs mx.fast unfused
+    settings = bm.Settings(warmup=0, min_repeats=1, max_repeats=1, target_seconds=0.0)
+    last = main_job.run_comparison("mlx", [case], ["forward_backward"], settings, "GFLOP/s", memory_budget=needs / 2)
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.split()[:2] == ["64", "fwd+bwd"])
+    assert f"MLX not run: its N x N scores would need ~{bm.format_bytes(needs)}" in row
+    assert "MLX not run   the memory guard (40% of the device's memory)" in out
+    assert last["theirs"] is None and last["mine"]["median_ms"] > 0 and last["estimate"] == needs
+    # Under the budget both run, and the row has no note.
+    last = main_job.run_comparison("mlx", [case], ["forward_backward"], settings, "GFLOP/s", memory_budget=needs * 2)
+    out = capsys.readouterr().out
+    assert last["theirs"]["median_ms"] > 0 and "MLX not run" not in out
+    # The whole job: the summary says what MLX would need.
+    monkeypatch.setattr(main_job.bm, "device_memory_bytes", lambda: int(needs / 2 / main_job.MEMORY_FRACTION))
+    assert main_job.main(["--quick", "--skip-check", "--sizes", "64", "--head-dim", "16"]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "at N=64 forward+backward needs" in summary and f"MLX's would need ~{bm.format_bytes(needs)} (not run)" in summary
 
 
 def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
