@@ -58,6 +58,8 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # exceed this fraction of the device's memory is not run. On a Mac, MLX's attention backward is
 # unfused: at the GPU sizes (H=16, N=16384, bf16) its scores need ~40 GB, more than most Macs have,
 # and running out of memory there ends the process. benchmarks/bench.py's default is the same.
+# Calls timed back to back may overlap in memory; MLX's allocator waits on scheduled work once its
+# memory limit (on a Mac 1.5x the recommended working set) is passed, and 40 % leaves room for two.
 MEMORY_FRACTION = 0.4
 # quick_settings: --quick's repeats. On a CPU, one or two samples keep the run (and the tests that
 # run it) to seconds. On a GPU a call at the quick sizes takes about a millisecond, and one or two
