@@ -536,7 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
     guard = parser.add_argument_group("out-of-memory guard (unfused N^2 arrays)")
     guard.add_argument("--max-memory-gb", type=non_negative_float, default=None,
                        help="memory budget; overrides the fraction")
-    guard.add_argument("--memory-fraction", type=non_negative_float, default=0.4,
+    guard.add_argument("--memory-fraction", type=non_negative_float, default=bm.MEMORY_GUARD_FRACTION,
                        help="budget as a fraction of device memory")
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for the JSON and PNGs")

@@ -54,13 +54,6 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # each size runs four calls (a memory call and a timed call per implementation), so N=4096 is
 # the largest that keeps the whole job under 3 minutes. H=2 keeps the time down; mx.fast's
 # peak memory (N x N scores) still grows 4x per doubling of N while mlx-flash's grows ~2x.
-# Step 2's memory guard: a pass of mx.fast whose N x N scores (benchmark.score_memory_estimate) would
-# exceed this fraction of the device's memory is not run. On a Mac, MLX's attention backward is
-# unfused: at the GPU sizes (H=16, N=16384, bf16) its scores need ~40 GB, more than most Macs have,
-# and running out of memory there ends the process. benchmarks/bench.py's default is the same.
-# Calls timed back to back may overlap in memory; MLX's allocator waits on scheduled work once its
-# memory limit (on a Mac 1.5x the recommended working set) is passed, and 40 % leaves room for two.
-MEMORY_FRACTION = 0.4
 # quick_settings: --quick's repeats. On a CPU, one or two samples keep the run (and the tests that
 # run it) to seconds. On a GPU a call at the quick sizes takes about a millisecond, and one or two
 # samples put the time ratio anywhere (an H200 read 1.57x and 0.81x in two runs of one tree), so a
@@ -361,9 +354,9 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         + (["  note          backend='auto' (the default) hands calls that MLX runs faster to mx.fast: such a row\n"
             "                times mx.fast twice (--backend " + name + " times the kernels themselves)"]
            if any(n.startswith("backend=") for n in notes) else [])
-        + ([f"  MLX not run   the memory guard ({MEMORY_FRACTION:.0%} of the device's memory) keeps MLX from passes whose\n"
-            "                N x N scores would exceed it, where running them could exhaust the memory; mlx-flash\n"
-            "                needs O(N)"]
+        + ([f"  MLX not run   the memory guard ({bm.MEMORY_GUARD_FRACTION:.0%} of the device's memory) keeps MLX from\n"
+            "                passes whose N x N scores would exceed it, where running them could exhaust the\n"
+            "                memory; mlx-flash needs O(N)"]
            if any(n.startswith("MLX not run") for n in notes) else [])))
     return last
 
@@ -396,7 +389,7 @@ def run_job(args) -> int:
     memory = bm.device_memory_bytes()
     last = run_comparison(name, cases, passes, settings, config["rate_unit"], timed=args.backend,
                           back_to_back=config["back_to_back"],
-                          memory_budget=None if memory is None else MEMORY_FRACTION * memory)
+                          memory_budget=None if memory is None else bm.MEMORY_GUARD_FRACTION * memory)
 
     if args.kernels:
         print(f"\n3. backend {name!r} entry points, called directly (backward given the evaluated forward)")

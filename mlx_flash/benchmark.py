@@ -556,6 +556,13 @@ def device_description() -> Dict[str, Any]:
 # Unfused attention keeps ~1.3 (forward) and ~3.7 (forward+backward) score-sized arrays alive
 # (measured with mx.get_peak_memory on CPU, fp32 and bf16); the estimate rounds up for margin.
 SCORE_ARRAYS = {"forward": 2, "backward": 5, "forward_backward": 5}
+# The out-of-memory guards' share of the device's memory: a pass whose estimate passes it is not
+# run (bench.py's default, the main job's and the report's). On a Mac, MLX's attention backward is
+# unfused: at H=16 N=16384 bf16 its scores need ~40 GB, more than most Macs have, and running out
+# of memory there ends the process. Calls timed back to back may overlap in memory; MLX's allocator
+# waits on scheduled work once its memory limit (on a Mac 1.5x the recommended working set) is
+# passed, and 40 % leaves room for two.
+MEMORY_GUARD_FRACTION = 0.4
 
 
 def mx_fast_is_fused(case: BenchCase, pass_name: str) -> bool:

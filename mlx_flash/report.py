@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
@@ -248,29 +248,28 @@ def _new_fallbacks(before: Dict[str, int]) -> List[str]:
 
 
 def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings) -> List[Dict[str, Any]]:
-    """Forward and forward+backward of the three implementations at one size, interleaved;
-    unfused is skipped where its N x N scores would not fit in half the device's memory."""
+    """Forward and forward+backward of the three implementations at one size, interleaved; a pass
+    of unfused or mx.fast is skipped where its N x N scores would pass the memory guard's share of
+    the device's memory (benchmark.MEMORY_GUARD_FRACTION: on a Mac, mx.fast's backward is unfused)."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     attention = {"mlx-flash": bm.flash_attention_with(backend), "mx.fast": bm.fast_attention,
                  "unfused": bm.unfused_attention}
-    skipped: Dict[str, str] = {}
+    skipped: Dict[Tuple[str, str], str] = {}
     memory = bm.device_memory_bytes()
-    # fp32 scores and probabilities, kept for the backward: 2 x 4 bytes per (head, query, key).
-    unfused_bytes = 8 * case.batch * case.q_heads * case.q_len * case.kv_len
-    if memory is not None and unfused_bytes > memory / 2:
-        skipped["unfused"] = f"skipped: its N x N scores need ~{bm.format_bytes(unfused_bytes)}"
     items = {}
     for name in IMPLEMENTATIONS:
-        if name in skipped:
-            continue
         for pass_name in ("forward", "forward_backward"):
+            needs = bm.score_memory_estimate(name, case, pass_name)
+            if memory is not None and needs > bm.MEMORY_GUARD_FRACTION * memory:
+                skipped[name, pass_name] = f"skipped: its N x N scores need ~{bm.format_bytes(needs)}"
+                continue
             prepare, run = bm.mlx_pass(attention[name], case, inputs, pass_name)
             items[name, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
     measured = bm.measure_many(items, settings, catch=True)
     rows = []
     for pass_name in ("forward", "forward_backward"):
         for name in IMPLEMENTATIONS:
-            result = measured.get((name, pass_name), {"error": skipped.get(name)})
+            result = measured.get((name, pass_name), {"error": skipped.get((name, pass_name))})
             row = {"N": case.q_len, "causal": case.causal, "pass": pass_name, "implementation": name,
                    **{key: value for key, value in result.items() if key != "samples_ms"}}
             rows.append(row)

@@ -151,3 +151,24 @@ def test_float32_served_by_mlx_operations_meets_their_precision(monkeypatch):
     assert record["status"] == "PASS" and record["reduced_float32"]
     assert record["tolerance"] == {"forward": 4e-3, "gradient": 1e-2}
     assert not report.check_case(report.CheckCase(64, "bfloat16", "causal"), "mlx")["reduced_float32"]
+
+
+def test_timing_skips_passes_past_the_memory_guard(monkeypatch):
+    """A pass of mx.fast or unfused whose N x N scores would pass the guard's share of the
+    device's memory is not run (on a Mac, mx.fast's backward is unfused); mlx-flash always runs."""
+    from mlx_flash import benchmark as bm
+
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=16, dtype="float32")
+    needs = {p: bm.score_memory_estimate("mx.fast", case, p) for p in ("forward", "forward_backward")}
+    assert needs["forward"] < needs["forward_backward"]  # on the CPU both run unfused
+    # A device whose guard lets the forwards in and keeps the forward+backward passes out.
+    monkeypatch.setattr(bm, "device_memory_bytes",
+                        lambda: int((needs["forward"] + needs["forward_backward"]) / 2 / bm.MEMORY_GUARD_FRACTION))
+    settings = bm.Settings(warmup=0, min_repeats=1, max_repeats=1, target_seconds=0.0)
+    rows = report.time_size("mlx", case, settings)
+    by = {(r["implementation"], r["pass"]): r for r in rows}
+    for name in ("mx.fast", "unfused"):
+        assert by[name, "forward"]["median_ms"] > 0
+        assert by[name, "forward_backward"]["error"] == (
+            f"skipped: its N x N scores need ~{bm.format_bytes(needs['forward_backward'])}")
+    assert all(by["mlx-flash", p]["median_ms"] > 0 for p in ("forward", "forward_backward"))
