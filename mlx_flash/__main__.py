@@ -11,7 +11,9 @@ Without a subcommand it runs the main job, in two steps:
    interleaved; mlx_flash/benchmark.py says exactly what is timed). mlx-flash is called with the
    --backend asked for, so under "auto" (the default) a call that the dispatch table hands to
    mx.fast is timed as such, and its row says so. On a GPU each timed sample is 8 calls issued back
-   to back and waited for once, as a training step issues them. The sizes are chosen per
+   to back and waited for once, as a training step issues them. A pass of mx.fast whose N x N
+   scores would pass a share of the device's memory (benchmark.MEMORY_GUARD_FRACTION) is not run;
+   its row says what it would need. The sizes are chosen per
    device so that N reaches the lengths where MLX's N x N scores dominate its memory: on a
    2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about 2 minutes; on a GPU, bf16
    D=128 H=16 up to N=16384.
@@ -270,6 +272,32 @@ def run_check(name: str, dtype: str, head_dim: int) -> bool:
     return not failed
 
 
+def _legend(name: str, passes: List[str], rate_unit: str, back_to_back: int, notes: List[str]) -> str:
+    """The lines under step 2's table: each column, and each kind of note the rows carry."""
+    fwd_bwd = "fwd+bwd: out, (dq, dk, dv) = mx.vjp(attention, ...), all evaluated (what training pays per call)"
+    timing = ("of warm calls, each waited for" if back_to_back == 1 else
+              f"per call; a sample is {back_to_back} calls issued back to back and waited for once, as a\n"
+              "                training step issues them")
+    return "\n".join([
+        "  N             sequence length, Nq = Nk",
+        f"  pass          {fwd_bwd}" + ("; fwd: the forward alone" if "forward" in passes else ""),
+        "  memory        peak bytes allocated during one call above the resident inputs (mx.get_peak_memory):",
+        "                mlx-flash keeps one block of scores at a time, so it grows with N; where MLX runs",
+        "                attention unfused (a CPU; a Mac's backward) it holds N x N scores, so it grows with N^2",
+        "  memory ratio  mlx-flash / MLX (mx.fast.scaled_dot_product_attention): below 1 = less memory",
+        f"  ms            median wall-clock milliseconds {timing}; timed interleaved with MLX's",
+        "  time ratio    mlx-flash ms / MLX ms: below 1 = faster",
+        f"  {rate_unit:<12}  achieved rate: 4·B·H·N²·D operations for fwd, 3.5x that for fwd+bwd (halved if causal),",
+        "                divided by the time; the papers' count, comparable across implementations"]
+        + (["  note          backend='auto' (the default) hands calls that MLX runs faster to mx.fast: such a row\n"
+            "                times mx.fast twice (--backend " + name + " times the kernels themselves)"]
+           if any(n.startswith("backend=") for n in notes) else [])
+        + ([f"  MLX not run   the memory guard ({bm.MEMORY_GUARD_FRACTION:.0%} of the device's memory) keeps MLX from\n"
+            "                passes whose N x N scores would exceed it, where running them could exhaust the\n"
+            "                memory; mlx-flash needs O(N)"]
+           if any(n.startswith("MLX not run") for n in notes) else []))
+
+
 def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], settings: bm.Settings,
                    rate_unit: str, timed: Optional[str] = None, back_to_back: int = 1,
                    memory_budget: Optional[float] = None) -> Dict:
@@ -336,28 +364,7 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         header, rows = header + ["note"], [row + [note] for row, note in zip(rows, notes)]
     print(bm.format_table(header, rows))
     print()
-    fwd_bwd = "fwd+bwd: out, (dq, dk, dv) = mx.vjp(attention, ...), all evaluated (what training pays per call)"
-    timing = ("of warm calls, each waited for" if back_to_back == 1 else
-              f"per call; a sample is {back_to_back} calls issued back to back and waited for once, as a\n"
-              "                training step issues them")
-    print("\n".join([
-        "  N             sequence length, Nq = Nk",
-        f"  pass          {fwd_bwd}" + ("; fwd: the forward alone" if "forward" in passes else ""),
-        "  memory        peak bytes allocated during one call above the resident inputs (mx.get_peak_memory):",
-        "                mlx-flash keeps one block of scores at a time, so it grows with N; MLX's unfused",
-        "                backward holds N x N scores, so it grows with N^2",
-        "  memory ratio  mlx-flash / MLX (mx.fast.scaled_dot_product_attention): below 1 = less memory",
-        f"  ms            median wall-clock milliseconds {timing}; timed interleaved with MLX's",
-        "  time ratio    mlx-flash ms / MLX ms: below 1 = faster",
-        f"  {rate_unit:<12}  achieved rate: 4·B·H·N²·D operations for fwd, 3.5x that for fwd+bwd (halved if causal),",
-        "                divided by the time; the papers' count, comparable across implementations"]
-        + (["  note          backend='auto' (the default) hands calls that MLX runs faster to mx.fast: such a row\n"
-            "                times mx.fast twice (--backend " + name + " times the kernels themselves)"]
-           if any(n.startswith("backend=") for n in notes) else [])
-        + ([f"  MLX not run   the memory guard ({bm.MEMORY_GUARD_FRACTION:.0%} of the device's memory) keeps MLX from\n"
-            "                passes whose N x N scores would exceed it, where running them could exhaust the\n"
-            "                memory; mlx-flash needs O(N)"]
-           if any(n.startswith("MLX not run") for n in notes) else [])))
+    print(_legend(name, passes, rate_unit, back_to_back, notes))
     return last
 
 
