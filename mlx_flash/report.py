@@ -85,6 +85,7 @@ class Plan:
     dtype: str
     causal: Sequence[bool]
     settings: bm.Settings
+    back_to_back: int = 1  # calls per timed sample (benchmark.Call): 8 on a GPU, as the main job
 
 
 def plan_for(device: mx.Device, quick: bool, max_cases: Optional[int] = None,
@@ -98,7 +99,7 @@ def plan_for(device: mx.Device, quick: bool, max_cases: Optional[int] = None,
         return Plan(cases, sizes or ((1024, 2048) if quick else (1024, 2048, 4096, 8192)), heads=8, head_dim=128,
                     dtype="bfloat16", causal=(False,) if quick else (False, True),
                     settings=bm.Settings(warmup=1 if quick else 2, min_repeats=3, max_repeats=10,
-                                         target_seconds=0.2 if quick else 0.5))
+                                         target_seconds=0.2 if quick else 0.5), back_to_back=8)
     # 2-core CPU through the simulator: one simulated forward+backward at N=256, H=2, D=64
     # takes about a second.
     return Plan(cases, sizes or ((128, 256) if quick else (256, 512, 1024)), heads=2, head_dim=64,
@@ -247,10 +248,12 @@ def _new_fallbacks(before: Dict[str, int]) -> List[str]:
 # Speed and memory
 
 
-def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings) -> List[Dict[str, Any]]:
+def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings,
+              back_to_back: int = 1) -> List[Dict[str, Any]]:
     """Forward and forward+backward of the three implementations at one size, interleaved; a pass
     of unfused or mx.fast is skipped where its N x N scores would pass the memory guard's share of
-    the device's memory (benchmark.MEMORY_GUARD_FRACTION: on a Mac, mx.fast's backward is unfused)."""
+    the device's memory (benchmark.MEMORY_GUARD_FRACTION: on a Mac, mx.fast's backward is unfused).
+    Each timed sample is `back_to_back` calls waited for once (benchmark.Call)."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     attention = {"mlx-flash": bm.flash_attention_with(backend), "mx.fast": bm.fast_attention,
                  "unfused": bm.unfused_attention}
@@ -264,7 +267,7 @@ def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings) -> List[D
                 skipped[name, pass_name] = f"skipped: its N x N scores need ~{bm.format_bytes(needs)}"
                 continue
             prepare, run = bm.mlx_pass(attention[name], case, inputs, pass_name)
-            items[name, pass_name] = (bm.Call(run, prepare), case, pass_name, None)
+            items[name, pass_name] = (bm.Call(run, prepare, back_to_back=back_to_back), case, pass_name, None)
     measured = bm.measure_many(items, settings, catch=True)
     rows = []
     for pass_name in ("forward", "forward_backward"):
@@ -396,7 +399,8 @@ def run_report(args: argparse.Namespace) -> int:
                               "correctness_setup": {"q_len": CheckCase.q_len, "kv_len": CheckCase.kv_len,
                                                     "window": list(WINDOW)},
                               "performance_setup": {"heads": plan.heads, "head_dim": plan.head_dim, "dtype": plan.dtype,
-                                                    "sizes": list(plan.sizes), "causal": list(plan.causal)}}
+                                                    "sizes": list(plan.sizes), "causal": list(plan.causal),
+                                                    "back_to_back": plan.back_to_back}}
     out = args.out
 
     def save():
@@ -419,7 +423,7 @@ def run_report(args: argparse.Namespace) -> int:
                                 head_dim=plan.head_dim, dtype=plan.dtype, causal=causal)
             before = fallback_counts()
             try:
-                rows = time_size(resolved, case, plan.settings)
+                rows = time_size(resolved, case, plan.settings, plan.back_to_back)
                 for reason in _new_fallbacks(before):  # then mlx-flash's times are the fallback's
                     for row in rows:
                         if row["implementation"] == "mlx-flash":

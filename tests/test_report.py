@@ -17,6 +17,7 @@ import pytest
 pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
                                       "ziglang package (pip install ziglang)")
 
+import mlx.core as mx  # noqa: E402
 import mlx_flash  # noqa: E402
 from mlx_flash import report, report_markdown  # noqa: E402
 from mlx_flash import __main__ as mlx_main
@@ -172,3 +173,26 @@ def test_timing_skips_passes_past_the_memory_guard(monkeypatch):
         assert by[name, "forward_backward"]["error"] == (
             f"skipped: its N x N scores need ~{bm.format_bytes(needs['forward_backward'])}")
     assert all(by["mlx-flash", p]["median_ms"] > 0 for p in ("forward", "forward_backward"))
+
+
+def test_gpu_timing_is_back_to_back_and_says_so():
+    """On a GPU each timed sample is 8 calls back to back (as the main job times them), on a CPU
+    one; the speed section says which, and time_size times the calls it is given that way."""
+    from mlx_flash import benchmark as bm
+
+    assert report.plan_for(mx.Device(mx.gpu), quick=True).back_to_back == 8
+    assert report.plan_for(mx.Device(mx.cpu), quick=True).back_to_back == 1
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=32, kv_len=32, head_dim=16, dtype="float32")
+    rows = report.time_size("mlx", case, bm.Settings(warmup=0, min_repeats=1, max_repeats=1, target_seconds=0.0),
+                            back_to_back=2)
+    assert {(r["implementation"], r["pass"]) for r in rows if r.get("median_ms", 0) > 0} == {
+        (name, p) for name in report.IMPLEMENTATIONS for p in ("forward", "forward_backward")}
+    setup = {"heads": 2, "head_dim": 16, "dtype": "float32", "sizes": [32], "causal": [False]}
+    data = {"environment": {"device_name": "GPU", "device": "gpu"}, "backend": "cuda", "backend_requested": "auto",
+            "quick": True, "correctness": [], "correctness_setup": {"q_len": 150, "kv_len": 173, "window": [48, 0]},
+            "complete": True, "performance": [{**r, "N": 32, "causal": False} for r in rows]}
+    for batched, phrase in ((8, "each sample 8 calls issued back to back"), (1, "(timed interleaved), peak")):
+        markdown = report_markdown.render_markdown({**data, "performance_setup": {**setup, "back_to_back": batched}})
+        assert phrase in markdown
+    # A report.json written before the field renders as one call per sample.
+    assert "(timed interleaved), peak" in report_markdown.render_markdown({**data, "performance_setup": setup})
