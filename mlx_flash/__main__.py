@@ -25,6 +25,7 @@ that adds its parser to `subparsers` and sets `run` on it with `parser.set_defau
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -60,14 +61,17 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # run it) to seconds. On a GPU a call at the quick sizes takes about a millisecond, and one or two
 # samples put the time ratio anywhere (an H200 read 1.57x and 0.81x in two runs of one tree), so a
 # warm-up and up to 20 samples, a quarter of a second per implementation and size.
-# back_to_back: calls per timed sample. A GPU runs a call of these sizes in about a millisecond,
-# near the framework's own wait for the GPU (0.2-0.4 ms per synchronized call of MLX's on an H100)
-# and the host's graph building, which a training step overlaps with the GPU's work; 8 calls
-# issued back to back and waited for once (benchmark.Call) time what such a step pays. On an
+# back_to_back: at most this many calls per timed sample. A GPU runs a call of the smaller sizes in
+# about a millisecond, near the framework's own wait for the GPU (0.2-0.4 ms per synchronized call
+# of MLX's on an H100) and the host's graph building, which a training step overlaps with the GPU's
+# work; calls issued back to back and waited for once (benchmark.Call) time what such a step pays.
+# A sample holds as many calls as make SAMPLE_WORK (calls_per_sample), so long calls go one or two
+# at a time and a slower GPU (a Mac's) does not take 8x as long for its largest sizes. On an
 # H200 (B=1 H=16 D=128 bf16, --backend cuda) our fwd+bwd read 1.60x / 1.26x / 1.09x mx.fast's time
-# at N = 2048 / 4096 / 8192 timed one call at a time, and 1.44x / 1.09x / 1.05x back to back (two
-# runs; benchmarks/results/h200_cuda_bf16_vs_mlx_fa2_cudnn.json, "main_job_timing"). A CPU
-# computes synchronously: one call.
+# at N = 2048 / 4096 / 8192 timed one call at a time, and 1.44x / 1.09x / 1.05x with 8 calls a
+# sample at every size (two runs, before samples were sized by work;
+# benchmarks/results/h200_cuda_bf16_vs_mlx_fa2_cudnn.json, "main_job_timing"). A CPU computes
+# synchronously: one call.
 DEVICE_DEFAULTS = {
     "cpu": {"sizes": [512, 1024, 2048, 4096], "quick_sizes": [128, 256], "dtype": "float32",
             "head_dim": 64, "heads": 2, "passes": ["forward_backward"], "rate_unit": "GFLOP/s",
@@ -80,6 +84,16 @@ DEVICE_DEFAULTS = {
             "quick_settings": bm.Settings(warmup=1, min_repeats=5, max_repeats=20, target_seconds=0.25),
             "back_to_back": 8},
 }
+
+
+# The work of 8 forward+backward calls at B=1 H=16 N=4096 D=128: about 8 ms on an H200.
+SAMPLE_WORK = 8 * bm.attention_flops(bm.BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=4096, kv_len=4096,
+                                                  head_dim=128, dtype="bfloat16"), "forward_backward")
+
+
+def calls_per_sample(case: bm.BenchCase, pass_name: str, most: int) -> int:
+    """Calls of one timed sample: enough for SAMPLE_WORK, between 1 and `most`."""
+    return max(1, min(most, math.ceil(SAMPLE_WORK / bm.attention_flops(case, pass_name))))
 
 
 def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> List[Dict]:
@@ -155,8 +169,8 @@ def compare_with_mlx(backend: str, case: bm.BenchCase, passes: List[str], settin
                      progress: Optional[Callable] = None, back_to_back: int = 1,
                      skip_mlx: Sequence[str] = ()) -> Dict:
     """The given passes of mlx-flash (flash_attention(backend=backend)) and mx.fast on the same
-    inputs, interleaved, each sample `back_to_back` calls waited for once (benchmark.Call).
-    skip_mlx: passes mx.fast does not run (the memory guard's)."""
+    inputs, interleaved, each sample up to `back_to_back` calls waited for once (benchmark.Call;
+    calls_per_sample). skip_mlx: passes mx.fast does not run (the memory guard's)."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     items = {}
     for name, attention in (("mlx-flash", bm.flash_attention_with(backend)), ("mx.fast", bm.fast_attention)):
@@ -164,7 +178,8 @@ def compare_with_mlx(backend: str, case: bm.BenchCase, passes: List[str], settin
             if name == "mx.fast" and pass_name in skip_mlx:
                 continue
             prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)
-            items[name, pass_name] = (bm.Call(run, prepare, back_to_back=back_to_back), case, pass_name, None)
+            calls = calls_per_sample(case, pass_name, back_to_back)
+            items[name, pass_name] = (bm.Call(run, prepare, back_to_back=calls), case, pass_name, None)
     return bm.measure_many(items, settings, catch=False, progress=progress)
 
 
@@ -276,8 +291,8 @@ def _legend(name: str, passes: List[str], rate_unit: str, back_to_back: int, not
     """The lines under step 2's table: each column, and each kind of note the rows carry."""
     fwd_bwd = "fwd+bwd: out, (dq, dk, dv) = mx.vjp(attention, ...), all evaluated (what training pays per call)"
     timing = ("of warm calls, each waited for" if back_to_back == 1 else
-              f"per call; a sample is {back_to_back} calls issued back to back and waited for once, as a\n"
-              "                training step issues them")
+              f"per call; a sample is up to {back_to_back} calls issued back to back and waited for once, as\n"
+              "                a training step issues them (fewer for long calls: 8 fwd+bwd calls' work at N=4096)")
     return "\n".join([
         "  N             sequence length, Nq = Nk",
         f"  pass          {fwd_bwd}" + ("; fwd: the forward alone" if "forward" in passes else ""),
@@ -307,7 +322,7 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
         name: the backend the check ran (the table's label).
         timed: the `backend` argument mlx-flash is timed with (default: name); "auto" times what
             a caller of flash_attention gets, routes to mx.fast included (marked in a note column).
-        back_to_back: calls per timed sample (see DEVICE_DEFAULTS).
+        back_to_back: at most this many calls per timed sample (see DEVICE_DEFAULTS).
         memory_budget: bytes; a pass of mx.fast whose N x N scores are estimated past it
             (benchmark.score_memory_estimate) is not run, and its row says what it would need
             (None: no guard).
@@ -317,13 +332,15 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
     print(f"\n2. mlx-flash[{name}] next to mx.fast.scaled_dot_product_attention, B={first.batch} "
           f"H={first.q_heads} D={first.head_dim} {first.dtype}{' causal' if first.causal else ''}"
           + (f", backend={timed!r}" if timed != name else ""))
-    calls_per_size = 2 * len(passes) * (1 + (settings.warmup + settings.min_repeats) * back_to_back)
-    weights = [c.batch * c.q_heads * c.q_len * c.kv_len * calls_per_size for c in cases]
+    # Progress in units of work: each sample (a tick) is about its calls' share of a size's work.
+    ticks_per_size = 2 * len(passes) * (1 + settings.warmup + settings.min_repeats)
+    calls = [calls_per_sample(c, "forward_backward", back_to_back) for c in cases]
+    weights = [c.batch * c.q_heads * c.q_len * c.kv_len * ticks_per_size * n for c, n in zip(cases, calls)]
     progress = Progress(weights, "measuring")
     rows, notes, last = [], [], {}
     try:
         for case, weight in zip(cases, weights):
-            unit = weight / calls_per_size
+            unit = weight / ticks_per_size
             routes_before = route_counts()
             estimates = {p: bm.score_memory_estimate("mx.fast", case, p) for p in passes}
             skip = [p for p in passes if memory_budget is not None and estimates[p] > memory_budget]

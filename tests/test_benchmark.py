@@ -643,6 +643,31 @@ def test_main_job_does_not_run_mlx_past_its_memory_guard(monkeypatch, capsys):
     assert f"MLX's would need ~{bm.format_bytes(needs)} (not run)" in summary
 
 
+def test_main_job_sizes_its_samples_by_work(monkeypatch):
+    """A timed sample holds up to the device's calls back to back, as many as make SAMPLE_WORK (8
+    fwd+bwd calls at B=1 H=16 N=4096 D=128): the GPU sizes' short calls go 8 at a time, the long
+    ones one or two, so a slower GPU does not pay 8x for its largest sizes."""
+    from mlx_flash import __main__ as main_job
+
+    def case(n):
+        return bm.BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=n, kv_len=n, head_dim=128, dtype="bfloat16")
+
+    most = main_job.DEVICE_DEFAULTS["gpu"]["back_to_back"]
+    assert [main_job.calls_per_sample(case(n), "forward_backward", most) for n in (1024, 2048, 4096, 8192, 16384)] \
+        == [8, 8, 8, 2, 1]
+    assert [main_job.calls_per_sample(case(n), "forward", most) for n in (4096, 8192, 16384)] == [8, 7, 2]
+    cpu_most = main_job.DEVICE_DEFAULTS["cpu"]["back_to_back"]
+    assert main_job.calls_per_sample(case(1024), "forward_backward", cpu_most) == 1
+    seen = {}
+    def measure_many(items, settings, catch, progress):
+        seen.update({key: item[0].back_to_back for key, item in items.items()})
+
+    monkeypatch.setattr(main_job.bm, "measure_many", measure_many)
+    main_job.compare_with_mlx("mlx", case(8192), ["forward", "forward_backward"], bm.Settings(), back_to_back=most)
+    assert seen == {("mlx-flash", "forward"): 7, ("mlx-flash", "forward_backward"): 2,
+                    ("mx.fast", "forward"): 7, ("mx.fast", "forward_backward"): 2}
+
+
 def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
     from mlx_flash import __main__ as main_job
 
