@@ -25,7 +25,6 @@ that adds its parser to `subparsers` and sets `run` on it with `parser.set_defau
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence
@@ -65,7 +64,7 @@ CHECK_CASES = [("non-causal", 2, 3, 3, 80, 80, False, False),
 # about a millisecond, near the framework's own wait for the GPU (0.2-0.4 ms per synchronized call
 # of MLX's on an H100) and the host's graph building, which a training step overlaps with the GPU's
 # work; calls issued back to back and waited for once (benchmark.Call) time what such a step pays.
-# A sample holds as many calls as make SAMPLE_WORK (calls_per_sample), so long calls go one or two
+# A sample holds as many calls as make benchmark.SAMPLE_WORK (calls_per_sample), so long calls go one or two
 # at a time and a slower GPU (a Mac's) does not take 8x as long for its largest sizes. On an
 # H200 (B=1 H=16 D=128 bf16, --backend cuda) our fwd+bwd read 1.60x / 1.26x / 1.09x mx.fast's time
 # at N = 2048 / 4096 / 8192 timed one call at a time, and 1.44x / 1.09x / 1.05x with 8 calls a
@@ -84,16 +83,6 @@ DEVICE_DEFAULTS = {
             "quick_settings": bm.Settings(warmup=1, min_repeats=5, max_repeats=20, target_seconds=0.25),
             "back_to_back": 8},
 }
-
-
-# The work of 8 forward+backward calls at B=1 H=16 N=4096 D=128: about 8 ms on an H200.
-SAMPLE_WORK = 8 * bm.attention_flops(bm.BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=4096, kv_len=4096,
-                                                  head_dim=128, dtype="bfloat16"), "forward_backward")
-
-
-def calls_per_sample(case: bm.BenchCase, pass_name: str, most: int) -> int:
-    """Calls of one timed sample: enough for SAMPLE_WORK, between 1 and `most`."""
-    return max(1, min(most, math.ceil(SAMPLE_WORK / bm.attention_flops(case, pass_name))))
 
 
 def check_backend(backend: str, dtype: str, head_dim: int, seed: int = 0) -> List[Dict]:
@@ -178,7 +167,7 @@ def compare_with_mlx(backend: str, case: bm.BenchCase, passes: List[str], settin
             if name == "mx.fast" and pass_name in skip_mlx:
                 continue
             prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)
-            calls = calls_per_sample(case, pass_name, back_to_back)
+            calls = bm.calls_per_sample(case, pass_name, back_to_back)
             items[name, pass_name] = (bm.Call(run, prepare, back_to_back=calls), case, pass_name, None)
     return bm.measure_many(items, settings, catch=False, progress=progress)
 
@@ -334,7 +323,7 @@ def run_comparison(name: str, cases: List[bm.BenchCase], passes: List[str], sett
           + (f", backend={timed!r}" if timed != name else ""))
     # Progress in units of work: each sample (a tick) is about its calls' share of a size's work.
     ticks_per_size = 2 * len(passes) * (1 + settings.warmup + settings.min_repeats)
-    calls = [calls_per_sample(c, "forward_backward", back_to_back) for c in cases]
+    calls = [bm.calls_per_sample(c, "forward_backward", back_to_back) for c in cases]
     weights = [c.batch * c.q_heads * c.q_len * c.kv_len * ticks_per_size * n for c, n in zip(cases, calls)]
     progress = Progress(weights, "measuring")
     rows, notes, last = [], [], {}

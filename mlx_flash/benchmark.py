@@ -158,6 +158,16 @@ def attention_instructions(case: BenchCase, kernel: str) -> float:
     return (a * case.head_dim + b) * pairs * (0.5 if case.causal else 1.0)
 
 
+# The work of one timed sample of calls issued back to back (the main job's and the report's on a
+# GPU): 8 forward+backward calls at B=1 H=16 N=4096 D=128, about 8 ms on an H200.
+SAMPLE_WORK = 8 * 3.5 * 4.0 * 16 * 4096 * 4096 * 128
+
+
+def calls_per_sample(case: BenchCase, kernel: str, most: int) -> int:
+    """Calls of one timed sample back to back: enough for SAMPLE_WORK, between 1 and `most`."""
+    return max(1, min(most, math.ceil(SAMPLE_WORK / attention_flops(case, kernel))))
+
+
 def tflops_per_second(case: BenchCase, kernel: str, seconds: float) -> float:
     return attention_flops(case, kernel) / seconds / 1e12
 

@@ -85,7 +85,7 @@ class Plan:
     dtype: str
     causal: Sequence[bool]
     settings: bm.Settings
-    back_to_back: int = 1  # calls per timed sample (benchmark.Call): 8 on a GPU, as the main job
+    back_to_back: int = 1  # at most this many calls per timed sample (benchmark.calls_per_sample): 8 on a GPU
 
 
 def plan_for(device: mx.Device, quick: bool, max_cases: Optional[int] = None,
@@ -253,7 +253,7 @@ def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings,
     """Forward and forward+backward of the three implementations at one size, interleaved; a pass
     of unfused or mx.fast is skipped where its N x N scores would pass the memory guard's share of
     the device's memory (benchmark.MEMORY_GUARD_FRACTION: on a Mac, mx.fast's backward is unfused).
-    Each timed sample is `back_to_back` calls waited for once (benchmark.Call)."""
+    Each timed sample is up to `back_to_back` calls waited for once (benchmark.Call, calls_per_sample)."""
     inputs = bm.random_inputs(case, seed=case.q_len)
     attention = {"mlx-flash": bm.flash_attention_with(backend), "mx.fast": bm.fast_attention,
                  "unfused": bm.unfused_attention}
@@ -267,7 +267,8 @@ def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings,
                 skipped[name, pass_name] = f"skipped: its N x N scores need ~{bm.format_bytes(needs)}"
                 continue
             prepare, run = bm.mlx_pass(attention[name], case, inputs, pass_name)
-            items[name, pass_name] = (bm.Call(run, prepare, back_to_back=back_to_back), case, pass_name, None)
+            calls = bm.calls_per_sample(case, pass_name, back_to_back)
+            items[name, pass_name] = (bm.Call(run, prepare, back_to_back=calls), case, pass_name, None)
     measured = bm.measure_many(items, settings, catch=True)
     rows = []
     for pass_name in ("forward", "forward_backward"):

@@ -112,8 +112,8 @@ def render_markdown(report: Dict[str, Any]) -> str:
         lines += ["## Speed and memory", "",
                   f"B=1 H={p['heads']} D={p['head_dim']} {p['dtype']}, Nq = Nk = N. Median ms per call of warm runs "
                   + ("(timed interleaved), " if batched == 1 else
-                     f"(timed interleaved; each sample {batched} calls issued back to back and waited for once, as a "
-                     "training step issues them), ")
+                     f"(timed interleaved; each sample up to {batched} calls issued back to back and waited for once, "
+                     "as a training step issues them; fewer for long calls), ")
                   + "peak memory above the inputs; ratio = mlx-flash / that implementation "
                   "(below 1: mlx-flash is faster / smaller). GINSTRS/s: MFA's work count (forward 2D+5, "
                   "forward+backward 9D+15 per query-key pair) per second.", ""]

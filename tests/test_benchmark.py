@@ -653,11 +653,11 @@ def test_main_job_sizes_its_samples_by_work(monkeypatch):
         return bm.BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=n, kv_len=n, head_dim=128, dtype="bfloat16")
 
     most = main_job.DEVICE_DEFAULTS["gpu"]["back_to_back"]
-    assert [main_job.calls_per_sample(case(n), "forward_backward", most) for n in (1024, 2048, 4096, 8192, 16384)] \
+    assert [bm.calls_per_sample(case(n), "forward_backward", most) for n in (1024, 2048, 4096, 8192, 16384)] \
         == [8, 8, 8, 2, 1]
-    assert [main_job.calls_per_sample(case(n), "forward", most) for n in (4096, 8192, 16384)] == [8, 7, 2]
+    assert [bm.calls_per_sample(case(n), "forward", most) for n in (4096, 8192, 16384)] == [8, 7, 2]
     cpu_most = main_job.DEVICE_DEFAULTS["cpu"]["back_to_back"]
-    assert main_job.calls_per_sample(case(1024), "forward_backward", cpu_most) == 1
+    assert bm.calls_per_sample(case(1024), "forward_backward", cpu_most) == 1
     seen = {}
     def measure_many(items, settings, catch, progress):
         seen.update({key: item[0].back_to_back for key, item in items.items()})
