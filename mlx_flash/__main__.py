@@ -10,8 +10,8 @@ Without a subcommand it runs the main job, in two steps:
    on the same inputs, measured in the same run (peak memory of one call, then warm timed calls
    interleaved; mlx_flash/benchmark.py says exactly what is timed). mlx-flash is called with the
    --backend asked for, so under "auto" (the default) a call that the dispatch table hands to
-   mx.fast is timed as such, and its row says so. On a GPU each timed sample is 8 calls issued back
-   to back and waited for once, as a training step issues them. A pass of mx.fast whose N x N
+   mx.fast is timed as such, and its row says so. On a GPU each timed sample is up to 8 calls
+   issued back to back and waited for once, as a training step issues them (fewer for long calls). A pass of mx.fast whose N x N
    scores would pass a share of the device's memory (benchmark.MEMORY_GUARD_FRACTION) is not run;
    its row says what it would need. The sizes are chosen per
    device so that N reaches the lengths where MLX's N x N scores dominate its memory: on a
