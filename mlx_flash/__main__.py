@@ -11,12 +11,12 @@ Without a subcommand it runs the main job, in two steps:
    interleaved; mlx_flash/benchmark.py says exactly what is timed). mlx-flash is called with the
    --backend asked for, so under "auto" (the default) a call that the dispatch table hands to
    mx.fast is timed as such, and its row says so. On a GPU each timed sample is up to 8 calls
-   issued back to back and waited for once, as a training step issues them (fewer for long calls). A pass of mx.fast whose N x N
-   scores would pass a share of the device's memory (benchmark.MEMORY_GUARD_FRACTION) is not run;
-   its row says what it would need. The sizes are chosen per
-   device so that N reaches the lengths where MLX's N x N scores dominate its memory: on a
-   2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about 2 minutes; on a GPU, bf16
-   D=128 H=16 up to N=16384.
+   issued back to back and waited for once, as a training step issues them (fewer for long
+   calls). A pass of mx.fast whose N x N scores would pass a share of the device's memory
+   (benchmark.MEMORY_GUARD_FRACTION) is not run; its row says what it would need. The sizes are
+   chosen per device so that N reaches the lengths where MLX's N x N scores dominate its memory:
+   on a 2-core CPU, B=1 H=2 D=64 fp32 up to N=4096 in about 2 minutes; on a GPU, bf16 D=128 H=16
+   up to N=16384.
 
 Subcommands live in their own modules. Each module has a function `add_<name>_parser(subparsers)`
 that adds its parser to `subparsers` and sets `run` on it with `parser.set_defaults(run=...)`;
