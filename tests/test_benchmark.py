@@ -670,6 +670,30 @@ def test_main_job_sizes_its_samples_by_work(monkeypatch):
                     ("mx.fast", "forward"): 7, ("mx.fast", "forward_backward"): 2}
 
 
+def test_main_job_check_notes_fallbacks_instead_of_warning(monkeypatch):
+    """A fallback in the check is counted and goes to the table's note column; its warning, which
+    would only repeat it above the table, does not escape the check."""
+    import warnings
+
+    from mlx_flash import __main__ as main_job, fallback
+
+    fallback.reset_fallback_counts()
+
+    real = main_job.flash_attention
+
+    def flash_attention(*args, **kwargs):
+        fallback.record_fallback("a reason from the test")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(main_job, "flash_attention", flash_attention)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        results = main_job.check_backend("mlx", "float32", 16)
+    fallback.reset_fallback_counts()
+    assert not [w for w in caught if issubclass(w.category, fallback.FallbackWarning)]
+    assert all(r["fallbacks"] == ["a reason from the test"] and r["passed"] for r in results)
+
+
 def test_main_job_exits_non_zero_when_a_check_fails(monkeypatch, capsys):
     from mlx_flash import __main__ as main_job
 
