@@ -404,10 +404,8 @@ def run_job(args) -> int:
     correct = True if args.skip_check else run_check(name, dtype, head_dim)
     cases = [bm.BenchCase(batch=args.batch, q_heads=heads, kv_heads=heads, q_len=n, kv_len=n, head_dim=head_dim,
                           dtype=dtype, causal=args.causal) for n in sizes]
-    memory = bm.device_memory_bytes()
     last = run_comparison(name, cases, passes, settings, config["rate_unit"], timed=args.backend,
-                          back_to_back=config["back_to_back"],
-                          memory_budget=None if memory is None else bm.MEMORY_GUARD_FRACTION * memory)
+                          back_to_back=config["back_to_back"], memory_budget=bm.memory_guard_bytes())
 
     if args.kernels:
         print(f"\n3. backend {name!r} entry points, called directly (backward given the evaluated forward)")

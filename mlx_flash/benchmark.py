@@ -160,7 +160,8 @@ def attention_instructions(case: BenchCase, kernel: str) -> float:
 
 # The work of one timed sample of calls issued back to back (the main job's and the report's on a
 # GPU): 8 forward+backward calls at B=1 H=16 N=4096 D=128, about 8 ms on an H200.
-SAMPLE_WORK = 8 * 3.5 * 4.0 * 16 * 4096 * 4096 * 128
+SAMPLE_WORK = 8 * attention_flops(BenchCase(batch=1, q_heads=16, kv_heads=16, q_len=4096, kv_len=4096, head_dim=128,
+                                            dtype="bfloat16"), "forward_backward")
 
 
 def calls_per_sample(case: BenchCase, kernel: str, most: int) -> int:
@@ -590,11 +591,19 @@ def mx_fast_is_fused(case: BenchCase, pass_name: str) -> bool:
 
 def score_memory_estimate(implementation: str, case: BenchCase, pass_name: str) -> float:
     """Upper estimate of the N^2-sized memory a pass of "unfused" or "mx.fast" needs (0 where
-    it runs fused; mlx-flash's is O(N)). The out-of-memory guards of bench.py and the main job."""
+    it runs fused; mlx-flash's is O(N)). The out-of-memory guards of bench.py, the main job and the
+    report."""
     if implementation == "unfused" or (implementation == "mx.fast" and not mx_fast_is_fused(case, pass_name)):
         pairs = case.batch * case.q_heads * case.q_len * case.kv_len
         return SCORE_ARRAYS[pass_name] * pairs * DTYPES[case.dtype].size
     return 0.0
+
+
+def memory_guard_bytes() -> Optional[float]:
+    """The main job's and the report's out-of-memory budget: MEMORY_GUARD_FRACTION of the default
+    device's memory (None where it is unknown: no guard)."""
+    memory = device_memory_bytes()
+    return None if memory is None else MEMORY_GUARD_FRACTION * memory
 
 
 def device_memory_bytes() -> Optional[int]:

@@ -258,12 +258,12 @@ def time_size(backend: str, case: bm.BenchCase, settings: bm.Settings,
     attention = {"mlx-flash": bm.flash_attention_with(backend), "mx.fast": bm.fast_attention,
                  "unfused": bm.unfused_attention}
     skipped: Dict[Tuple[str, str], str] = {}
-    memory = bm.device_memory_bytes()
+    budget = bm.memory_guard_bytes()
     items = {}
     for name in IMPLEMENTATIONS:
         for pass_name in ("forward", "forward_backward"):
             needs = bm.score_memory_estimate(name, case, pass_name)
-            if memory is not None and needs > bm.MEMORY_GUARD_FRACTION * memory:
+            if budget is not None and needs > budget:
                 skipped[name, pass_name] = f"skipped: its N x N scores need ~{bm.format_bytes(needs)}"
                 continue
             prepare, run = bm.mlx_pass(attention[name], case, inputs, pass_name)

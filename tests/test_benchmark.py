@@ -659,6 +659,7 @@ def test_main_job_sizes_its_samples_by_work(monkeypatch):
     cpu_most = main_job.DEVICE_DEFAULTS["cpu"]["back_to_back"]
     assert bm.calls_per_sample(case(1024), "forward_backward", cpu_most) == 1
     seen = {}
+
     def measure_many(items, settings, catch, progress):
         seen.update({key: item[0].back_to_back for key, item in items.items()})
 
