@@ -12,6 +12,7 @@ kernel's PTX there (the entry is always mlxflash_kernel), to compare two version
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import shutil
@@ -24,6 +25,8 @@ import mlx.core as mx
 from mlx_flash import inspect, planner
 from mlx_flash.backends import cuda_source
 from mlx_flash.planner import KERNELS
+
+from cli_args import parse_tuning  # benchmarks/cli_args.py
 
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
@@ -94,6 +97,9 @@ def main(argv=None) -> int:
     parser.add_argument("--head-splits", type=int, default=None,
                         help="compile the dK/dV kernels for a call of 4 query heads per kv head split over this many "
                              "CTAs (the head_split variant; default: the table's choice for one MHA call)")
+    parser.add_argument("--tuning", nargs="+", type=parse_tuning, default=[],
+                        help="fields of cuda_source.Tuning on top of the others, e.g. "
+                             "\"blocks={'backward_key_value_wgmma': (192, 64, 64, 12)}\"")
     parser.add_argument("--out", help="write each kernel's PTX here")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
@@ -102,6 +108,8 @@ def main(argv=None) -> int:
     fused = {"table": None, "on": True, "off": False}[args.fused_dq]
     tuning = (cuda_source.Tuning(wgmma_forward=False, wgmma_backward=False, head_splits=args.head_splits)
               if args.mma_only else cuda_source.Tuning(fused_query=fused, head_splits=args.head_splits))
+    if args.tuning:
+        tuning = dataclasses.replace(tuning, **dict(args.tuning))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     failed = False
