@@ -129,6 +129,9 @@ def flash_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: Optional[fl
     if decision is None:
         decision = _decide(q, k, v, scale, mask, window_size, softcap, sinks, return_lse, backend, stream)
         _DECISIONS.store(key, now, decision)
+    if decision.direct is not None and stream is None:  # (the key holds the stream's device only)
+        decision.choice.record()
+        return decision.direct(q, k, v)
     return decision.run(q, k, v, mask, sinks, stream)
 
 
@@ -141,6 +144,9 @@ class _Decision:
     choice: Choice
     attention: Optional[Callable]  # the custom function; None: the backend serves the call whole
     return_lse: bool
+    # (q, k, v) -> out: a whole call with nothing to add around it (the backend's direct_call: no
+    # array mask, sinks or lse), taken without `run`'s steps by calls without a stream argument.
+    direct: Optional[Callable] = None
 
     def run(self, q, k, v, mask, sinks, stream):
         self.choice.record()
@@ -189,7 +195,11 @@ def _decide(q, k, v, scale, mask, window_size, softcap, sinks, return_lse, backe
         attention = None
         if whole is None or not whole(spec):
             attention = _attention_function(chosen, spec, mask_array is not None, return_lse)
-    return _Decision(spec, choice, attention, return_lse)
+    direct = None
+    if attention is None and sinks is None and not return_lse:
+        direct_call = getattr(chosen, "direct_call", None)
+        direct = direct_call(spec) if direct_call is not None else None
+    return _Decision(spec, choice, attention, return_lse, direct)
 
 
 def scaled_dot_product_attention(q: mx.array, k: mx.array, v: mx.array, *, scale: float,

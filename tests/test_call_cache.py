@@ -9,6 +9,7 @@ import pytest
 import mlx_flash
 from mlx_flash import api, call_cache, flash_attention
 from mlx_flash.backends import get_backend
+from mlx_flash.spec import check_inputs
 
 from test_dispatch import cuda_auto  # noqa: F401 (a fixture: "auto" resolves to a CUDA backend that routes)
 
@@ -162,6 +163,32 @@ def test_routes_are_counted_on_every_call(cuda_auto):  # noqa: F811
     counts = mlx_flash.route_counts()
     assert list(counts.values()) == [3] and "line 17" in next(iter(counts)), counts
     assert mlx_flash.fallback_counts() == {}
+
+
+def test_a_routed_call_with_nothing_around_mx_fast_calls_it_directly(cuda_auto, monkeypatch):  # noqa: F811
+    """A routed call that needs nothing around mx.fast (no array mask, no query rows before the
+    causal diagonal, no lse or sinks) is kept with mx.fast's own call, which gives exactly mx.fast's
+    output and is still counted; a call with a stream argument (the key holds only its device)
+    and the other routed calls take the general path (the fast backend's `attention`)."""
+    q = mx.random.normal((1, 2, 128, 16), key=mx.random.key(1)).astype(mx.bfloat16)
+    k, v = (mx.random.normal((1, 2, 128, 16), key=mx.random.key(s)).astype(mx.bfloat16) for s in (2, 3))
+    fast = get_backend("fast")
+    general = []
+    real = fast.attention
+    monkeypatch.setattr(fast, "attention", lambda *args, **kwargs: general.append(1) or real(*args, **kwargs))
+
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=16 ** -0.5, mask="causal")
+    for _ in range(2):
+        assert mx.array_equal(flash_attention(q, k, v, mask="causal"), want).item()
+    assert general == [] and list(mlx_flash.route_counts().values()) == [2]
+    stream = mx.default_stream(mx.default_device())
+    assert mx.array_equal(flash_attention(q, k, v, mask="causal", stream=stream), want).item()
+    assert general == [1] and list(mlx_flash.route_counts().values()) == [3]
+    mask = mx.ones((1, 1, 128, 128), mx.bool_)
+    flash_attention(q.astype(mx.float16), k.astype(mx.float16), v.astype(mx.float16), mask=mask)  # ROW_BOOL
+    assert general == [1, 1] and sum(mlx_flash.route_counts().values()) == 4
+    spec = check_inputs(q, k[:, :, :64], v[:, :, :64], mask="causal")[0]
+    assert fast.direct_call(spec) is None  # Nq > Nk: the first rows see no key and are zeros
 
 
 def test_the_store_is_bounded():

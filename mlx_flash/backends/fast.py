@@ -34,8 +34,9 @@ N <= 6300); on a 16 GB Mac 128 M (bf16 H=8: N <= 4096).
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -115,6 +116,17 @@ class FastBackend:
         if min(spec.batch, spec.q_heads, spec.q_len, spec.kv_len, spec.head_dim, spec.value_dim) == 0:
             return "an empty dimension"
         return None
+
+    def direct_call(self, spec: AttentionSpec) -> Optional[Callable]:
+        """(q, k, v) -> out where a call of `spec` is mx.fast's own call with nothing around it (no
+        array mask, no query rows before the causal diagonal), else None. flash_attention keeps it
+        with the call's decision and calls it directly: what a routed call costs on top of MLX's
+        own is then the decision's lookup (host time on the CI machine, mx.fast 2.4 us a call:
+        7.7 us through `attention`, see benchmarks/host_time.py for the current figure)."""
+        if spec.mask_kind != "none" or (spec.causal and spec.q_len > spec.kv_len):
+            return None
+        return functools.partial(mx.fast.scaled_dot_product_attention, scale=spec.scale,
+                                 mask="causal" if spec.causal else None)
 
     def attention(self, q, k, v, mask, spec: AttentionSpec, sinks=None, return_lse: bool = False):
         """(out [B, Hq, Nq, Dv] in q's dtype, None); `mask` is None or the rank-4 array mask.
