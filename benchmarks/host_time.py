@@ -10,6 +10,10 @@ anything, and nothing is evaluated inside the timed loop:
            sm_90; their host path is the same).
     metal  MLX_FLASH_METAL_SIM=1 with mlx_flash.metalsim.metal_kernel replaced by the stub
            factory (MLX_FLASH_SELF_CHECK=0: the stubs' zeros would fail the first-use check).
+    auto   backend="auto" where it resolves to that "cuda" backend (as on an sm90 GPU): the last
+           shape is one that kernels/dispatch_cuda.txt hands to mx.fast there, so its row is what
+           a routed call costs on top of mx.fast's own (this tree's "auto" resolution is replaced
+           in the measuring process only); the other shapes run the stubs as the cuda row.
     null   a backend object whose forward and backward return zeros and nothing else: the floor
            of flash_attention's own path (argument checks, backend selection, mx.custom_function).
     mx.fast  mx.fast.scaled_dot_product_attention on the CPU, for scale (MLX's own attention).
@@ -46,13 +50,16 @@ import versions  # benchmarks/versions.py: the other version's tree and its serv
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).resolve()
 
-# name -> (B, Hq, Hkv, Nq, Nk, D, dtype, mask): decode (one query, GQA) and a short prefill.
+# name -> (B, Hq, Hkv, Nq, Nk, D, dtype, mask): decode (one query, GQA), a short prefill, and a prefill
+# that "auto" routes on an sm90 GPU.
 # "decode+": a decode step's cache grows, so each timed call has one key more than the last
 # (a new spec every call; the inputs are lazy zeros, never evaluated).
 SHAPES = {
     "decode B1 H32/8 1x512 D128 bf16": (1, 32, 8, 1, 512, 128, "bfloat16", None),
     "decode+ B1 H32/8 1x(512+i) D128 bf16": (1, 32, 8, 1, 512, 128, "bfloat16", "growing"),
     "prefill B2 H8 256 D64 f16 causal": (2, 8, 8, 256, 256, 64, "float16", "causal"),
+    # kernels/dispatch_cuda.txt hands this one to mx.fast on an sm90 GPU (the "auto" rows)
+    "prefill B1 H16 1024 D128 bf16": (1, 16, 16, 1024, 1024, 128, "bfloat16", None),
 }
 MODES = ("fwd", "fwd+bwd")
 # Each row reports this quantile of its calls' times (1/5: the 20th percentile), the best of its
@@ -123,22 +130,35 @@ def _inputs(shape, repeats: int = 0):
     return q, k, v, mask, cotangent, growing
 
 
+def _call_backend(backend_name: str):
+    """The "cuda" row's backend: the sm90 family's plans with stub kernels."""
+    from mlx_flash.backends import cuda
+
+    class OnAnSm90(cuda.CUDABackend):
+        def capability(self):  # as CUDABackend's, with the device's answer (cached there) 90
+            override = cuda.capability_override()
+            return override if override is not None else 90
+
+    os.environ.pop(cuda.CAPABILITY_VARIABLE, None)
+    return OnAnSm90(kernel_factory=stub_factory)
+
+
 def _call(backend_name: str):
     """(q, k, v, mask) -> out, through the named path."""
     import mlx.core as mx
     from mlx_flash import flash_attention
 
     if backend_name == "cuda":
-        from mlx_flash.backends import cuda
-
-        class OnAnSm90(cuda.CUDABackend):
-            def capability(self):  # as CUDABackend's, with the device's answer (cached there) 90
-                override = cuda.capability_override()
-                return override if override is not None else 90
-
-        os.environ.pop(cuda.CAPABILITY_VARIABLE, None)
-        backend = OnAnSm90(kernel_factory=stub_factory)
+        backend = _call_backend("cuda")
         return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask, backend=backend)
+    if backend_name == "auto":  # backend="auto" resolved to the cuda row's backend, as on an sm90 GPU
+        from mlx_flash import backends
+
+        sm90 = _call_backend("cuda")
+        real = backends.get_backend
+        backends.auto_backend_name = lambda device: "cuda"
+        backends.get_backend = lambda name: sm90 if name == "cuda" else real(name)
+        return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask)
     if backend_name == "metal":
         from mlx_flash import metalsim
 
@@ -291,7 +311,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=200, help="timed calls per row (default 200)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds; each row keeps its best (default 3)")
-    parser.add_argument("--backends", type=lambda s: s.split(","), default=["cuda", "metal", "null", "mx.fast"])
+    parser.add_argument("--backends", type=lambda s: s.split(","), default=["cuda", "auto", "metal", "null", "mx.fast"])
     parser.add_argument("--against", help="a git revision or a folder with mlx_flash/ and kernels/, measured too")
     parser.add_argument("--profile", action="store_true", help="print cProfile's top entries too")
     parser.add_argument("--top", type=int, default=25, help="profile entries shown (default 25)")
