@@ -299,7 +299,9 @@ def _legend(name: str, passes: List[str], rate_unit: str, back_to_back: int, not
         f"  {rate_unit:<12}  achieved rate: 4·B·H·N²·D operations for fwd, 3.5x that for fwd+bwd (halved if causal),",
         "                divided by the time; the papers' count, comparable across implementations"]
         + (["  note          backend='auto' (the default) hands calls that MLX runs faster to mx.fast: such a row\n"
-            "                times mx.fast twice (--backend " + name + " times the kernels themselves)"]
+            "                times mx.fast through flash_attention, which adds its own host time per call (5-20 us\n"
+            "                on an H200 machine's host: seen only where a call takes the GPU less time than the\n"
+            "                host, e.g. N=1024); --backend " + name + " times the kernels themselves"]
            if any(n.startswith("backend=") for n in notes) else [])
         + ([f"  MLX not run   the memory guard ({bm.MEMORY_GUARD_FRACTION:.0%} of the device's memory) keeps MLX from\n"
             "                passes whose N x N scores would exceed it, where running them could exhaust the\n"
