@@ -122,7 +122,7 @@ class FastBackend:
         array mask, no query rows before the causal diagonal), else None. flash_attention keeps it
         with the call's decision and calls it directly, so a routed call costs on top of MLX's own
         only the decision's lookup: on the H200 machine's host, building a routed forward took 5.4
-        us against 9.4 through `attention` (mx.fast's own 1.4; benchmarks/host_time.py, "auto")."""
+        us against 9.4 through `attention` (mx.fast's own 1.4-2.0; benchmarks/host_time.py, "auto")."""
         if spec.mask_kind != "none" or (spec.causal and spec.q_len > spec.kv_len):
             return None
         return functools.partial(mx.fast.scaled_dot_product_attention, scale=spec.scale,
