@@ -580,13 +580,20 @@ def mx_fast_is_fused(case: BenchCase, pass_name: str) -> bool:
     """Whether MLX 0.32 runs mx.fast attention fused here (then it needs no N^2 memory).
 
     Only feeds the out-of-memory estimate. CPU: never. Metal: the forward for the head dims of
-    its kernels; any traced gradient runs unfused. CUDA: cuDNN for fp16/bf16 with D <= 128."""
+    its kernels; any traced gradient runs unfused. CUDA: cuDNN, as backends/fast.py reads MLX's rule
+    (fp16 / bf16, D a multiple of 8 up to 128; the backward only where the query rows are a
+    multiple of 128)."""
     device = mx.default_device()
     if device.type != mx.gpu:
         return False
     if mx.metal.is_available():
         return pass_name == "forward" and case.head_dim in (64, 72, 80, 96, 128, 192, 256)
-    return case.dtype != "float32" and case.head_dim <= 128
+    from .backends.fast import cudnn_forward_fuses, cudnn_fuses
+    from .spec import AttentionSpec
+
+    spec = AttentionSpec(case.batch, case.q_heads, case.kv_heads, case.q_len, case.kv_len, case.head_dim,
+                         case.head_dim, DTYPES[case.dtype], case.head_dim ** -0.5, causal=case.causal)
+    return cudnn_forward_fuses(spec) if pass_name == "forward" else cudnn_fuses(spec)
 
 
 def score_memory_estimate(implementation: str, case: BenchCase, pass_name: str) -> float:

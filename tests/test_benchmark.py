@@ -864,3 +864,21 @@ def test_bench_training_runs_the_tree_it_is_told(tmp_path):
     assert row["speed_ratio_quartiles"] == [row["speed_ratio_rounds"][0]] * 2
     assert abs(row["speed_ratio_rounds"][0] - row["speed_ratio"]) < 1e-9
     assert f"x ({row['speed_ratio_quartiles'][0]:.2f}-" in done.stdout
+
+
+def test_mx_fast_fusion_on_cuda_follows_the_fast_backends_rule(monkeypatch):
+    """On a CUDA GPU the memory guard counts mx.fast as fused where MLX runs cuDNN (backends/fast.py):
+    fp16 / bf16 with D a multiple of 8 up to 128, the backward only for query rows a multiple of 128."""
+    monkeypatch.setattr(bm.mx, "default_device", lambda: mx.Device(mx.gpu))
+    monkeypatch.setattr(bm.mx.metal, "is_available", lambda: False)
+
+    def fused(n=4096, d=128, dtype="bfloat16", pass_name="forward_backward"):
+        case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=n, kv_len=n, head_dim=d, dtype=dtype)
+        return bm.mx_fast_is_fused(case, pass_name)
+
+    assert fused() and fused(d=64, dtype="float16") and fused(d=96)
+    assert not fused(d=100) and not fused(d=256) and not fused(dtype="float32")
+    assert fused(n=1000, pass_name="forward") and not fused(n=1000) and not fused(n=1000, pass_name="backward")
+    case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=1000, kv_len=1000, head_dim=128, dtype="bfloat16")
+    assert bm.score_memory_estimate("mx.fast", case, "forward") == 0
+    assert bm.score_memory_estimate("mx.fast", case, "forward_backward") > 0

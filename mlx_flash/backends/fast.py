@@ -56,12 +56,18 @@ def _cuda_fused(spec: AttentionSpec, device: mx.Device) -> bool:
     return cudnn_fuses(spec)
 
 
+def cudnn_forward_fuses(spec: AttentionSpec) -> bool:
+    """Whether MLX 0.32's CUDA backend runs the forward of a call of this spec through cuDNN: fp16 /
+    bf16, D and Dv multiples of 8 up to 128."""
+    dims_ok = all(d % 8 == 0 and d <= 128 for d in (spec.head_dim, spec.value_dim))
+    return spec.dtype in (mx.float16, mx.bfloat16) and dims_ok
+
+
 def cudnn_fuses(spec: AttentionSpec) -> bool:
     """Whether MLX 0.32's CUDA backend runs a call of this spec through cuDNN, forward and backward:
-    fp16 / bf16, D and Dv multiples of 8 up to 128, and the backward's query rows a multiple of 128."""
-    dims_ok = all(d % 8 == 0 and d <= 128 for d in (spec.head_dim, spec.value_dim))
+    the forward's rule (cudnn_forward_fuses) and the backward's query rows a multiple of 128."""
     rows = min(spec.q_len, spec.kv_len) if spec.causal else spec.q_len
-    return spec.dtype in (mx.float16, mx.bfloat16) and dims_ok and rows % 128 == 0
+    return cudnn_forward_fuses(spec) and rows % 128 == 0
 
 
 def unfused_bytes(spec: AttentionSpec) -> int:
