@@ -19,8 +19,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
-                                      "ziglang package (pip install ziglang)")
+from metal_compiler import require_metal_compiler  # noqa: E402
+require_metal_compiler()
 
 import mlx_flash  # noqa: E402
 from mlx_flash import reference  # noqa: E402

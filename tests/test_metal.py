@@ -23,8 +23,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
-                                      "ziglang package (pip install ziglang)")
+from metal_compiler import require_metal_compiler  # noqa: E402
+require_metal_compiler()
 
 from attention_cases import Case, check_case, environment, make_arrays  # noqa: E402
 from mlx_flash import fallback_counts, flash_attention, reset_fallback_counts  # noqa: E402

@@ -16,8 +16,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
-                                      "ziglang package (pip install ziglang)")
+from metal_compiler import require_metal_compiler  # noqa: E402
+require_metal_compiler()
 
 from attention_cases import DTYPES, environment, laid_out, to_numpy  # noqa: E402
 from mlx_flash import flash_attention, metalsim, reference  # noqa: E402

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
-                                      "ziglang package (pip install ziglang)")
+from metal_compiler import require_metal_compiler  # noqa: E402
+require_metal_compiler()
 
 import mlx.core as mx  # noqa: E402
 import mlx_flash  # noqa: E402

@@ -16,6 +16,7 @@ from mlx_flash import benchmark as bm, flash_attention, inspect, planner, refere
 from mlx_flash.__main__ import main
 from mlx_flash.fallback import FallbackWarning, reset_fallback_counts
 from mlx_flash.tune_spaces import MetalSpace
+from metal_compiler import require_metal_compiler
 
 D = 16
 BASE = planner.find_row(planner.shipped_table("metal"), "forward", D, "fp32", "m3")  # P=16 T=64 H=16 O,Q
@@ -24,8 +25,7 @@ BASE = planner.find_row(planner.shipped_table("metal"), "forward", D, "fp32", "m
 @pytest.fixture
 def sim(monkeypatch, tmp_path):
     """The Metal simulator as an M3, tuned tables under tmp_path."""
-    pytest.importorskip("ziglang", reason="the Metal simulator compiles kernels with the clang of the "
-                                          "ziglang package (pip install ziglang)")
+    require_metal_compiler()
     monkeypatch.setenv("MLX_FLASH_METAL_SIM", "1")
     monkeypatch.setenv("MLX_FLASH_METAL_FAMILY", "m3")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
