@@ -26,8 +26,6 @@ from mlx_flash import inspect, planner
 from mlx_flash.backends import cuda_source
 from mlx_flash.planner import KERNELS
 
-from cli_args import parse_tuning  # benchmarks/cli_args.py
-
 ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a", "sm120": "sm_120a"}
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
@@ -85,6 +83,8 @@ def compile_variant(variant, arch: str, tmp: str, ptx_dir=None) -> str:
 
 
 def main(argv=None) -> int:
+    from cli_args import parse_tuning  # benchmarks/cli_args.py (here: tests import this module by path)
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--families", nargs="+", default=list(ARCHES))
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 192, 256, 512])
