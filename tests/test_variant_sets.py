@@ -90,7 +90,7 @@ def test_runtime_data_shares_one_set():
 
 def test_fused_query_by_length():
     """The wgmma dK/dV row's fused_dq_from<N> and fused_dq_causal_from<N> (the shipped table:
-    1024 and 4096 at D = 113..128, 4096 and 8192 at D <= 64): calls of at least N queries without an
+    1024 and 4096 at D = 113..128, 4096 and 8192 at D = 49..64): calls of at least N queries without an
     array mask get a set of their own whose dK/dV variant accumulates dQ (so the first-contact guard
     checks it apart);
     shorter, masked or windowed calls, D on other rows (96, 160) and calls with sinks get the
@@ -115,14 +115,15 @@ def test_fused_query_by_length():
     row = planner.plan("cuda", "backward_key_value", 112, mx.bfloat16, "sm90_wgmma", table)
     assert cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY, "row") == 4096
     assert cuda_source.option_keys(row.cached, cuda_source.FUSED_QUERY_CAUSAL, "row") is None
-    # the D <= 64 row: from 4096 queries, causal from 8192; D = 65..96 never
+    # the D = 49..64 row: from 4096 queries, causal from 8192; D <= 48 and D = 65..96 never
     row = planner.plan("cuda", "backward_key_value", 64, mx.bfloat16, "sm90_wgmma", table)
     assert [cuda_source.option_keys(row.cached, option, "row")
             for option in (cuda_source.FUSED_QUERY, cuda_source.FUSED_QUERY_CAUSAL)] == [4096, 8192]
     for head_dim, q_len, mask, fused in ((112, 4096, {}, True), (112, 4095, {}, False),
                                          (112, 16384, dict(mask="causal"), False), (97, 4096, {}, True),
                                          (96, 16384, {}, False), (64, 4096, {}, True), (64, 4095, {}, False),
-                                         (48, 4096, {}, True), (64, 8192, dict(mask="causal"), True),
+                                         (49, 4096, {}, True), (48, 16384, {}, False),
+                                         (64, 8192, dict(mask="causal"), True),
                                          (64, 8191, dict(mask="causal"), False)):
         spec, _ = _spec(**{**base, "head_dim": head_dim, "q_len": q_len, **mask})
         assert backend.variants(spec).backward_key_value.fused_query == fused, (head_dim, q_len, mask)

@@ -7,7 +7,7 @@ and launches the kernels with the runtime values (sizes, strides, scale, softcap
 as two small arrays, so a new sequence length or batch never recompiles.
 
 No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's fused dQ, which
-the table turns on for long calls without an array mask at D <= 64 and D = 97..128 (fused_dq_from<N>,
+the table turns on for long calls without an array mask at D = 49..64 and 97..128 (fused_dq_from<N>,
 fused_dq_causal_from<N>) and Tuning.fused_query forces, adds into an fp32 accumulator in a fixed
 order; one more kernel makes dQ of it). A GQA call with too few key blocks for the GPU's SMs has
 several dK/dV CTAs share each kv head's query heads (the table's head_splits_to<W>, Tuning.head_splits),
