@@ -917,26 +917,28 @@ def test_wgmma_fused_query_gradient(case):
 @gpu
 @sm90_only
 def test_fused_query_by_length_on_the_gpu():
-    """The shipped table's fused_dq_from<N> / fused_dq_causal_from<N> as calls meet them: "cuda"
-    with no tuning runs the fused dK/dV kernel from N queries on (gradients close to the two
-    kernels', no fallback; causal with Nq > Nk, so that query blocks no key block sees keep dQ = 0,
-    exactly) and the two kernels below N."""
+    """The shipped table's fused_dq_from<N> / fused_dq_causal_from<N> (D = 128 and 64) as calls
+    meet them: "cuda" with no tuning runs the fused dK/dV kernel from N queries on (gradients close
+    to the two kernels', no fallback; causal with Nq > Nk, so that query blocks no key block sees
+    keep dQ = 0, exactly) and the two kernels below N."""
     reset_fallback_counts()
     backend = cuda.CUDABackend()
-    row = planner.plan("cuda", "backward_key_value", 128, mx.bfloat16, "sm90_wgmma", planner.shipped_table("cuda"))
     apart = cuda.CUDABackend(tuning=Tuning(fused_query=False))
-    for mask, option in (("none", cuda_source.FUSED_QUERY), ("causal", cuda_source.FUSED_QUERY_CAUSAL)):
-        start = cuda_source.option_keys(row.cached, option, "row")
-        for q_len, fused in ((start, True), (start - 64, False)):
-            case = Case(head_dim=128, q_len=q_len, kv_len=200, dtype="bfloat16", mask=mask)
-            a = make_arrays(case)
-            spec = check_inputs(a.q, a.k, a.v, mask=a.mask)[0]
-            assert backend.variant("backward_key_value", spec).fused_query == fused
-            got, want = _out_and_grads(case, backend), _out_and_grads(case, apart)
-            for name, x, y in zip(("dq", "dk", "dv"), got[1:], want[1:]):
-                assert relative_error(x, y) < 1e-2, (mask, q_len, name)
-            if mask == "causal":  # query rows before Nq - Nk see no key
-                assert not got[1][..., :q_len - 200, :].any(), q_len
+    for head_dim in (128, 64):  # the D = 113..128 and D = 49..64 rows
+        row = planner.plan("cuda", "backward_key_value", head_dim, mx.bfloat16, "sm90_wgmma",
+                           planner.shipped_table("cuda"))
+        for mask, option in (("none", cuda_source.FUSED_QUERY), ("causal", cuda_source.FUSED_QUERY_CAUSAL)):
+            start = cuda_source.option_keys(row.cached, option, "row")
+            for q_len, fused in ((start, True), (start - 64, False)):
+                case = Case(head_dim=head_dim, q_len=q_len, kv_len=200, dtype="bfloat16", mask=mask)
+                a = make_arrays(case)
+                spec = check_inputs(a.q, a.k, a.v, mask=a.mask)[0]
+                assert backend.variant("backward_key_value", spec).fused_query == fused
+                got, want = _out_and_grads(case, backend), _out_and_grads(case, apart)
+                for name, x, y in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+                    assert relative_error(x, y) < 1e-2, (head_dim, mask, q_len, name)
+                if mask == "causal":  # query rows before Nq - Nk see no key
+                    assert not got[1][..., :q_len - 200, :].any(), (head_dim, q_len)
     assert not fallback_counts(), fallback_counts()
 
 
