@@ -130,7 +130,7 @@ def _inputs(shape, repeats: int = 0):
     return q, k, v, mask, cotangent, growing
 
 
-def _call_backend(backend_name: str):
+def _sm90_backend():
     """The "cuda" row's backend: the sm90 family's plans with stub kernels."""
     from mlx_flash.backends import cuda
 
@@ -149,12 +149,12 @@ def _call(backend_name: str):
     from mlx_flash import flash_attention
 
     if backend_name == "cuda":
-        backend = _call_backend("cuda")
+        backend = _sm90_backend()
         return lambda q, k, v, mask: flash_attention(q, k, v, mask=mask, backend=backend)
     if backend_name == "auto":  # backend="auto" resolved to the cuda row's backend, as on an sm90 GPU
         from mlx_flash import backends
 
-        sm90 = _call_backend("cuda")
+        sm90 = _sm90_backend()
         real = backends.get_backend
         backends.auto_backend_name = lambda device: "cuda"
         backends.get_backend = lambda name: sm90 if name == "cuda" else real(name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, Sequence
 
-from . import benchmark as bm
+from . import benchmark as bm, reference
 
 IMPLEMENTATIONS = ("mlx-flash", "mx.fast", "unfused")
 # Where a report goes (the README gives the repository address).
@@ -89,9 +89,9 @@ def render_markdown(report: Dict[str, Any]) -> str:
     lines += [markdown_table(["D", "dtype", "mask", "H/Hkv", "out", "lse", "dq", "dk", "dv", "tol fwd / grad",
                               "result"], rows), ""]
     if any(r.get("reduced_float32") for r in report["correctness"]):
-        lines += ["float32 rows served by MLX's own operations are held to float16's limits: MLX runs float32 "
-                  "matmuls on this device at reduced precision (TF32-like, its default; MLX_ENABLE_TF32=0 "
-                  "keeps them at float32's).", ""]
+        lines += [f"float32 rows served by MLX's own operations are held to {reference.REDUCED_FLOAT32_LIMITS}'s "
+                  "limits: MLX runs float32 matmuls on this device at reduced precision (TF32-like, its default; "
+                  "MLX_ENABLE_TF32=0 keeps them at float32's).", ""]
     direct = [r for r in report["correctness"] if "kernel" in r]
     if direct:
         lines += ["The kernels of the FALLBACK cases, called directly (what the fallback hid):", ""]
