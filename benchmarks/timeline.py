@@ -1,0 +1,150 @@
+"""Where the GPU waits between back-to-back calls: a CUPTI timeline (an experiment tool, CUDA only).
+
+ab_versions.py and the dispatch table time `--back-to-back` calls issued one after another and
+waited for once; ncu times each kernel alone. This tool records the same back-to-back samples
+(mlx_pass, compiled) under PyTorch's profiler, whose CUPTI tracing sees every kernel of the
+process (MLX's included), and splits each call's wall time into kernel time and the GPU's idle
+time, kernel by kernel: which kernel runs how long, and how long the GPU waited before it.
+
+    python3 benchmarks/timeline.py --shapes 4,16,4096,128,none 4,16,4096,64,none --out DIR
+
+Per implementation (ours on --backend, mx.fast): wall ms per call (perf_counter, as
+ab_versions.py reads it), span (first kernel's start to the last one's end), busy (the union
+of kernel intervals), idle (span - busy); then per kernel of a call, in launch order, the
+median duration and the median gap before it (the first kernel's gap is the one after the
+previous call's last kernel, which is where host time between calls shows). CUPTI adds about a
+microsecond per launch to both implementations alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cli_args import parse_shape, parse_tuning  # noqa: E402  (benchmarks/cli_args.py)
+from mlx_flash import benchmark as bm  # noqa: E402
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def gpu_events(trace_path: Path) -> list:
+    """[(start us, end us, name)] of every GPU activity in a chrome trace, by start."""
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    spans = [(e["ts"], e["ts"] + e["dur"], e["name"]) for e in events
+             if e.get("cat") in GPU_CATEGORIES and "dur" in e]
+    return sorted(spans)
+
+
+def busy_time(spans) -> float:
+    """The length of the union of the intervals (overlapping kernels count once)."""
+    total, end = 0.0, None
+    for start, stop, _ in spans:
+        if end is None or start >= end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def profile_samples(call: bm.Call, samples: int) -> tuple:
+    """(walls in seconds per call, GPU events) of `samples` samples of `call` under CUPTI."""
+    from torch.profiler import ProfilerActivity, profile
+    walls = []
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(samples):
+            walls.append(call.timed_once())
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return walls, gpu_events(path)
+
+
+def analyse(walls, events, samples: int, calls: int) -> dict:
+    """Per call: wall, span, busy and idle ms; per kernel position: name, duration, gap before."""
+    if not events or len(events) % (samples * calls):
+        return {"error": f"{len(events)} GPU events do not split into {samples} samples x {calls} calls"}
+    per_sample = len(events) // samples
+    per_call = per_sample // calls
+    spans, busies, durations, gaps = [], [], [[] for _ in range(per_call)], [[] for _ in range(per_call)]
+    for s in range(samples):
+        sample = events[s * per_sample:(s + 1) * per_sample]
+        spans.append(sample[-1][1] - sample[0][0])
+        busies.append(busy_time(sample))
+        reach = None
+        for i, (start, stop, _) in enumerate(sample):
+            position = i % per_call
+            durations[position].append(stop - start)
+            if reach is not None:
+                gaps[position].append(max(0.0, start - reach))
+            reach = stop if reach is None else max(reach, stop)
+    names = [name for _, _, name in events[:per_call]]
+    median = statistics.median
+    return {"wall_ms": median(walls) * 1e3, "span_ms": median(spans) / calls / 1e3,
+            "busy_ms": median(busies) / calls / 1e3, "idle_ms": median(b - a for a, b in zip(busies, spans)) / calls / 1e3,
+            "kernels_per_call": per_call,
+            "kernels": [{"name": names[i].split("(")[0][:90], "us": round(median(durations[i]), 1),
+                         "gap_before_us": round(median(gaps[i]), 1) if gaps[i] else None} for i in range(per_call)]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", required=True, help="B,H,N,D,mask[,KV_HEADS]")
+    parser.add_argument("--backend", default="cuda", help="mlx_flash backend of 'ours' (default cuda)")
+    parser.add_argument("--tuning", type=parse_tuning, nargs="*", default=[], help="KEY=VALUE of ours' Tuning")
+    parser.add_argument("--pass", dest="pass_name", choices=("forward", "forward_backward"), default="forward_backward")
+    parser.add_argument("--back-to-back", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--out", default=None, help="write the results as JSON in this folder")
+    args = parser.parse_args(argv)
+    if args.back_to_back < 1 or args.samples < 1:
+        parser.error(f"--back-to-back and --samples must be >= 1, got {args.back_to_back} and {args.samples}")
+    if mx.default_device().type != mx.gpu:
+        raise SystemExit("timeline.py records GPU kernels: run it where MLX's default device is a GPU")
+    backend = args.backend
+    if args.tuning:
+        from mlx_flash.backends.cuda import CUDABackend
+        from mlx_flash.backends.cuda_source import Tuning
+        backend = CUDABackend(tuning=Tuning(**dict(args.tuning)))
+    ours = bm.flash_attention_with(backend)
+    env = bm.environment(args.backend, args.backend)
+    print(f"# {env['device_name']}, mlx {env['mlx_version']}, commit {env['git_commit']}, {args.pass_name}, "
+          f"{args.back_to_back} calls back to back, compiled")
+    results = []
+    for case in args.shapes:
+        inputs = bm.random_inputs(case, seed=0)
+        for impl, attention in (("ours", ours), ("mx.fast", bm.fast_attention)):
+            prepare, run = bm.mlx_pass(attention, case, inputs, args.pass_name, compiled=True)
+            call = bm.Call(run, prepare, back_to_back=args.back_to_back)
+            for _ in range(3):
+                call.timed_once()
+            walls, events = profile_samples(call, args.samples)
+            row = {"case": bm.as_dict(case), "label": case.label(), "implementation": impl,
+                   **analyse(walls, events, args.samples, args.back_to_back)}
+            results.append(row)
+            if "error" in row:
+                print(f"{case.label()} {impl}: {row['error']}")
+                continue
+            print(f"\n{case.label()} {impl}: wall {row['wall_ms']:.3f} ms/call, span {row['span_ms']:.3f}, "
+                  f"busy {row['busy_ms']:.3f}, idle {row['idle_ms']:.3f}, {row['kernels_per_call']} kernels")
+            for kernel in row["kernels"]:
+                print(f"  {kernel['us']:9.1f} us  gap {kernel['gap_before_us'] if kernel['gap_before_us'] is not None else '-':>7}"
+                      f"  {kernel['name']}")
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "timeline.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
