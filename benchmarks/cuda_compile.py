@@ -30,7 +30,7 @@ ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a"
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
                  "dq_order": "int32_t", "acc": "float", "counts": "int32_t", "d_lse": "float",
-                 "dk_parts": "float", "dv_parts": "float", "d_out": "uint8_t"}  # d_out: common.unit_columns
+                 "dk_parts": "float", "dv_parts": "float"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:

@@ -231,22 +231,6 @@ __device__ __forceinline__ Layout layout_of(const S& strides) {
   return Layout{strides[0], strides[1], strides[2], strides[3]};
 }
 
-// The cotangent reaches the backward kernels as a byte view with unit-stride columns
-// (mlx_flash/backends/common.py, unit_columns): its elements have the type of `like` (another
-// operand of the kernel) and its strides, which MLX passes in bytes, that size times fewer.
-template <typename T>
-__device__ __forceinline__ const T* elements_like(const uint8_t* bytes, const T* /*like*/) {
-  return reinterpret_cast<const T*>(bytes);
-}
-
-template <typename S, typename T>
-__device__ __forceinline__ Layout byte_layout(const S& strides, const T* /*like*/) {
-  // An exact shift: byte strides are multiples of the size (a reversed view's are negative).
-  constexpr int shift = sizeof(T) == 4 ? 2 : sizeof(T) == 2 ? 1 : 0;
-  static_assert(sizeof(T) == (1 << shift), "elements of 1, 2 or 4 bytes");
-  return Layout{strides[0] >> shift, strides[1] >> shift, strides[2] >> shift, 1};
-}
-
 __device__ __forceinline__ Layout token_major(int rows, int heads, int head_dim) {
   return Layout{(i64)rows * heads * head_dim, (i64)head_dim, (i64)heads * head_dim, 1};
 }

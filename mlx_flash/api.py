@@ -37,14 +37,6 @@ def writes_token_major(backend) -> bool:
     return bool(getattr(backend, "token_major_outputs", False))
 
 
-def takes_strided_cotangent(backend) -> bool:
-    """Whether a token-major `backend`'s backward takes the output's cotangent where it lies,
-    copying it itself only where its kernels need that (the "cuda" backend: common.unit_columns).
-    Otherwise the cotangent is made row-contiguous [B, N, H, D] before the backward (see
-    _attention_function). Declared with a `strided_cotangent` attribute (default False)."""
-    return bool(getattr(backend, "strided_cotangent", False))
-
-
 def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     """A custom_function (q, k, v[, mask][, sinks]) -> (out, lse) whose VJP runs the backend's backward.
 
@@ -59,13 +51,10 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     and is made row-contiguous here: no copy where a model transposes and reshapes the output
     (mlx-lm: the cotangent is then row-contiguous already), one copy of a broadcast cotangent
     (out.sum()'s), which the kernels would otherwise read element by element (fwd+bwd took 6-12x
-    as long on an H100). A backend that takes a strided cotangent (takes_strided_cotangent) gets it
-    as it lies, and copies only such a broadcast itself: the [B, H, N, D] cotangent of a loss
-    taken of the output as it is (a benchmark's) then costs no copy either.
+    as long on an H100).
     """
     token_major = writes_token_major(backend)
     contiguous_d_out = takes_row_contiguous(backend)
-    strided_d_out = takes_strided_cotangent(backend)
 
     def split(primals):
         q, k, v = primals[:3]
@@ -86,7 +75,7 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
         d_out, d_lse = cotangents
         out, lse = outputs
         if token_major:
-            out, d_out = heads_view(out), heads_view(d_out if strided_d_out else mx.contiguous(d_out))
+            out, d_out = heads_view(out), heads_view(mx.contiguous(d_out))
         elif contiguous_d_out:
             d_out = mx.contiguous(d_out)  # no copy when it is row-contiguous already
         dq, dk, dv, d_sinks = backend.backward(q, k, v, mask, out, lse, d_out,

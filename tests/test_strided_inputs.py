@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 from mlx_flash import flash_attention, reference
-from mlx_flash.api import takes_row_contiguous, takes_strided_cotangent
+from mlx_flash.api import takes_row_contiguous
 from mlx_flash.backends import get_backend
-from mlx_flash.backends.common import unit_columns
 from mlx_flash.spec import check_inputs
 
 B, HQ, HKV, N, D = 1, 4, 1, 64, 32
@@ -69,42 +68,6 @@ def block_loss(backend):
         return (out.transpose(0, 2, 1, 3).reshape(B, out.shape[2], -1) * cotangent).sum()
 
     return loss
-
-
-def test_takes_strided_cotangent_rule():
-    """The "cuda" backend takes the output's cotangent where it lies; "metal" gets it row-contiguous."""
-    assert takes_strided_cotangent(get_backend("cuda"))
-    for name in ("mlx", "metal"):
-        assert not takes_strided_cotangent(get_backend(name)), name
-    assert not takes_strided_cotangent(type("Undeclared", (), {"name": "custom"})())
-
-
-@pytest.mark.parametrize("layout,copied", [
-    ("row", False), ("token_major", False), ("heads_seen_token_major", False), ("slice", False),
-    ("rows_broadcast", False), ("broadcast", True), ("strided_columns", True)])
-def test_unit_columns_copies_only_without_unit_stride_columns(layout, copied):
-    """MLX's View (common.unit_columns' rule, where the graph runs): a byte view shares any buffer
-    whose last axis has stride 1 and copies others (out.sum()'s broadcast cotangent) row-contiguous;
-    the bytes are the array's, in its logical order, either way."""
-    b, h, n, d = 2, 4, 256, 64
-    normal = lambda *shape: mx.random.normal(shape, key=mx.random.key(len(shape) + shape[-1])).astype(mx.bfloat16)
-    x = {"row": lambda: normal(b, h, n, d),
-         "token_major": lambda: normal(b, n, h, d).transpose(0, 2, 1, 3),
-         "heads_seen_token_major": lambda: normal(b, h, n, d).transpose(0, 2, 1, 3),  # a loss of out itself
-         "slice": lambda: normal(b, h, n, d + 2)[..., 1:d + 1],
-         "rows_broadcast": lambda: mx.broadcast_to(normal(d), (b, h, n, d)),
-         "broadcast": lambda: mx.broadcast_to(mx.array(1.5, mx.bfloat16), (b, h, n, d)),
-         "strided_columns": lambda: normal(b, h, n, 2 * d)[..., ::2]}[layout]()
-    mx.eval(x)
-    before = mx.get_active_memory()
-    mx.reset_peak_memory()
-    view = unit_columns(x)
-    mx.eval(view)
-    grew = mx.get_peak_memory() - before
-    assert view.dtype == mx.uint8 and view.shape == (*x.shape[:-1], 2 * x.shape[-1])
-    assert (grew >= x.nbytes) if copied else (grew < x.nbytes // 2), (layout, grew, x.nbytes)
-    assert np.array_equal(np.array(mx.view(mx.contiguous(view), mx.uint16)), np.array(mx.view(x, mx.uint16)))
-    assert unit_columns(view) is view
 
 
 def test_takes_row_contiguous_rule():

@@ -125,19 +125,6 @@ def heads_view(x: mx.array) -> mx.array:
     return x.transpose(0, 2, 1, 3)
 
 
-def unit_columns(x: mx.array) -> mx.array:
-    """x as a byte view (uint8, last axis x.itemsize times longer) with unit-stride columns.
-
-    MLX's View shares x's buffer when x's last axis has stride 1, whatever its other strides (a
-    [B, H, N, D] cotangent seen token-major, mlx-lm's token-major one, rows of a wider buffer),
-    and otherwise copies x row-contiguous first: a broadcast cotangent (out.sum()'s has all
-    strides 0), which the kernels would read element by element. So the one copy needed is
-    decided where the graph runs, from the strides, where mx.contiguous would copy every layout
-    but row-contiguous. The kernels take the view's elements back (kernels/attention_common.cuh,
-    elements_like and byte_layout). Idempotent: a uint8 array is returned as is."""
-    return x if x.dtype == mx.uint8 else mx.view(x, mx.uint8)
-
-
 def contiguous_operands(arrays: Sequence[mx.array]) -> List[mx.array]:
     """The operands a kernel reads as row-contiguous (masks, sinks, statistics): made so where they
     are not (no copy where they are), since the kernels are built with ensure_row_contiguous=False."""

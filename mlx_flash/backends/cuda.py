@@ -39,7 +39,7 @@ from ..spec import AttentionSpec
 from . import cuda_source, tensor_map
 from .common import (VariantFeatures, VariantSet, constant_zeros, contiguous_operands, empty_backward,
                      empty_forward, empty_sinks_gradient, float_params, heads_view, is_empty, mask_strides,
-                     token_major_shape, unit_columns)
+                     token_major_shape)
 from .cuda_source import (CUDA_TYPES, MAX_HEAD_DIM, PREPARE_THREADS, Family, KernelVariant, Tuning,
                           block_major, family_of, fused_chains, length_sets)
 
@@ -143,10 +143,6 @@ class CUDABackend:
     # out, dq, dk, dv are views of [B, N, H, D] buffers.
     row_contiguous_inputs = False
     token_major_outputs = True
-    # The backward takes the cotangent where it lies too (api.takes_strided_cotangent): its kernels
-    # read a byte view of it (common.unit_columns), which copies only a layout they would read
-    # element by element.
-    strided_cotangent = True
     # forward / backward take `variants`: the first-contact guard runs a call's own set on its
     # small problem (guard.py), whose size alone would choose other ones.
     pins_variants = True
@@ -286,7 +282,6 @@ class CUDABackend:
         if is_empty(spec):
             return (*empty_backward(q, k, v), empty_sinks_gradient(sinks, out, lse, d_out, d_lse))
         variants = variants or self.variants(spec, None if mask is None else mask.dtype)
-        d_out = unit_columns(d_out)  # once: every kernel reads this view (a copy only of a broadcast)
         if variants.backward_key_value.fused_query:
             prepared = self.prepare_backward(out, lse, d_out, d_lse, spec, variants.backward_key_value)
             dk, dv, dq = self._backward_key_value(variants.backward_key_value, q, k, v, mask, d_out, prepared, spec,
@@ -307,7 +302,6 @@ class CUDABackend:
         if is_empty(spec):
             return empty_backward(q, k, v)[0]
         variant = self.variants(spec, None if mask is None else mask.dtype).backward_query
-        d_out = unit_columns(d_out)
         delta, lse2 = self.prepare_backward(out, lse, d_out, d_lse, spec)
         return self._backward_query(variant, q, k, v, mask, d_out, lse2, delta, spec, sinks)[0]
 
@@ -316,7 +310,6 @@ class CUDABackend:
         if is_empty(spec):
             return empty_backward(q, k, v)[1:]
         variant = self.variants(spec, None if mask is None else mask.dtype).backward_key_value
-        d_out = unit_columns(d_out)
         prepared = self.prepare_backward(out, lse, d_out, d_lse, spec, variant)
         return self._backward_key_value(variant, q, k, v, mask, d_out, prepared, spec)
 
@@ -340,7 +333,7 @@ class CUDABackend:
         shape = (spec.batch, spec.q_heads, spec.q_len)
         counts = [(spec.batch, spec.q_heads, -(-spec.q_len // count_block), chains)] if count_block else []
         lse, d_lse = contiguous_operands([lse, d_lse])  # out and d_out: read through their strides
-        return tuple(kernel(inputs=[out, unit_columns(d_out), lse, d_lse, _int_params(spec, 0, blocks, False)],
+        return tuple(kernel(inputs=[out, d_out, lse, d_lse, _int_params(spec, 0, blocks, False)],
                             output_shapes=[shape, shape] + counts,
                             output_dtypes=[mx.float32, mx.float32] + [mx.int32] * len(counts),
                             grid=grid, threadgroup=group))

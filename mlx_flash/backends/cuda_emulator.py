@@ -17,10 +17,7 @@ row-contiguous, token-major (a transposed view of a [B, N, H, D] buffer, as mlx-
 over), spread (every other element of padded rows at an odd offset: the kernels' element-wise
 path), mixed (those three in turn over a kernel's strided inputs), or broadcast (an input whose
 rows are constant, e.g. the cotangent of out.sum(), as MLX hands it over: column stride 0; the
-others row-contiguous). The cotangent reaches the kernels as a byte view (common.unit_columns),
-laid out as MLX's View leaves it: row and token-major layouts as they are, spread as unit-stride
-rows at an odd element offset in padded rows (what a view of such a slice shares), broadcast
-row-contiguous (the copy MLX's View makes of a column stride other than 1).
+others row-contiguous).
 
 Usage:
     out = flash_attention(q, k, v, backend=cuda_emulator.backend(seed=1, capability=86))
@@ -46,9 +43,9 @@ from .cuda import CUDABackend
 from .cuda_source import Tuning
 
 _C_TYPES = MappingProxyType({mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float",
-                             mx.int64: "int64_t", mx.int32: "int32_t", mx.bool_: "bool", mx.uint8: "uint8_t"})
+                             mx.int64: "int64_t", mx.int32: "int32_t", mx.bool_: "bool"})
 _NP_STORAGE = MappingProxyType({mx.bfloat16: np.uint16, mx.float16: np.uint16, mx.float32: np.float32,
-                                mx.int64: np.int64, mx.int32: np.int32, mx.bool_: np.bool_, mx.uint8: np.uint8})
+                                mx.int64: np.int64, mx.int32: np.int32, mx.bool_: np.bool_})
 
 
 def compiler() -> Optional[str]:
@@ -89,16 +86,8 @@ def _library(source: str) -> ctypes.CDLL:
 LAYOUTS = ("row", "token_major", "spread", "mixed", "broadcast")
 
 
-def _lay_out(x: np.ndarray, layout: str, element: int = 1) -> np.ndarray:
-    """A [B, H, N, D] view holding x's values in one layout (a view keeps its buffer alive).
-    element > 1: x is a byte view of elements that size (see the module docstring)."""
-    if element > 1 and layout == "broadcast":
-        return x
-    if element > 1 and layout == "spread":
-        d = x.shape[-1]  # unit-stride bytes at an odd element offset of rows 2 elements longer
-        view = np.zeros(x.shape[:-1] + (d + 2 * element,), x.dtype)[..., element:element + d]
-        view[...] = x
-        return view
+def _lay_out(x: np.ndarray, layout: str) -> np.ndarray:
+    """A [B, H, N, D] view holding x's values in one layout (a view keeps its buffer alive)."""
     if layout == "broadcast":
         constant_rows = (x == x[..., :1]).all()
         return np.broadcast_to(np.ascontiguousarray(x[..., :1]), x.shape) if constant_rows else x
@@ -153,8 +142,6 @@ class EmulatedKernel:
             raise RuntimeError(f"{self.name}: {error}") from None
         host_inputs, strides = [], []
         layouts = iter(self._layouts())
-        # A byte view's elements: the size of the kernel's other strided inputs' (q's, out's).
-        element = next((x.itemsize for x, s in zip(inputs, self.strided) if s and x.dtype != mx.uint8), 1)
         for x, strided in zip(inputs, self.strided):
             if x.dtype not in _NP_STORAGE:
                 raise TypeError(f"[cuda_emulator] input dtype {x.dtype} is not emulated")
@@ -163,7 +150,7 @@ class EmulatedKernel:
             if strided:
                 if host.ndim != 4:
                     raise ValueError(f"[cuda_emulator] {self.name}: strided input of shape {host.shape} is not 4-D")
-                host = _lay_out(host, next(layouts), element if x.dtype == mx.uint8 else 1)
+                host = _lay_out(host, next(layouts))
                 strides.append(np.array([s // host.itemsize for s in host.strides], np.int64))
             host_inputs.append(host)
         # Outputs poisoned with all-ones bits (NaN for floats): an element never written shows.

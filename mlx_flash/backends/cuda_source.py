@@ -792,8 +792,7 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
         inputs = ["q", "k", "v", "d_out", "lse2", "delta"]
         outputs = ["dq"] if kernel == "backward_query" else (["dk_parts", "dv_parts"] if head_split else ["dk", "dv"])
     strided = [name for name in inputs if name in STRIDED_INPUTS]
-    args = [_pointer(name, "q") for name in strided] + [_layout(name, "q") for name in strided] + inputs[
-        len(strided):] + [mask_arg]
+    args = strided + [_layout(name) for name in strided] + inputs[len(strided):] + [mask_arg]
     if kernel != "backward_key_value":
         args.append("sinks" if sinks else "(const float*)nullptr")
     fused = kernel == "backward_key_value" and bool(fused_query)
@@ -815,17 +814,8 @@ def _signature(kernel: str, has_mask: bool, mask_arg: str, suffix: str, sinks: b
     return inputs, outputs, body
 
 
-def _pointer(name: str, like: str) -> str:
-    """The kernel argument that carries input `name`'s elements: the cotangent is a byte view
-    (common.unit_columns) of elements of `like`'s type."""
-    return f"mlxflash::elements_like({name}, {like})" if name == "d_out" else name
-
-
-def _layout(name: str, like: str) -> str:
-    """The kernel argument that carries input `name`'s layout (MLX passes `<name>_strides`, in
-    bytes for the cotangent's byte view)."""
-    if name == "d_out":
-        return f"mlxflash::byte_layout({name}_strides, {like})"
+def _layout(name: str) -> str:
+    """The kernel argument that carries input `name`'s layout (MLX passes `<name>_strides`)."""
     return f"mlxflash::layout_of({name}_strides)"
 
 
@@ -838,8 +828,7 @@ def prepare_source(input_type: str, head_dim: int, has_d_lse: bool, count_block:
         "attention_backward_prepare.cu", input_type=input_type, head_dim=head_dim, has_d_lse=has_d_lse,
         count_block=count_block, count_chains=count_chains, threads=PREPARE_THREADS, lanes=prepare_lanes(head_dim))
     counts = "dq_order" if count_block else "(int*)nullptr"
-    body = (f"mlxflash::attention_backward_prepare(out, {_pointer('d_out', 'out')}, {_layout('out', 'out')}, "
-            f"{_layout('d_out', 'out')}, lse, d_lse, "
+    body = (f"mlxflash::attention_backward_prepare(out, d_out, {_layout('out')}, {_layout('d_out')}, lse, d_lse, "
             f"params, delta, lse2, {counts});")
     return header, body, ["out", "d_out", "lse", "d_lse", "params"], ["delta", "lse2"] + (
         ["dq_order"] if count_block else [])
