@@ -57,8 +57,11 @@ def busy_time(spans) -> float:
     return total
 
 
-def profile_samples(call: bm.Call, samples: int) -> tuple:
-    """(walls in seconds per call, GPU events) of `samples` samples of `call` under CUPTI."""
+def profile_samples(call: bm.Call, samples: int, traced: bool = True) -> tuple:
+    """(walls in seconds per call, GPU events) of `samples` samples of `call` under CUPTI (traced)
+    or without it (no events)."""
+    if not traced:
+        return [call.timed_once() for _ in range(samples)], []
     from torch.profiler import ProfilerActivity, profile
     walls = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -71,8 +74,11 @@ def profile_samples(call: bm.Call, samples: int) -> tuple:
 
 
 def analyse(walls, events, samples: int, calls: int) -> dict:
-    """Per call: wall, span, busy and idle ms; per kernel position: name, duration, gap before."""
-    if not events or len(events) % (samples * calls):
+    """Per call: wall, span, busy and idle ms; per kernel position: name, duration, gap before.
+    Without events (untraced): the wall alone."""
+    if not events:
+        return {"wall_ms": statistics.median(walls) * 1e3}
+    if len(events) % (samples * calls):
         return {"error": f"{len(events)} GPU events do not split into {samples} samples x {calls} calls"}
     per_sample = len(events) // samples
     per_call = per_sample // calls
@@ -104,11 +110,16 @@ def main(argv=None) -> int:
     parser.add_argument("--tuning", type=parse_tuning, nargs="*", default=[], help="KEY=VALUE of ours' Tuning")
     parser.add_argument("--pass", dest="pass_name", choices=("forward", "forward_backward"), default="forward_backward")
     parser.add_argument("--back-to-back", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--samples", type=int, default=5, help="samples per implementation a round")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="rounds, the implementations in turn (reversed every other round)")
+    parser.add_argument("--untraced", action="store_true",
+                        help="time the walls only, without CUPTI (does tracing change them?)")
     parser.add_argument("--out", default=None, help="write the results as JSON in this folder")
     args = parser.parse_args(argv)
-    if args.back_to_back < 1 or args.samples < 1:
-        parser.error(f"--back-to-back and --samples must be >= 1, got {args.back_to_back} and {args.samples}")
+    if min(args.back_to_back, args.samples, args.rounds) < 1:
+        parser.error(f"--back-to-back, --samples and --rounds must be >= 1, got {args.back_to_back}, "
+                     f"{args.samples} and {args.rounds}")
     if mx.default_device().type != mx.gpu:
         raise SystemExit("timeline.py records GPU kernels: run it where MLX's default device is a GPU")
     backend = args.backend
@@ -123,17 +134,27 @@ def main(argv=None) -> int:
     results = []
     for case in args.shapes:
         inputs = bm.random_inputs(case, seed=0)
+        calls = {}
         for impl, attention in (("ours", ours), ("mx.fast", bm.fast_attention)):
             prepare, run = bm.mlx_pass(attention, case, inputs, args.pass_name, compiled=True)
-            call = bm.Call(run, prepare, back_to_back=args.back_to_back)
+            calls[impl] = bm.Call(run, prepare, back_to_back=args.back_to_back)
             for _ in range(3):
-                call.timed_once()
-            walls, events = profile_samples(call, args.samples)
-            row = {"case": bm.as_dict(case), "label": case.label(), "implementation": impl,
-                   **analyse(walls, events, args.samples, args.back_to_back)}
+                calls[impl].timed_once()
+        recorded = {impl: ([], []) for impl in calls}
+        for round_ in range(args.rounds):
+            for impl in (list(calls) if round_ % 2 == 0 else list(calls)[::-1]):
+                walls, events = profile_samples(calls[impl], args.samples, not args.untraced)
+                recorded[impl][0].extend(walls)
+                recorded[impl][1].extend(events)
+        for impl, (walls, events) in recorded.items():
+            row = {"case": bm.as_dict(case), "label": case.label(), "implementation": impl, "walls_ms":
+                   [w * 1e3 for w in walls], **analyse(walls, events, args.samples * args.rounds, args.back_to_back)}
             results.append(row)
             if "error" in row:
                 print(f"{case.label()} {impl}: {row['error']}")
+                continue
+            if "span_ms" not in row:
+                print(f"{case.label()} {impl}: wall {row['wall_ms']:.3f} ms/call (untraced)")
                 continue
             print(f"\n{case.label()} {impl}: wall {row['wall_ms']:.3f} ms/call, span {row['span_ms']:.3f}, "
                   f"busy {row['busy_ms']:.3f}, idle {row['idle_ms']:.3f}, {row['kernels_per_call']} kernels")
