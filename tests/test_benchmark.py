@@ -840,6 +840,63 @@ def test_ncu_profile_needs_ncu_and_valid_shapes(tmp_path):
     assert done.returncode == 2 and "--shapes takes B,H,N,D,mask" in done.stderr and "Traceback" not in done.stderr
 
 
+# ---------------------------------------------------------------------------------------------
+# benchmarks/timeline.py: a CUPTI trace to kernel time and the GPU's idle time (CUPTI needs a GPU)
+
+def load_timeline():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # its cli_args import, as when run as a script
+    try:
+        spec = importlib.util.spec_from_file_location("timeline_tool", ROOT / "benchmarks" / "timeline.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_timeline_splits_samples_into_calls_and_gaps(tmp_path):
+    """GPU activities of a chrome trace (kernels, memsets; not CPU events) become, per call: the
+    span, busy time (overlaps counted once), idle time and the gap before each kernel; a trace
+    whose events do not split into samples x calls says so; untraced samples give the wall only."""
+    tool = load_timeline()
+    trace = {"traceEvents": [
+        {"cat": "kernel", "name": "fwd(int)", "ts": 100.0, "dur": 10.0},
+        {"cat": "cpu_op", "name": "host", "ts": 0.0, "dur": 500.0},
+        {"cat": "gpu_memset", "name": "Memset", "ts": 108.0, "dur": 4.0},   # overlaps fwd by 2
+        {"cat": "kernel", "name": "bwd", "ts": 115.0, "dur": 5.0},
+        {"cat": "kernel", "name": "fwd(int)", "ts": 124.0, "dur": 10.0},   # second call: 4 after
+        {"cat": "gpu_memset", "name": "Memset", "ts": 134.0, "dur": 1.0},
+        {"cat": "kernel", "name": "bwd", "ts": 140.0, "dur": 6.0}]}
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace))
+    events = tool.gpu_events(path)
+    assert [name for _, _, name in events] == ["fwd(int)", "Memset", "bwd"] * 2
+    assert tool.busy_time(events[:3]) == 12 + 5
+    row = tool.analyse([0.001], events, samples=1, calls=2)
+    assert row["kernels_per_call"] == 3 and row["wall_ms"] == 1.0   # timed_once's seconds are per call
+    assert row["span_ms"] == (146 - 100) / 2 / 1e3 and row["busy_ms"] == (17 + 17) / 2 / 1e3
+    assert row["idle_ms"] == (46 - 34) / 2 / 1e3
+    assert [k["name"] for k in row["kernels"]] == ["fwd", "Memset", "bwd"]
+    assert [k["gap_before_us"] for k in row["kernels"]] == [4.0, 0.0, 4.0]  # medians of (4), (0, 0), (3, 5)
+    assert [k["us"] for k in row["kernels"]] == [10.0, 2.5, 5.5]
+    assert "error" in tool.analyse([0.001], events[:5], samples=1, calls=2)
+    assert tool.analyse([0.002, 0.004], [], samples=2, calls=2) == {"wall_ms": 3.0}
+
+
+def test_timeline_needs_a_gpu_and_valid_arguments():
+    """A bad --shapes or --rounds names the argument; without a GPU the tool says so."""
+    script = str(ROOT / "benchmarks" / "timeline.py")
+    done = subprocess.run([sys.executable, script, "--shapes", "4,16,4096"], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 2 and "--shapes takes B,H,N,D,mask" in done.stderr and "Traceback" not in done.stderr
+    done = subprocess.run([sys.executable, script, "--shapes", "1,2,64,64,none", "--rounds", "0"], env=ENV,
+                          capture_output=True, text=True)
+    assert done.returncode == 2 and "--rounds" in done.stderr
+    if mx.default_device().type == mx.cpu:
+        done = subprocess.run([sys.executable, script, "--shapes", "1,2,64,64,none"], env=ENV, capture_output=True,
+                              text=True)
+        assert done.returncode != 0 and "GPU" in done.stderr
+
+
 def test_bench_training_runs_the_tree_it_is_told(tmp_path):
     """benchmarks/bench_training.py imports this repository's mlx_flash, or MLX_FLASH_TREE's (another
     version's tree, for A/Bs of the training step), and the JSON names the package that ran."""
