@@ -787,10 +787,11 @@ def test_variants_tool_old_column_runs_the_old_trees_own_backend(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # benchmarks/ncu_profile.py: ncu's raw CSV to the summary (ncu itself needs a GPU)
 
-def load_profiler():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its cli_args import, as when run as a script
+def load_tool(script: str):
+    """benchmarks/<script> as a module (its cli_args import resolved as when run as a script)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
-        spec = importlib.util.spec_from_file_location("profile_tool", ROOT / "benchmarks" / "ncu_profile.py")
+        spec = importlib.util.spec_from_file_location(script.removesuffix(".py") + "_tool", ROOT / "benchmarks" / script)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -812,7 +813,7 @@ NCU_RAW = '''==PROF== Connected to process 1
 def test_ncu_profile_keeps_the_call_after_the_marker():
     """Only the launches after the last marker are the profiled call's; times are read in the
     units row's unit; the stall reasons come out largest first; the table has one row each."""
-    tool = load_profiler()
+    tool = load_tool("ncu_profile.py")
     rows, units, marked = tool.kernel_rows(NCU_RAW)
     assert marked and [r["ID"] for r in rows] == ["2", "3"]
     first, second = (tool.summarize(r, units) for r in rows)
@@ -843,22 +844,11 @@ def test_ncu_profile_needs_ncu_and_valid_shapes(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # benchmarks/timeline.py: a CUPTI trace to kernel time and the GPU's idle time (CUPTI needs a GPU)
 
-def load_timeline():
-    sys.path.insert(0, str(ROOT / "benchmarks"))  # its cli_args import, as when run as a script
-    try:
-        spec = importlib.util.spec_from_file_location("timeline_tool", ROOT / "benchmarks" / "timeline.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
 def test_timeline_splits_samples_into_calls_and_gaps(tmp_path):
     """GPU activities of a chrome trace (kernels, memsets; not CPU events) become, per call: the
     span, busy time (overlaps counted once), idle time and the gap before each kernel; a trace
     whose events do not split into samples x calls says so; untraced samples give the wall only."""
-    tool = load_timeline()
+    tool = load_tool("timeline.py")
     trace = {"traceEvents": [
         {"cat": "kernel", "name": "fwd(int)", "ts": 100.0, "dur": 10.0},
         {"cat": "cpu_op", "name": "host", "ts": 0.0, "dur": 500.0},
