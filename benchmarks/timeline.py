@@ -13,7 +13,12 @@ ab_versions.py reads it), span (first kernel's start to the last one's end), bus
 of kernel intervals), idle (span - busy); then per kernel of a call, in launch order, the
 median duration and the median gap before it (the first kernel's gap is the one after the
 previous call's last kernel, which is where host time between calls shows). CUPTI adds about a
-microsecond per launch to both implementations alike.
+microsecond per launch to both implementations alike. A table last: per shape, speed = mx.fast's
+wall / ours and kernel = the same for busy time.
+
+Take --rounds 4 or more: a GPU that has idled runs its first samples faster, so implementations
+timed one after the other (--rounds 1) favour the first (H200: ours read 3.72 / 3.48 ms against
+mx.fast's 3.67 / 3.68 in two such runs, 3.62 against 3.48 in rounds; RESULTS.md).
 """
 from __future__ import annotations
 
@@ -110,9 +115,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tuning", type=parse_tuning, nargs="*", default=[], help="KEY=VALUE of ours' Tuning")
     parser.add_argument("--pass", dest="pass_name", choices=("forward", "forward_backward"), default="forward_backward")
     parser.add_argument("--back-to-back", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=5, help="samples per implementation a round")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="rounds, the implementations in turn (reversed every other round)")
+    parser.add_argument("--samples", type=int, default=3, help="samples per implementation a round")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="rounds, the implementations in turn (reversed every other round; see above)")
     parser.add_argument("--untraced", action="store_true",
                         help="time the walls only, without CUPTI (does tracing change them?)")
     parser.add_argument("--out", default=None, help="write the results as JSON in this folder")
@@ -164,7 +169,22 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "timeline.json").write_text(json.dumps({"environment": env, "results": results}, indent=1))
+    print("\n" + summary(results))
     return 0
+
+
+def summary(results) -> str:
+    """One line per shape: both walls, speed = mx.fast's wall / ours, and with a trace the same
+    for kernel (busy) time and each side's idle time per call."""
+    rows = []
+    for case in dict.fromkeys(row["label"] for row in results):
+        side = {row["implementation"]: row for row in results if row["label"] == case}
+        ours, fast = side.get("ours", {}), side.get("mx.fast", {})
+        ratio = lambda key: (f"{fast[key] / ours[key]:.3f}x" if key in ours and key in fast and ours[key] else None)
+        ms = lambda row, key: f"{row[key]:.3f}" if key in row else None
+        rows.append([case, ms(ours, "wall_ms"), ms(fast, "wall_ms"), ratio("wall_ms"), ratio("busy_ms"),
+                     ms(ours, "idle_ms"), ms(fast, "idle_ms")])
+    return bm.format_table(["shape", "ours ms", "mx.fast ms", "speed", "kernel", "idle ours", "idle mx.fast"], rows)
 
 
 if __name__ == "__main__":

@@ -871,6 +871,10 @@ def test_timeline_splits_samples_into_calls_and_gaps(tmp_path):
     assert [k["us"] for k in row["kernels"]] == [10.0, 2.5, 5.5]
     assert "error" in tool.analyse([0.001], events[:5], samples=1, calls=2)
     assert tool.analyse([0.002, 0.004], [], samples=2, calls=2) == {"wall_ms": 3.0}
+    table = tool.summary([{"label": "s", "implementation": "ours", **row},
+                          {"label": "s", "implementation": "mx.fast", "wall_ms": 1.5, "busy_ms": 0.0085,
+                           "idle_ms": 0.001}]).splitlines()
+    assert len(table) == 3 and table[2].split()[:5] == ["s", "1.000", "1.500", "1.500x", "0.500x"]  # kernel: 0.0085 / 0.017
 
 
 def test_timeline_needs_a_gpu_and_valid_arguments():
