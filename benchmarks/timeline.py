@@ -102,7 +102,8 @@ def analyse(walls, events, samples: int, calls: int) -> dict:
     names = [name for _, _, name in events[:per_call]]
     median = statistics.median
     return {"wall_ms": median(walls) * 1e3, "span_ms": median(spans) / calls / 1e3,
-            "busy_ms": median(busies) / calls / 1e3, "idle_ms": median(b - a for a, b in zip(busies, spans)) / calls / 1e3,
+            "busy_ms": median(busies) / calls / 1e3,
+            "idle_ms": median(span - busy for busy, span in zip(busies, spans)) / calls / 1e3,
             "kernels_per_call": per_call,
             "kernels": [{"name": names[i].split("(")[0][:90], "us": round(median(durations[i]), 1),
                          "gap_before_us": round(median(gaps[i]), 1) if gaps[i] else None} for i in range(per_call)]}
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
             print(f"\n{case.label()} {impl}: wall {row['wall_ms']:.3f} ms/call, span {row['span_ms']:.3f}, "
                   f"busy {row['busy_ms']:.3f}, idle {row['idle_ms']:.3f}, {row['kernels_per_call']} kernels")
             for kernel in row["kernels"]:
-                print(f"  {kernel['us']:9.1f} us  gap {kernel['gap_before_us'] if kernel['gap_before_us'] is not None else '-':>7}"
+                gap = kernel["gap_before_us"]
+                print(f"  {kernel['us']:9.1f} us  gap {gap if gap is not None else '-':>7}"
                       f"  {kernel['name']}")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
