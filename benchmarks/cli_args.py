@@ -30,3 +30,12 @@ def parse_tuning(text: str):
     except (ValueError, SyntaxError):
         raise argparse.ArgumentTypeError(f"--tuning takes KEY=VALUE with VALUE a Python literal (e.g. "
                                          f"scale_fold=True), got {text!r}") from None
+
+
+def cuda_backend(tuning):
+    """flash_attention's backend for the "cuda" backend with [(KEY, VALUE)] of cuda_source.Tuning
+    (parse_tuning's pairs): the name where there are none, else a CUDABackend with them."""
+    if not tuning:
+        return "cuda"
+    from mlx_flash.backends import cuda, cuda_source
+    return cuda.CUDABackend(tuning=cuda_source.Tuning(**dict(tuning)))

@@ -33,7 +33,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from cli_args import parse_shape, parse_tuning  # benchmarks/cli_args.py
+from cli_args import cuda_backend, parse_shape, parse_tuning  # benchmarks/cli_args.py
 
 SCRIPT = Path(__file__).resolve()
 ROOT = SCRIPT.parent.parent
@@ -69,9 +69,7 @@ def child(shape: str, pass_name: str, backend: str, tuning) -> int:
     if backend == "mlx":
         attention = bm.fast_attention
     else:
-        from mlx_flash.backends import cuda, cuda_source
-        chosen = cuda.CUDABackend(tuning=cuda_source.Tuning(**dict(tuning))) if tuning else "cuda"
-        attention = bm.flash_attention_with(chosen)
+        attention = bm.flash_attention_with(cuda_backend(tuning))
     inputs = bm.random_inputs(case)
     mx.eval(inputs)
     prepare, run = bm.mlx_pass(attention, case, inputs, pass_name)

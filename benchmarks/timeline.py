@@ -34,7 +34,7 @@ import mlx.core as mx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from cli_args import parse_shape, parse_tuning  # noqa: E402  (benchmarks/cli_args.py)
+from cli_args import cuda_backend, parse_shape, parse_tuning  # noqa: E402  (benchmarks/cli_args.py)
 from mlx_flash import benchmark as bm  # noqa: E402
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -125,14 +125,11 @@ def main(argv=None) -> int:
     if min(args.back_to_back, args.samples, args.rounds) < 1:
         parser.error(f"--back-to-back, --samples and --rounds must be >= 1, got {args.back_to_back}, "
                      f"{args.samples} and {args.rounds}")
+    if args.tuning and args.backend != "cuda":
+        parser.error(f"--tuning sets the cuda backend's Tuning; --backend is {args.backend!r}")
     if mx.default_device().type != mx.gpu:
         raise SystemExit("timeline.py records GPU kernels: run it where MLX's default device is a GPU")
-    backend = args.backend
-    if args.tuning:
-        from mlx_flash.backends.cuda import CUDABackend
-        from mlx_flash.backends.cuda_source import Tuning
-        backend = CUDABackend(tuning=Tuning(**dict(args.tuning)))
-    ours = bm.flash_attention_with(backend)
+    ours = bm.flash_attention_with(cuda_backend(args.tuning) if args.backend == "cuda" else args.backend)
     env = bm.environment(args.backend, args.backend)
     print(f"# {env['device_name']}, mlx {env['mlx_version']}, commit {env['git_commit']}, {args.pass_name}, "
           f"{args.back_to_back} calls back to back, compiled")

@@ -887,6 +887,9 @@ def test_timeline_needs_a_gpu_and_valid_arguments():
     done = subprocess.run([sys.executable, script, "--shapes", "1,2,64,64,none", "--rounds", "0"], env=ENV,
                           capture_output=True, text=True)
     assert done.returncode == 2 and "--rounds" in done.stderr
+    done = subprocess.run([sys.executable, script, "--shapes", "1,2,64,64,none", "--backend", "mlx", "--tuning",
+                           "fused_query=True"], env=ENV, capture_output=True, text=True)
+    assert done.returncode == 2 and "--tuning" in done.stderr and "'mlx'" in done.stderr
     if mx.default_device().type == mx.cpu:
         done = subprocess.run([sys.executable, script, "--shapes", "1,2,64,64,none"], env=ENV, capture_output=True,
                               text=True)
