@@ -145,6 +145,9 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
+// dK and dV stored through shared memory in 16-byte chunks (store_tile_staged) where each
+// warpgroup owns all of D of its keys in T (no slices, column groups or fp32 parts).
+constexpr bool STAGED_EPILOGUE = CG == 1 && NSLICE == 1 && !HEAD_SPLIT && HEAD_DIM % 8 == 0;
 static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0 && (BN / 64) * PANELS == CONSUMERS),
               "fused dQ: all of D per warpgroup, no window (the key blocks that see a query block are 0.. the "
               "last), one 64 x 64 unit of the BN x 64 PANELS dQ tile per consumer warpgroup");
@@ -623,6 +626,18 @@ __device__ void attention_backward_key_value_wgmma(
   // (HEAD_SPLIT: this split's part of [SPLITS, B, Nk, Hkv, D]).
   const Layout lout = token_major(Nk, Hkv, HEAD_DIM);
   const i64 part = HEAD_SPLIT ? split * (i64)ip[P_BATCH] * Nk * Hkv * HEAD_DIM : 0;
+  if constexpr (STAGED_EPILOGUE) {
+    // Both through this warpgroup's V tile, whose last reader (dP^T of the last item) was waited
+    // for; not K's, which the other warpgroup's last dQ unit may still read (FUSED_DQ).
+    const Rows<G> dkg = head_rows(dk, lout, b, hk).from(key_first), dvg = head_rows(dv, lout, b, hk).from(key_first);
+    if (vector_rows<HEAD_DIM>(dkg) && vector_rows<HEAD_DIM>(dvg)) {
+      unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
+      const float one[2] = {1.f, 1.f}, scaled[2] = {scale, scale};
+      store_tile_staged<HEAD_DIM>(dva, one, v_tile, warp, lane, Nk - key_first, dvg);
+      store_tile_staged<HEAD_DIM>(dka, scaled, v_tile, warp, lane, Nk - key_first, dkg);
+      return;
+    }
+  }
   store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0,
                                 head_rows(dk + part, lout, b, hk).from(key_first), scale, tq);
   store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0,

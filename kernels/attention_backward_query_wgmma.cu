@@ -65,6 +65,9 @@ static_assert(DQ % 16 == 0 && DQ <= 256 && CG * DQ >= DP, "wgmma N (the dQ tile 
 static_assert(CG == 1 ? DQ == DP : CG == 2 && CONSUMERS == 2 && DQ % 64 == 0 && DQ < DP,
               "column groups: two warpgroups, DQ on 64-column panels");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
+// dQ stored through shared memory in 16-byte chunks (store_tile_staged) where each warpgroup
+// owns all of D (its dO tile is free after the loop).
+constexpr bool STAGED_EPILOGUE = CG == 1 && HEAD_DIM % 8 == 0;
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdqwg
 
@@ -291,8 +294,16 @@ __device__ void attention_backward_query_wgmma(
   }
 
   // dQ = scale * dS K (the scores' scale).
-  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, col0,
-                                head_rows(dq, token_major(Nq, Hq, HEAD_DIM), b, h).from(query_first), scale, tq);
+  const Rows<T> dqg = head_rows(dq, token_major(Nq, Hq, HEAD_DIM), b, h).from(query_first);
+  if constexpr (STAGED_EPILOGUE) {
+    // Through this warpgroup's dO tile, whose last reader (dP of the last step) was waited for.
+    if (vector_rows<HEAD_DIM>(dqg)) {
+      const float scaled[2] = {scale, scale};
+      store_tile_staged<HEAD_DIM>(dqa, scaled, dOs + row_group * Q_GROUP_BYTES, warp, lane, Nq - query_first, dqg);
+      return;
+    }
+  }
+  store_gradient_tile<HEAD_DIM>(dqa, warp * 16 + g, Nq - query_first, col0, dqg, scale, tq);
 }
 
 }  // namespace mlxflash

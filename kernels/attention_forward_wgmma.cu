@@ -90,6 +90,9 @@ static_assert(DV % 16 == 0 && DV <= 256 && DV * CG >= DP, "wgmma N is at most 25
 static_assert(CG == 1 ? DV == DP : CG == 2 && CONSUMERS == 2 && DV % 64 == 0 && DV < DP && !PINGPONG,
               "column groups: two warpgroups on 64 rows, DV on 64-column panels");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
+// O stored through shared memory in 16-byte chunks (store_tile_staged) where each warpgroup owns
+// all of D (its Q tile is free after the loop) and rows split into whole chunks.
+constexpr bool STAGED_EPILOGUE = CG == 1 && HEAD_DIM % 8 == 0;
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
 }  // namespace fwdwg
 
@@ -295,8 +298,25 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, col0, head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h),
-                              col0 == 0 ? lse + bh * Nq : nullptr, tq);
+  const Rows<T> og = head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h);
+  if constexpr (STAGED_EPILOGUE) {
+    // O through this warpgroup's Q tile: its last reader, S of the last step, was waited for.
+    const int q_row = q0 + row_group * 64;
+    if (vector_rows<HEAD_DIM>(og)) {
+      float inv[2];
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const float l = quad_sum(row_sum[hf]);
+        inv[hf] = l > 0.f ? 1.f / l : 0.f;
+        const int i = row0 + 8 * hf;
+        if (i < Nq && tq == 0)
+          lse[bh * Nq + i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
+      }
+      store_tile_staged<HEAD_DIM>(o, inv, Qs + row_group * Q_GROUP_BYTES, warp, lane, Nq - q_row, og.from(q_row));
+      return;
+    }
+  }
+  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, col0, og, col0 == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash

@@ -336,6 +336,41 @@ __device__ __forceinline__ void store_scores_rows(const u32 (&a)[BN / 16][4], un
   fence_proxy_async();
 }
 
+// The epilogue of a warpgroup's 64 x HEAD_DIM output tile (O, dQ, dK or dV in the accumulator
+// layout: rows 16 warp + g (+ 8), columns 8 n + 2 tq (+ 1)) through shared memory. Stored from
+// the fragments, a warp's 4-byte stores put 16 bytes into each of 8 rows, 8 partial 128-byte
+// lines per instruction; here each warp writes its 16 rows (times factor[hf], as T) into `tile`,
+// a 64-row swizzled tile that no wgmma reads any more (conflict-free 4-byte stores, as
+// store_scores_rows), and reads them back as 16-byte chunks, consecutive lanes along a row, so
+// its global stores fill whole lines. A warp touches only its own rows: __syncwarp orders the
+// two halves, and a second call on the same tile (dK after dV) waits for the first's reads.
+// Rows >= rows_valid are not stored. g: row 0 = tile row 0, vector_rows (16-byte chunks).
+template <int HEAD_DIM, int NO, typename T>
+__device__ __forceinline__ void store_tile_staged(const float (&acc)[NO][4], const float (&factor)[2],
+                                                  unsigned char* tile, int warp, int lane, int rows_valid,
+                                                  const Rows<T>& g) {
+  static_assert(HEAD_DIM % 8 == 0 && NO * 8 >= HEAD_DIM, "16-byte chunks of the real columns");
+  constexpr int CHUNKS = HEAD_DIM / 8;  // per row
+  const int tq = lane % 4, first = warp * 16 + lane / 4;  // row first % 8 == lane / 4
+  unsigned char* rows = tile + first * 128 + 4 * tq;
+#pragma unroll
+  for (int n = 0; n < CHUNKS; ++n)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const u32 at = (n / 8) * 64 * 128 + hf * 8 * 128 + (((n % 8) ^ (lane / 4)) * 16);
+      *reinterpret_cast<u32*>(rows + at) = pack2(acc[n][2 * hf] * factor[hf], acc[n][2 * hf + 1] * factor[hf], T());
+    }
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < 16 * CHUNKS; i += 32) {
+    const int r = warp * 16 + i / CHUNKS, c = i % CHUNKS;
+    if (r < rows_valid)
+      *reinterpret_cast<uint4*>(g.p + r * g.row + 8 * c) =
+          *reinterpret_cast<const uint4*>(tile + (c / 8) * 64 * 128 + r * 128 + (((c % 8) ^ (r % 8)) * 16));
+  }
+  __syncwarp();
+}
+
 // Ordered writes into global memory by other CTAs (the fused dQ: the first a bulk store, the
 // rest bulk adds): a count each writer waits on. wait_for_count spins until *count (global)
 // reaches `value`; its acquire orders this thread's later bulk adds after the writes the count
