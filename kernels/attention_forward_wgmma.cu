@@ -81,7 +81,9 @@ constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // kernel's 24 / 32 (its TMA path fits) lost here: H100, kernel time against 48, B=4 H=16 N=4096,
 // D=64 BN = 96 1.045x (causal 1.051x), BN = 128 (no longer spilling on 160) 0.953x (1.014x); D=256
 // 1.030x (1.002x).
-constexpr int PRODUCER_REGS = 48;
+// Three consumers at BN = 128 (the D <= 64 row): the dQ kernel's 32 / 160, where the consumers
+// hold BN = 128 without spills; at BN = 96 (that row's softcap and window calls) 48 / 152 stays.
+constexpr int PRODUCER_REGS = CONSUMERS == 3 && BN >= 128 ? 32 : 48;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
 static_assert(128 * PRODUCER_REGS + 128 * CONSUMERS * CONSUMER_REGS <= LAUNCH_REGS * THREADS, "register split");

@@ -647,7 +647,7 @@ def test_wgmma_only_on_a_real_sm90(monkeypatch):
 def test_variant_key_holds_family_and_tuning():
     """A variant is the cache key: the family and the tuning value are part of it."""
     base = _variant("forward", 64, Tuning(), real_sm90=True)
-    assert base.traversal_block == 96  # blocks_cuda.txt, sm90_wgmma, D <= 64
+    assert base.traversal_block == 128  # blocks_cuda.txt, sm90_wgmma, D <= 64
     tuned = _variant("forward", 64, Tuning(blocks={"forward_wgmma": (128, 64, 64, 8)}), real_sm90=True)
     assert tuned.traversal_block == 64 and tuned != base
     assert _variant("forward", 64, Tuning(), real_sm90=True) is base  # cached

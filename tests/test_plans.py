@@ -92,8 +92,8 @@ def test_cuda_rows_past_the_limit_are_an_error():
 
 
 def test_cuda_masked_keys_option():
-    """A wgmma row's masked_t<N> / window_t<N> give calls with an array mask / a window T = N (the
-    smaller with both); other calls keep the row's T."""
+    """A wgmma row's masked_t<N> / window_t<N> / softcap_t<N> give calls with an array mask / a
+    window / a softcap T = N (the smallest with several); other calls keep the row's T."""
     import dataclasses
 
     import mlx.core as mx
@@ -101,17 +101,21 @@ def test_cuda_masked_keys_option():
 
     sm90 = cuda_source.family_named("sm90")
 
-    def keys(mask, table=None, head_dim=160, window=None):
+    def keys(mask, table=None, head_dim=160, window=None, softcap=None):
         mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
         spec = inspect.make_spec(head_dim, "bfloat16", mask)
         if window is not None:  # an array mask and a window together
             spec = dataclasses.replace(spec, window=window)
+        if softcap is not None:
+            spec = dataclasses.replace(spec, softcap=softcap)
         return cuda_source.make_variant("forward", spec, mask_dtype, sm90, Tuning(), True, table).traversal_block
 
     assert [keys(m) for m in ("none", "causal", "window", "bool", "additive")] == [96, 96, 96, 64, 64]
     assert [keys(m, head_dim=256) for m in ("none", "causal", "window", "bool", "additive")] == [80, 80, 64, 64, 64]
     assert [keys(m, head_dim=128) for m in ("none", "causal", "bool", "additive")] == [128, 128, 96, 96]
-    assert [keys(m, head_dim=64) for m in ("none", "causal", "bool", "additive")] == [96, 96, 64, 64]
+    assert [keys(m, head_dim=64) for m in ("none", "causal", "window", "bool", "additive")] == [128, 128, 96, 64, 64]
+    assert keys("none", head_dim=64, softcap=30.0) == keys("causal", head_dim=40, softcap=30.0) == 96
+    assert keys("bool", head_dim=64, softcap=30.0) == 64 and keys("none", softcap=30.0) == 96  # D=160: no option
     shipped = planner.shipped_table("cuda")
 
     def with_options(options):
@@ -125,7 +129,10 @@ def test_cuda_masked_keys_option():
     both = with_options({"masked_t48", "window_t32"})
     assert [keys(m, both) for m in ("none", "window", "bool")] == [96, 32, 48]
     assert keys("bool", both, window=(8, 0)) == 32 and keys("bool", with_options({"masked_t48"}), window=(8, 0)) == 48
-    for bad, name in (({"masked_tx"}, "masked_t"), ({"masked_t32", "masked_t48"}, "masked_t"), ({"window_t"}, "window_t")):
+    capped = with_options({"masked_t48", "softcap_t64"})
+    assert [keys("none", capped), keys("none", capped, softcap=5.0), keys("bool", capped, softcap=5.0)] == [96, 64, 48]
+    for bad, name in (({"masked_tx"}, "masked_t"), ({"masked_t32", "masked_t48"}, "masked_t"), ({"window_t"}, "window_t"),
+                      ({"softcap_t1x"}, "softcap_t")):
         with pytest.raises(ValueError, match=name):
             keys("bool", with_options(bad))
     with pytest.raises(ValueError, match="multiple of 16"):

@@ -71,11 +71,13 @@ WGMMA_MAP_BYTES = tensor_map.SLOT_BYTES
 # The block table's options column (CUDA): consumer warpgroups take turns issuing MMAs
 # (FlashAttention-3's scheduler barriers), on the wgmma forward's rows up to D = 128.
 PINGPONG = "pingpong"
-# ... and masked_t<N> / window_t<N>: the row's T for calls with an array mask (bool or additive) /
-# a sliding window on a wgmma row, where the row's own T spills with the mask's loads or the
-# window's bounds and is slower (blocks_cuda.txt says where). A call with both takes the smaller.
+# ... and masked_t<N> / window_t<N> / softcap_t<N>: the row's T for calls with an array mask (bool
+# or additive) / a sliding window / a logit softcap on a wgmma row, where the row's own T spills
+# with the mask's loads, the window's bounds or the softcap's tanh and is slower (blocks_cuda.txt
+# says where). A call with several takes the smallest.
 MASKED_KEYS = "masked_t"
 WINDOW_KEYS = "window_t"
+SOFTCAP_KEYS = "softcap_t"
 # ... and fused_dq_from<N> / fused_dq_causal_from<N>: for calls of at least N queries without an
 # array mask, a window or sinks, non-causal / causal, the wgmma dK/dV kernel accumulates dQ too (5
 # products a step for the backward instead of 7; kernels/attention_backward_key_value_wgmma.cu,
@@ -685,8 +687,10 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
                         table or planner.active_table("cuda", family.name))
     block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
     where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
-    masked, windowed = (option_keys(plan.cached, prefix, where) for prefix in (MASKED_KEYS, WINDOW_KEYS))
-    keys = min([t for t, applies in ((masked, spec.mask_kind != "none"), (windowed, spec.window is not None))
+    masked, windowed, capped = (option_keys(plan.cached, prefix, where)
+                                for prefix in (MASKED_KEYS, WINDOW_KEYS, SOFTCAP_KEYS))
+    keys = min([t for t, applies in ((masked, spec.mask_kind != "none"), (windowed, spec.window is not None),
+                                     (capped, spec.softcap is not None))
                 if applies and t is not None], default=keys)
     override = tuning.block_override(kernel + "_wgmma")
     if override is not None:
