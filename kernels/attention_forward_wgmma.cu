@@ -5,9 +5,10 @@
 //   - a producer warpgroup streams K and V tiles into a ring of STAGES shared memory buffers,
 //     each tile one TMA load per 64-column panel issued by one thread, which the hardware
 //     counts on the tile's mbarrier ("full") as it lands (rows TMA cannot name: all 128 threads
-//     with cp.async); it runs on 48 registers (setmaxnreg) since it holds no tiles;
+//     with cp.async); it runs on 48 registers (setmaxnreg, 32 on the D <= 64 row) since it
+//     holds no tiles;
 //   - CONSUMERS consumer warpgroups (64 query rows each, DV output columns) run the MMAs and
-//     the online softmax on 224 registers (152 with three, the D <= 64 table row), and hand
+//     the online softmax on 224 registers (160 with three, the D <= 64 table row), and hand
 //     each buffer back on its "empty" mbarrier as soon as their MMAs have read it.
 // Past D = 256 (wgmma's N; O's 512 columns would take 256 accumulator registers a thread) O is
 // split by columns in column groups (CG = 2, P = 64): both consumer warpgroups own the same 64
@@ -77,12 +78,13 @@ static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than
 // take, or their setmaxnreg.inc waits forever.
 constexpr int LAUNCH_REGS = 65536 / THREADS / 8 * 8;
 // 48 / 224 (two consumers): with 40 the producer's copy loop spills at D=256 (nvcc 13.0); the
-// consumers need at most 224 at D <= 256 with BN = 64 (D > 128) or 128 (no spills). The dQ
-// kernel's 24 / 32 (its TMA path fits) lost here: H100, kernel time against 48, B=4 H=16 N=4096,
-// D=64 BN = 96 1.045x (causal 1.051x), BN = 128 (no longer spilling on 160) 0.953x (1.014x); D=256
-// 1.030x (1.002x).
-// Three consumers at BN = 128 (the D <= 64 row): the dQ kernel's 32 / 160, where the consumers
-// hold BN = 128 without spills; at BN = 96 (that row's softcap and window calls) 48 / 152 stays.
+// consumers need at most 224 at D <= 256 with BN = 64 (D > 128) or 128 (no spills). A producer
+// on 32 (the dQ kernel's; its TMA path fits) against 48, H100, kernel time, B=4 H=16 N=4096:
+// D=256 1.030x (causal 1.002x); three consumers (D=64) at BN = 96 1.045x (1.051x), at BN = 128,
+// which spills on 152 but not on 160, 0.953x (1.014x). So three consumers at BN = 128 (the
+// D <= 64 row) take 32 / 160 (H200: 0.935x the forward time of BN = 96 on 48 / 152 at B=4
+// N=4096, blocks_cuda.txt has the rest), and at BN = 96 (that row's softcap and window calls)
+// 48 / 152.
 constexpr int PRODUCER_REGS = CONSUMERS == 3 && BN >= 128 ? 32 : 48;
 constexpr int CONSUMER_REGS_FIT = (LAUNCH_REGS * THREADS - 128 * PRODUCER_REGS) / (128 * CONSUMERS) / 8 * 8;
 constexpr int CONSUMER_REGS = CONSUMER_REGS_FIT < 240 ? CONSUMER_REGS_FIT : 240;
