@@ -663,9 +663,17 @@ __device__ __forceinline__ void store_gradient_tile(const float (&acc)[NO][4], i
   }
 }
 
+// A row's softmax statistics at the end of the forward, from its max (log2 units) and its summed
+// row sum l: the factor that normalizes O (0 for a row that saw no key) and its log-sum-exp
+// L = max * ln 2 + ln(l) (natural log, -inf for a row that saw no key).
+__device__ __forceinline__ float row_inverse_sum(float l) { return l > 0.f ? 1.f / l : 0.f; }
+__device__ __forceinline__ float row_lse(float row_max, float l) {
+  return l > 0.f ? row_max * 0.6931471805599453f + logf(l) : -INFINITY;
+}
+
 // The forward's epilogue for one 16-row m-tile (layout as above): O / rowsum stored for rows
 // < Nq and columns col0 + 8 n + 2 tq (+1) < HEAD_DIM of out (this head's rows, unit column stride);
-// L = max * ln 2 + ln(sum) (natural log, -inf for rows that saw no key) into lse when non-null.
+// the row's lse (row_lse) into lse when non-null.
 template <int HEAD_DIM, int NO, typename T>
 __device__ __forceinline__ void store_output_tile(const float (&o)[NO][4], const float (&row_max)[2],
                                                   const float (&row_sum)[2], int row0, int Nq, int col0,
@@ -674,10 +682,10 @@ __device__ __forceinline__ void store_output_tile(const float (&o)[NO][4], const
   for (int hf = 0; hf < 2; ++hf) {
     const int i = row0 + 8 * hf;
     const float l = quad_sum(row_sum[hf]);
-    const float inv = l > 0.f ? 1.f / l : 0.f;
+    const float inv = row_inverse_sum(l);
     if (i < Nq) {
       store_scaled_row<HEAD_DIM>(o, hf, out.p + i * out.row, col0, inv, tq);
-      if (lse != nullptr && tq == 0) lse[i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
+      if (lse != nullptr && tq == 0) lse[i] = row_lse(row_max[hf], l);
     }
   }
 }

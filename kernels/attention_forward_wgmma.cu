@@ -311,10 +311,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
 #pragma unroll
       for (int hf = 0; hf < 2; ++hf) {
         const float l = quad_sum(row_sum[hf]);
-        inv[hf] = l > 0.f ? 1.f / l : 0.f;
+        inv[hf] = row_inverse_sum(l);
         const int i = row0 + 8 * hf;
-        if (i < Nq && tq == 0)
-          lse[bh * Nq + i] = l > 0.f ? row_max[hf] * 0.6931471805599453f + logf(l) : -INFINITY;
+        if (i < Nq && tq == 0) lse[bh * Nq + i] = row_lse(row_max[hf], l);
       }
       store_tile_staged<HEAD_DIM>(o, inv, Qs + row_group * Q_GROUP_BYTES, warp, lane, Nq - q_row, og.from(q_row));
       return;
