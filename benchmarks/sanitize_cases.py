@@ -10,7 +10,9 @@ window and GQA; every call is also checked against the "mlx" backend in fp32.
 
 --layout lays q, k and v out as mlx-lm does ("token_major": transposed views of [B, N, H, D]
 buffers, the kernels' 16-byte path at another row stride) or at an odd offset into wider rows
-("offset": the element-wise path); default "row".
+("offset": the element-wise path); default "row". --cotangent broadcast takes the loss as
+out.sum() in out's dtype, whose gradient reaches the backward as a stride-0 broadcast (the
+kernels' gathered loads of dO); default "dense" (out.astype(float32).sum(): a row-contiguous one).
 
 --head-dims keeps only the cases of those head dims (96, 160 and 200 are the wgmma dK/dV
 kernel's three schemes on an H100: a bool mask with softcap, causal at BN = 32, additive with
@@ -51,6 +53,7 @@ CASES = ((64, "causal", 100), (48, "bool", 81), (96, "bool", 70), (128, None, 30
 
 
 LAYOUTS = ("row", "token_major", "offset")
+COTANGENTS = ("dense", "broadcast")
 
 
 def laid_out(x: mx.array, layout: str) -> mx.array:
@@ -63,7 +66,7 @@ def laid_out(x: mx.array, layout: str) -> mx.array:
 
 
 def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fused_dq: bool = False,
-        head_splits=None, group: int = 2) -> float:
+        head_splits=None, group: int = 2, cotangent: str = "dense") -> float:
     """Worst relative error of out / dq / dk / dv against the mlx backend over `cases`.
 
     Args:
@@ -74,6 +77,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
         fused_dq: force the dK/dV kernel's fused dQ where it fits (Tuning.fused_query).
         head_splits: Tuning.head_splits (None: the table's).
         group: query heads on the one kv head.
+        cotangent: "dense" or "broadcast" (COTANGENTS: how d_out reaches the backward).
     """
     if capability == "native":
         os.environ.pop(CAPABILITY_VARIABLE, None)
@@ -100,7 +104,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
         def loss(chosen, dtype):
             def f(q_, k_, v_):
                 o = flash_attention(q_.astype(dtype), k_.astype(dtype), v_.astype(dtype), backend=chosen, **kwargs)
-                return o.astype(mx.float32).sum(), o
+                return (o.sum() if cotangent == "broadcast" else o.astype(mx.float32).sum()), o
             return mx.value_and_grad(f, argnums=(0, 1, 2))
 
         (_, out), grads = loss(backend, mx.bfloat16)(q, k, v)
@@ -112,7 +116,7 @@ def run(capability: str, cases=CASES, n_override=None, layout: str = "row", fuse
     family = backend.family()
     print(f"capability {capability}: family {family.name if family else None}, {layout} layout, {len(cases)} cases "
           f"(head dims {', '.join(str(c[0]) for c in cases)}){', fused dQ' if fused_dq else ''}"
-          f"{f', head splits {head_splits}' if head_splits else ''}, {group} query heads, "
+          f"{f', head splits {head_splits}' if head_splits else ''}, {group} query heads, {cotangent} cotangent, "
           f"worst relative error vs mlx fp32 {worst:.2e}",
           flush=True)
     return worst
@@ -126,6 +130,8 @@ def main(argv=None) -> int:
                         help="only the cases of these head dims (default: every case)")
     parser.add_argument("--n", type=int, help="query length of every case (keys: n + 3) instead of its own")
     parser.add_argument("--layout", choices=LAYOUTS, default="row", help="how q, k and v lie in memory")
+    parser.add_argument("--cotangent", choices=COTANGENTS, default="dense",
+                        help="how d_out reaches the backward (broadcast: out.sum()'s)")
     parser.add_argument("--fused-dq", action="store_true", help="force the dK/dV kernel's fused dQ where it fits")
     parser.add_argument("--head-splits", type=int, help="Tuning.head_splits (default: the table's)")
     parser.add_argument("--group", type=int, default=2, help="query heads on the one kv head (default 2)")
@@ -140,7 +146,7 @@ def main(argv=None) -> int:
         parser.error(f"--head-splits must be >= 1, got {args.head_splits}")
     if args.group < 1:
         parser.error(f"--group must be >= 1, got {args.group}")
-    errors = [run(c, cases, args.n, args.layout, args.fused_dq, args.head_splits, args.group)
+    errors = [run(c, cases, args.n, args.layout, args.fused_dq, args.head_splits, args.group, args.cotangent)
               for c in args.capabilities]
     print("sanitize cases done" + (" (ERROR over 6e-2)" if max(errors) > 6e-2 else ""), flush=True)
     return 1 if max(errors) > 6e-2 else 0

@@ -223,7 +223,7 @@ __device__ __forceinline__ void wgmma_registers_shared(float (&acc)[N / 2], cons
 // Copies rows [0, rows_valid) x columns [0, cols) of g (rows through their strides; cols <=
 // HEAD_DIM, a multiple of 8 with vec: the forward's column groups load a part of Q) into a
 // ROWS x (64 PANELS) swizzled tile; everything else is zero-filled. `tid` in [0, THREADS). vec:
-// 16-byte cp.async chunks (vector_rows), else element by element.
+// 16-byte cp.async chunks (vector_rows), else gathered chunks (gather_chunk).
 // Thread tid copies 16-byte chunk column tid % CHUNKS of rows tid / CHUNKS + i * (THREADS / CHUNKS):
 // its shared and global offsets then advance by constants, so each copy costs a few instructions
 // (the general index arithmetic cost ~25 per 16-byte copy and made the producer warpgroup too
@@ -256,10 +256,10 @@ __device__ __forceinline__ void load_swizzled(unsigned char* tile, const Rows<co
       cp_async16(tile + swizzled_offset(r, c, ROWS), ok ? g.p + r * g.row + c : g.p, ok);
     }
   } else {
-    for (int idx = tid; idx < ROWS * CHUNKS * 8; idx += THREADS) {
-      const int r = idx / (CHUNKS * 8), c = idx % (CHUNKS * 8);
-      const bool ok = r < rows_valid && c < cols;
-      *reinterpret_cast<T*>(tile + swizzled_offset(r, c, ROWS)) = ok ? g(r, c) : T(0.0f);
+#pragma unroll 1
+    for (int idx = tid; idx < ROWS * CHUNKS; idx += THREADS) {
+      const int r = idx / CHUNKS, c = (idx % CHUNKS) * 8;
+      *reinterpret_cast<uint4*>(tile + swizzled_offset(r, c, ROWS)) = gather_chunk(g, r, rows_valid, c, cols);
     }
   }
 }
