@@ -50,8 +50,9 @@ def _attention_function(backend, spec, has_mask: bool, lse_is_used: bool):
     [B, N, H, D] buffer (the caller takes the [B, H, N, D] view), so d_out arrives [B, N, H, D]-shaped
     and is made row-contiguous here: no copy where a model transposes and reshapes the output
     (mlx-lm: the cotangent is then row-contiguous already), one copy of a broadcast cotangent
-    (out.sum()'s), which the kernels would otherwise read element by element (fwd+bwd took 6-12x
-    as long on an H100).
+    (out.sum()'s), which the kernels would otherwise read through gathered loads at every step
+    (fwd+bwd took 4-5x as long on an H200), and one of a [B, H, N, D] one (docs/cuda_notes.md,
+    "Strided inputs": the ways past it measured so far).
     """
     token_major = writes_token_major(backend)
     contiguous_d_out = takes_row_contiguous(backend)
