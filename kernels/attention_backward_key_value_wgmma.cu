@@ -626,10 +626,11 @@ __device__ void attention_backward_key_value_wgmma(
   // (HEAD_SPLIT: this split's part of [SPLITS, B, Nk, Hkv, D]).
   const Layout lout = token_major(Nk, Hkv, HEAD_DIM);
   const i64 part = HEAD_SPLIT ? split * (i64)ip[P_BATCH] * Nk * Hkv * HEAD_DIM : 0;
+  auto gradient_rows = [&](G* x) { return head_rows(x + part, lout, b, hk).from(key_first); };
   if constexpr (STAGED_EPILOGUE) {
     // Both through this warpgroup's V tile, whose last reader (dP^T of the last item) was waited
     // for; not K's, which the other warpgroup's last dQ unit may still read (FUSED_DQ).
-    const Rows<G> dkg = head_rows(dk, lout, b, hk).from(key_first), dvg = head_rows(dv, lout, b, hk).from(key_first);
+    const Rows<G> dkg = gradient_rows(dk), dvg = gradient_rows(dv);
     if (vector_rows<HEAD_DIM>(dkg) && vector_rows<HEAD_DIM>(dvg)) {
       unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
       const float one[2] = {1.f, 1.f}, scaled[2] = {scale, scale};
@@ -638,10 +639,8 @@ __device__ void attention_backward_key_value_wgmma(
       return;
     }
   }
-  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0,
-                                head_rows(dk + part, lout, b, hk).from(key_first), scale, tq);
-  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0,
-                                head_rows(dv + part, lout, b, hk).from(key_first), 1.f, tq);
+  store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, gradient_rows(dk), scale, tq);
+  store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, gradient_rows(dv), 1.f, tq);
 }
 
 }  // namespace mlxflash
