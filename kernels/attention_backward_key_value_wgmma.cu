@@ -32,9 +32,15 @@
 // - NSLICE > 1 (P = 128, slices): NSLICE CTAs share a key block, each computing dK and dV for
 //   its 128 columns and recomputing S^T and dP^T over all of D; the Q / dO tiles carry 2 NSLICE
 //   panels (columns past D zero-filled).
-// - Both past D = 256 (P = 64, CG = 2, NSLICE = D / 256 rounded up): each CTA's column groups
-//   cover 256 columns, and each CTA recomputes S^T and dP^T (at D = 512, 6 products' work for
-//   4). K and V (64 rows of all of D, 128 KB) leave room for BN = 16 only.
+// - Both past D = 256 (P = 64, CG = 2, NSLICE = 2): the two CTAs of a key block split by role
+//   (ROLES), not by columns. The keys' CTA computes dK for all of D: warpgroup 0 S^T, warpgroup
+//   1 dP^T, swapped as above, each accumulating dK for 256 columns. The values' CTA computes dV
+//   for all of D and needs P^T only: each warpgroup computes S^T over half of D (HALF_PANELS of
+//   K's panels; K is its only resident tile) and they add the two parts through the swap area
+//   (a + b == b + a: both hold the same S^T), as the forward's column groups add S; each then
+//   accumulates dV for 256 columns. At D = 512 that is 5 products' work per key block where
+//   256-column slices, each recomputing S^T and dP^T, took 6. K and V (64 rows of all of D, 128
+//   KB) leave room for BN = 16 only.
 // H100, B=1 H=16 N=4096, interleaved rounds, TFLOP/s column groups / slices: D=160 158 / 164,
 // D=192 174 / 189, D=256 237 / 196 (causal 160 / 146). Issuing the next step's S^T / dP^T
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
@@ -145,6 +151,19 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
+// Past D = 256: CTA 0 of a key block computes dV (VALUES), CTA 1 dK (KEYS); each warpgroup's two
+// 128-column accumulators cover columns [256 w, 256 w + 256) of that gradient. BOTH: dK and dV.
+constexpr bool ROLES = CG == 2 && NSLICE == 2;
+constexpr int BOTH = 0, VALUES = 1, KEYS = 2;
+template <int R>
+struct Role {
+  static constexpr int value = R;
+};
+// The values' CTA: each warpgroup's part of the S^T contraction, in 64-column panels of K and Q
+// (the second part zero-filled past D; its K panels run on into the unused V region).
+constexpr int HALF_PANELS = (PANELS + 1) / 2;
+static_assert(!ROLES || (DS == 128 && 2 * HALF_PANELS <= 2 * PANELS && 2 * HALF_PANELS <= TILE_PANELS),
+              "roles: 128-column accumulators, both halves of K in the K and V regions, of Q in its tile");
 // dK and dV stored through shared memory in 16-byte chunks (store_tile_staged) where each
 // warpgroup owns all of D of its keys in T (no slices, column groups or fp32 parts).
 constexpr bool STAGED_EPILOGUE = CG == 1 && NSLICE == 1 && !HEAD_SPLIT && HEAD_DIM % 8 == 0;
@@ -212,7 +231,6 @@ __device__ void attention_backward_key_value_wgmma(
   block_of(rest, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = warpgroup_index();
-  const int col0 = (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;  // this warpgroup's dK / dV columns
   const int k0 = kb * BM;
   // This CTA's query heads h0.. (group / splits each, the first group % splits splits one more).
   const int per_split = group / splits, extra = group % splits;
@@ -386,12 +404,17 @@ __device__ void attention_backward_key_value_wgmma(
 
   // ---------------- consumers ----------------
   registers_increase<CONSUMER_REGS>();
+  // This warpgroup's dK / dV columns [col0, col0 + DS) (ROLES: its first accumulator's; the
+  // second's start at col0 + DS).
+  const int col0 = ROLES ? 2 * warpgroup * DS : (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;
+  const int role = ROLES ? (cslice == 0 ? VALUES : KEYS) : BOTH;
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;
   const int key_group = warpgroup / CG;
   const int key_first = k0 + key_group * 64;   // this warpgroup's keys: [key_first, key_first + 64)
-  // CG = 2: warpgroup 0 computes S^T (reads K and Q), warpgroup 1 dP^T (V and dO).
-  const bool scores_side = CG == 1 || warpgroup == 0;
+  // CG = 2: warpgroup 0 computes S^T (reads K and Q), warpgroup 1 dP^T (V and dO); in the values'
+  // CTA both compute S^T.
+  const bool scores_side = CG == 1 || warpgroup == 0 || role == VALUES;
   const int row0 = key_first + warp * 16 + g;  // this thread's first key row
 
   float dka[DS / 8][4], dva[DS / 8][4];
@@ -406,8 +429,14 @@ __device__ void attention_backward_key_value_wgmma(
     unsigned char* k_tile = Ks + key_group * KV_GROUP_BYTES;
     unsigned char* v_tile = Vs + key_group * KV_GROUP_BYTES;
     const int kv_row = min(key_first, Nk - 1);
-    if (scores_side)
+    if (role == VALUES) {  // this warpgroup's half of K's panels
+      const int c = warpgroup * HALF_PANELS * 64;
+      const Rows<const T> k_part{kg.p + c * kg.col, kg.row, kg.col};
+      load_swizzled<64, ROLES ? HALF_PANELS : 1, 128, HEAD_DIM>(k_tile + c * 128, k_part.from(kv_row), Nk - key_first,
+                                                                vec, tid % 128, HEAD_DIM - c);
+    } else if (scores_side) {
       load_swizzled<64, PANELS, 128, HEAD_DIM>(k_tile, kg.from(kv_row), Nk - key_first, vec, tid % 128);
+    }
     if (CG == 1 || !scores_side)
       load_swizzled<64, PANELS, 128, HEAD_DIM>(v_tile, vg.from(kv_row), Nk - key_first, vec, tid % 128);
     resident_rows_ready(warpgroup);
@@ -422,8 +451,8 @@ __device__ void attention_backward_key_value_wgmma(
 
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
     // MN-major); the slice starts at panel col0 / 64.
-    auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr) {
-      wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
+    auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr, int col) {
+      wgmma_registers_shared<DS, BN, T>(acc, a, b_addr + (col / 64) * BN * 128, BN * 128, 1024);
     };
 
     // FUSED_DQ: unit `warpgroup` of item j's dQ_part = dS (BN x 128 keys) * K (128 keys x D),
@@ -458,9 +487,11 @@ __device__ void attention_backward_key_value_wgmma(
       mbarrier_arrive(dq_full);
     };
 
-    // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute.
-    auto step = [&](int it, auto first) {
+    // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute. ROLE: the
+    // CTA's (a uniform branch around two whole loops: no wgmma under a runtime condition).
+    auto step = [&](int it, auto first, auto role_of_cta) {
       constexpr bool FIRST = decltype(first)::value;
+      constexpr int ROLE = decltype(role_of_cta)::value;
       const int stage = it % STAGES, gi = item_head(it), qs = item_block(it) * BN;
       const u32 parity = (it / STAGES) & 1;
       const u32 q_addr = smem_u32(Qs + stage * TILE_BYTES), do_addr = smem_u32(dOs + stage * TILE_BYTES);
@@ -469,7 +500,26 @@ __device__ void attention_backward_key_value_wgmma(
 
       // S^T starts as soon as Q has landed. Every acquire fences, TMA tiles too: skipping the
       // fence after TMA tiles cost ptxas 8-12 bytes of spills here (acquire_tile).
-      if (CG == 1) {
+      if constexpr (ROLE == VALUES) {
+        // Each warpgroup's part of S^T over its half of the panels, then the other's part added
+        // (the swap area as below; the same sum in both).
+        const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
+        acquire_tile(full_q(stage), parity, true);
+        wgmma_fence();
+        u32 k_half = k_addr + warpgroup * HALF_PANELS * 64 * 128;
+        asm volatile("" : "+r"(k_half));  // (as the resident tiles below)
+        wgmma_shared_shared<BN, HALF_PANELS * 64, 64, T>(s_flat, k_half, q_addr + warpgroup * HALF_PANELS * BN * 128);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_registers(s_flat);
+        if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
+        store_fragments(s_flat, fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128));
+        named_barrier_sync(SWAP_BARRIER, 256);
+        load_fragments(dp_flat, fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128));
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) s_flat[i] += dp_flat[i];
+        acquire_tile(full_do(stage), parity, true);  // dV's B
+      } else if (CG == 1) {
         acquire_tile(full_q(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
@@ -524,10 +574,12 @@ __device__ void attention_backward_key_value_wgmma(
         float t = 0.f;
         const float s2 = score_log2<SOFTCAP, MASK_KIND>(s[n][2 * hf + e], visible, mp, scale, scale_log2, cap, t);
         const float p = fast_exp2(s2 - Lst[col]);
-        float ds = p * (dp[n][2 * hf + e] - Dst[col]);
-        if (SOFTCAP) ds *= 1.f - t * t;
         s[n][2 * hf + e] = p;
-        dp[n][2 * hf + e] = ds;
+        if constexpr (ROLE != VALUES) {
+          float ds = p * (dp[n][2 * hf + e] - Dst[col]);
+          if (SOFTCAP) ds *= 1.f - t * t;
+          dp[n][2 * hf + e] = ds;
+        }
       };
       if (MASK_KIND == 0 && !SOFTCAP && full_block) {
         // Interior tile, no mask: no index arithmetic (see softmax_scores_tile).
@@ -542,8 +594,10 @@ __device__ void attention_backward_key_value_wgmma(
             const float p1 = fast_exp2(s[n][2 * hf + 1] * scale_log2 - l2.y);
             s[n][2 * hf] = p0;
             s[n][2 * hf + 1] = p1;
-            dp[n][2 * hf] = p0 * (dp[n][2 * hf] - dl.x);
-            dp[n][2 * hf + 1] = p1 * (dp[n][2 * hf + 1] - dl.y);
+            if constexpr (ROLE != VALUES) {
+              dp[n][2 * hf] = p0 * (dp[n][2 * hf] - dl.x);
+              dp[n][2 * hf + 1] = p1 * (dp[n][2 * hf + 1] - dl.y);
+            }
           }
         }
       } else if (MASK_KIND != 0 && full_block) {
@@ -574,18 +628,27 @@ __device__ void attention_backward_key_value_wgmma(
       }
 
       // dV += P^T dO, dK += dS^T Q. The accumulator layout of two n8 tiles is the A fragment
-      // layout of one k16 step.
+      // layout of one k16 step. ROLES: dva and dka hold the CTA's one gradient, columns [col0,
+      // col0 + DS) and [col0 + DS, col0 + 2 DS).
       u32 pa[BN / 16][4], dsa[BN / 16][4];
 #pragma unroll
       for (int kk = 0; kk < BN / 16; ++kk) {
-        accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
-        accumulators_to_a<T>(dp[2 * kk], dp[2 * kk + 1], dsa[kk]);
+        if constexpr (ROLE != KEYS) accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], pa[kk]);
+        if constexpr (ROLE != VALUES) accumulators_to_a<T>(dp[2 * kk], dp[2 * kk + 1], dsa[kk]);
       }
       fence_registers(dv_flat);
       fence_registers(dk_flat);
       wgmma_fence();
-      issue_gradient(dv_flat, pa, do_addr);
-      issue_gradient(dk_flat, dsa, q_addr);
+      if constexpr (ROLE == BOTH) {
+        issue_gradient(dv_flat, pa, do_addr, col0);
+        issue_gradient(dk_flat, dsa, q_addr, col0);
+      } else if constexpr (ROLE == VALUES) {
+        issue_gradient(dv_flat, pa, do_addr, col0);
+        issue_gradient(dk_flat, pa, do_addr, col0 + DS);
+      } else {
+        issue_gradient(dv_flat, dsa, q_addr, col0);
+        issue_gradient(dk_flat, dsa, q_addr, col0 + DS);
+      }
       wgmma_commit();
       float dqa[32];
       if constexpr (FUSED_DQ) {
@@ -611,14 +674,20 @@ __device__ void attention_backward_key_value_wgmma(
       if constexpr (FUSED_DQ && !FIRST) stage_query_unit(dqa, it - 1);
     };
     if constexpr (FUSED_DQ) {
-      step(0, Flag<true>{});
-      for (int it = 1; it < items; ++it) step(it, Flag<false>{});
+      step(0, Flag<true>{}, Role<BOTH>{});
+      for (int it = 1; it < items; ++it) step(it, Flag<false>{}, Role<BOTH>{});
       float dqa[32];
       issue_query_unit(dqa, items - 1);
       wgmma_wait<0>();
       stage_query_unit(dqa, items - 1);
+    } else if constexpr (ROLES) {
+      if (role == VALUES) {
+        for (int it = 0; it < items; ++it) step(it, Flag<false>{}, Role<VALUES>{});
+      } else {
+        for (int it = 0; it < items; ++it) step(it, Flag<false>{}, Role<KEYS>{});
+      }
     } else {
-      for (int it = 0; it < items; ++it) step(it, Flag<false>{});
+      for (int it = 0; it < items; ++it) step(it, Flag<false>{}, Role<BOTH>{});
     }
   }
 
@@ -638,6 +707,13 @@ __device__ void attention_backward_key_value_wgmma(
       store_tile_staged<HEAD_DIM>(dka, scaled, v_tile, warp, lane, Nk - key_first, dkg);
       return;
     }
+  }
+  if constexpr (ROLES) {
+    const Rows<G> rows = gradient_rows(role == VALUES ? dv : dk);
+    const float factor = role == VALUES ? 1.f : scale;
+    store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, rows, factor, tq);
+    store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0 + DS, rows, factor, tq);
+    return;
   }
   store_gradient_tile<HEAD_DIM>(dka, warp * 16 + g, Nk - key_first, col0, gradient_rows(dk), scale, tq);
   store_gradient_tile<HEAD_DIM>(dva, warp * 16 + g, Nk - key_first, col0, gradient_rows(dv), 1.f, tq);
