@@ -32,15 +32,20 @@
 // - NSLICE > 1 (P = 128, slices): NSLICE CTAs share a key block, each computing dK and dV for
 //   its 128 columns and recomputing S^T and dP^T over all of D; the Q / dO tiles carry 2 NSLICE
 //   panels (columns past D zero-filled).
-// - Both past D = 256 (P = 64, CG = 2, NSLICE = 2): the two CTAs of a key block split by role
-//   (ROLES), not by columns. The keys' CTA computes dK for all of D: warpgroup 0 S^T, warpgroup
-//   1 dP^T, swapped as above, each accumulating dK for 256 columns. The values' CTA computes dV
-//   for all of D and needs P^T only: each warpgroup computes S^T over half of D (HALF_PANELS of
-//   K's panels; K is its only resident tile) and they add the two parts through the swap area
-//   (a + b == b + a: both hold the same S^T), as the forward's column groups add S; each then
-//   accumulates dV for 256 columns. At D = 512 that is 5 products' work per key block where
-//   256-column slices, each recomputing S^T and dP^T, took 6. K and V (64 rows of all of D, 128
-//   KB) leave room for BN = 16 only.
+// - Both past D = 256 (P = 64, CG = 2, NSLICE = 2): the two CTAs of a key block each cover 256
+//   columns of dK and dV and recompute S^T and dP^T (at D = 512, 6 products' work for 4), or,
+//   for calls without a causal mask or window (ROLES), split by role. The keys' CTA computes dK
+//   for all of D: warpgroup 0 S^T, warpgroup 1 dP^T, swapped as above, each accumulating dK for
+//   256 columns. The values' CTA computes dV for all of D and needs P^T only: each warpgroup
+//   computes S^T over half of D (HALF_PANELS of K's panels; K is its only resident tile) and
+//   they add the two parts through the swap area (a + b == b + a: both hold the same S^T), as
+//   the forward's column groups add S; each then accumulates dV for 256 columns. At D = 512
+//   that is 5 products' work per key block for 6. H200, fwd+bwd time by role / by columns: D =
+//   512 0.924x (GQA 4:1 N=8192 0.941x), D = 384 0.979x, D = 320 1.011x, causal D = 512 1.026x.
+//   So the values' CTA saves less than its share of the products; not profiled apart, likely
+//   because its steps of BN = 16 are short and the per-step waits weigh more, and under a causal
+//   mask because the keys' CTAs, as long as the slices, set the tail. K and V (64 rows of all of
+//   D, 128 KB) leave room for BN = 16 only.
 // H100, B=1 H=16 N=4096, interleaved rounds, TFLOP/s column groups / slices: D=160 158 / 164,
 // D=192 174 / 189, D=256 237 / 196 (causal 160 / 146). Issuing the next step's S^T / dP^T
 // before this step's P^T / dS^T (to hide the arithmetic) made column groups slower: 107-158.
@@ -151,9 +156,11 @@ static_assert(DS % 16 == 0 && (NSLICE == 1 && CG == 1 ? DS == DP && DS <= 160 : 
 static_assert(CG == 1 || (CG == 2 && PANELS > 2 && 256 * (NSLICE - 1) < DP),
               "column groups: two warpgroups of 128 columns a slice, more than 128 columns");
 constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named barriers (1..)
-// Past D = 256: CTA 0 of a key block computes dV (VALUES), CTA 1 dK (KEYS); each warpgroup's two
-// 128-column accumulators cover columns [256 w, 256 w + 256) of that gradient. BOTH: dK and dV.
-constexpr bool ROLES = CG == 2 && NSLICE == 2;
+// ROLES (past D = 256, blocks_cuda.txt's roles): CTA 0 of a key block computes dV (VALUES), CTA 1
+// dK (KEYS); each warpgroup's two 128-column accumulators cover columns [256 w, 256 w + 256) of
+// that gradient. BOTH: dK and dV (CTA slices of both, or all of D).
+constexpr bool ROLES = {{roles}};
+static_assert(!ROLES || (CG == 2 && NSLICE == 2 && !FUSED_DQ), "roles: the two CTAs of column groups past D = 256");
 constexpr int BOTH = 0, VALUES = 1, KEYS = 2;
 template <int R>
 struct Role {
@@ -231,6 +238,9 @@ __device__ void attention_backward_key_value_wgmma(
   block_of(rest, nkb, ip[P_BLOCK_MAJOR] != 0, ip[P_BATCH] * Hkv, kb, bkv);
   const int b = (int)(bkv / Hkv), hk = (int)(bkv % Hkv);
   const int tid = threadIdx.x, warpgroup = warpgroup_index();
+  // This warpgroup's dK / dV columns [col0, col0 + DS) (ROLES: its first accumulator's; the
+  // second's start at col0 + DS).
+  const int col0 = ROLES ? 2 * warpgroup * DS : (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;
   const int k0 = kb * BM;
   // This CTA's query heads h0.. (group / splits each, the first group % splits splits one more).
   const int per_split = group / splits, extra = group % splits;
@@ -404,9 +414,6 @@ __device__ void attention_backward_key_value_wgmma(
 
   // ---------------- consumers ----------------
   registers_increase<CONSUMER_REGS>();
-  // This warpgroup's dK / dV columns [col0, col0 + DS) (ROLES: its first accumulator's; the
-  // second's start at col0 + DS).
-  const int col0 = ROLES ? 2 * warpgroup * DS : (cslice * CG + (CG == 2 ? warpgroup % CG : 0)) * DS;
   const int role = ROLES ? (cslice == 0 ? VALUES : KEYS) : BOTH;
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;

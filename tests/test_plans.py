@@ -182,6 +182,39 @@ def test_scale_fold_by_row_option_or_tuning():
     assert variant("none", table=table, head_dim=64).scale_fold  # another row
 
 
+def test_roles_by_row_option_or_tuning():
+    """The wgmma dK/dV kernel's split by role past D = 256 (cuda_source.ROLES) comes from its row's
+    options or a Tuning, only for the two CTAs of column groups a key block (D = 257..512) and
+    calls without a causal mask or window, and is part of the variant's name and key; the shipped
+    table has it on the D = 321..512 row (measured faster at D = 384 and 512, a tie at 320)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    from mlx_flash import planner
+    sm90 = cuda_source.family_named("sm90")
+    shipped = planner.shipped_table("cuda")
+
+    def variant(mask="none", tuning=Tuning(), table=None, kernel="backward_key_value", head_dim=512, window=None):
+        mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
+        spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask), window=window)
+        return cuda_source.make_variant(kernel, spec, mask_dtype, sm90, tuning, True, table)
+
+    rows = {(r.kernel, r.family, r.max_head_dim) for r in shipped.rows if cuda_source.ROLES in r.cached}
+    assert rows == {("backward_key_value", "sm90_wgmma", 512)}
+    assert all(variant(m, head_dim=d).roles for m in ("none", "bool", "additive") for d in (321, 384, 512))
+    assert not any(variant("none", head_dim=d).roles for d in (128, 256, 257, 320))
+    assert not variant("causal").roles and not variant("none", window=(64, 64)).roles
+    off, on = Tuning(roles=False), Tuning(roles=True)
+    assert not variant("none", off).roles and variant("none", on, head_dim=300).roles
+    assert not any((variant("none", on, head_dim=256).roles, variant("causal", on).roles,
+                    variant("none", on, kernel="backward_query").roles, variant("none", on, kernel="forward").roles,
+                    variant("none", Tuning(roles=True, wgmma_backward=False)).roles))
+    assert variant("none").name == variant("none", off).name.replace("_x", "_") + "r"
+    assert variant("none").constants()["roles"] is True and variant("none", off).constants()["roles"] is False
+    assert variant("none") != variant("none", off)
+
+
 @pytest.mark.parametrize("family", ["m1", "m3"])
 def test_metal_family_plans_fit(family):
     for head_dim in range(1, 513, 7):

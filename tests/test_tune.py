@@ -220,6 +220,22 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
         assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
 
 
+def test_cuda_wgmma_key_value_candidates_toggle_roles_past_256():
+    """The tuner's wgmma dK/dV candidates past D = 256 include the row with roles toggled (the
+    shipped D = 321..512 row has it, the D = 257..320 row not); rows up to 256 have no such candidate."""
+    from mlx_flash.backends import cuda_source
+    from mlx_flash.tune_cuda import CudaSpace
+
+    shipped = planner.shipped_table("cuda")
+    for head_dim, has in ((300, False), (512, True), (256, None)):
+        row = planner.find_row(shipped, "backward_key_value", head_dim, "mixed", "sm90_wgmma")
+        toggled = [c for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
+                   if c.cached ^ row.cached == {cuda_source.ROLES}]
+        assert len(toggled) == (0 if has is None else 1), head_dim
+        if has is not None:
+            assert (cuda_source.ROLES in row.cached) == has and (cuda_source.ROLES in toggled[0].cached) != has
+
+
 def test_timed_samples_issue_the_problems_calls_back_to_back(sim, monkeypatch):
     """Each timed sample of a candidate (and of the closing A/B) is the problem's back_to_back
     calls issued one after another and waited for once (benchmark.Call)."""

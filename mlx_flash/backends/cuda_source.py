@@ -92,6 +92,13 @@ FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
+# ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
+# calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
+# added), the other dK (S^T and dP^T), instead of by columns (each recomputing S^T and dP^T):
+# 5 products' work for 6 at D = 512 (kernels/attention_backward_key_value_wgmma.cu, ROLES). H200:
+# 0.924x the fwd+bwd time at D = 512, 0.979x at D = 384, 1.011x at D = 320, causal D = 512 1.026x
+# (blocks_cuda.txt has the numbers).
+ROLES = "roles"
 # ... and head_splits_to<W> / head_splits_causal_to<W> / head_splits_fused_causal_to<W>: a dK/dV
 # row's CTAs (one per key block, kv head and column slice) each sum a kv head's whole query-head
 # group; where a GQA call has too few of them for the GPU's SMs (B=1 Hkv=4 N=2048 is 64 CTAs at
@@ -210,6 +217,8 @@ class Tuning:
             forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         scale_fold: None = the table's options column; True / False forces the wgmma forward's
             scale fold (where it applies: see SCALE_FOLD), or not.
+        roles: None = the table's options column; True / False forces the wgmma dK/dV kernel's
+            split by role past D = 256 (where it applies: see ROLES), or the split by columns.
         head_splits: None = the table's options column (head_splits_to<W>, see head_splits, on a
             GPU whose SM count is known); 1 = never split a kv head's query-head group over dK/dV
             CTAs; n >= 2 = split every GQA call's group over min(n, group) CTAs.
@@ -224,6 +233,7 @@ class Tuning:
     block_major: Optional[bool] = None
     fused_query: Optional[bool] = None
     scale_fold: Optional[bool] = None
+    roles: Optional[bool] = None
     head_splits: Optional[int] = None
     table: Optional[planner.Table] = None
 
@@ -290,6 +300,8 @@ class KernelVariant:
             does not run.
         scale_fold: wgmma forward without an array mask or softcap: interior tiles fold a positive
             scale into exp2's FFMA (SCALE_FOLD).
+        roles: wgmma dK/dV past D = 256: the key block's two CTAs compute dV and dK (ROLES), not a
+            column slice of both each.
         head_split: dK/dV: CTAs share a kv head's query-head group (P_SPLITS of them at run time,
             head_splits) and write fp32 parts of dK and dV, which the parts kernel adds (HEAD_SPLIT).
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
@@ -318,6 +330,7 @@ class KernelVariant:
     sinks: bool = False
     fused_query: bool = False
     scale_fold: bool = False
+    roles: bool = False
     head_split: bool = False
     tuning: Tuning = Tuning()
 
@@ -387,7 +400,7 @@ class KernelVariant:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
-                                         ("f", self.scale_fold), ("h", self.head_split)) if on)
+                                         ("f", self.scale_fold), ("r", self.roles), ("h", self.head_split)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -409,7 +422,7 @@ class KernelVariant:
                               scale_fold=self.scale_fold)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
-                              fused_query=self.fused_query, chains=fused_chains(self))
+                              fused_query=self.fused_query, chains=fused_chains(self), roles=self.roles)
             if self.kernel == "backward_query":
                 values.update(head_block=self.head_block, col_groups=self.col_groups)
             return values
@@ -736,10 +749,14 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # The scale fold where the kernel has the path it changes (no array mask, no softcap).
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
+    # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
+    # calls without a causal mask or window (those were not faster: ROLES).
+    roles = kernel == "backward_key_value" and col_groups == 2 and slices == 2 and not spec.causal and (
+        spec.window is None) and (plan.is_cached(ROLES) if tuning.roles is None else tuning.roles)
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
-                         fused_query=fused_query, scale_fold=scale_fold, tuning=tuning, **features)
+                         fused_query=fused_query, scale_fold=scale_fold, roles=roles, tuning=tuning, **features)
 
 
 def fused_chains(variant: KernelVariant) -> int:
