@@ -397,6 +397,23 @@ def test_ab_versions_against_tuning_applies_to_the_other_side(tmp_path):
     assert this[:2] == other[:2] and this[2].endswith("_c") and other[2].endswith("_ch")
 
 
+def test_ab_versions_each_version_follows_mx_fast_as_often():
+    """ab_versions' rounds (sample_order): both versions and mx.fast each round; across an even
+    number of rounds each version is timed right after mx.fast, and right after the other
+    version, equally often (round boundaries counted), and which version goes first alternates."""
+    import collections
+
+    tool = load_tool("ab_versions.py")
+    rounds = [tool.sample_order(r) for r in range(9)]  # round 0 the warm-up
+    assert all(sorted(order) == [("other", "flash"), ("this", "fast"), ("this", "flash")] for order in rounds)
+    assert {order[0] for order in rounds[1:]} == {("this", "flash"), ("other", "flash")}
+    sequence = [entry for order in rounds for entry in order]
+    after = collections.Counter((sequence[i - 1], sequence[i]) for i in range(len(rounds[0]), len(sequence)))
+    fast = ("this", "fast")
+    assert after[(fast, ("this", "flash"))] == after[(fast, ("other", "flash"))] == 4
+    assert after[(("other", "flash"), ("this", "flash"))] == after[(("this", "flash"), ("other", "flash"))] == 4
+
+
 def test_ab_versions_bad_arguments_are_named(tmp_path):
     script = str(ROOT / "benchmarks" / "ab_versions.py")
     for arguments, message in [([], "--against is required"),

@@ -186,7 +186,7 @@ def test_roles_by_row_option_or_tuning():
     """The wgmma dK/dV kernel's split by role past D = 256 (cuda_source.ROLES) comes from its row's
     options or a Tuning, only for the two CTAs of column groups a key block (D = 257..512) and
     calls without a causal mask or window, and is part of the variant's name and key; the shipped
-    table has it on the D = 321..512 row (measured faster at D = 384 and 512, a tie at 320)."""
+    table has it on the D = 385..512 row (measured faster at D = 448 and 512, a tie up to 384)."""
     import dataclasses
 
     import mlx.core as mx
@@ -202,8 +202,8 @@ def test_roles_by_row_option_or_tuning():
 
     rows = {(r.kernel, r.family, r.max_head_dim) for r in shipped.rows if cuda_source.ROLES in r.cached}
     assert rows == {("backward_key_value", "sm90_wgmma", 512)}
-    assert all(variant(m, head_dim=d).roles for m in ("none", "bool", "additive") for d in (321, 384, 512))
-    assert not any(variant("none", head_dim=d).roles for d in (128, 256, 257, 320))
+    assert all(variant(m, head_dim=d).roles for m in ("none", "bool", "additive") for d in (385, 448, 512))
+    assert not any(variant("none", head_dim=d).roles for d in (128, 256, 257, 320, 384))
     assert not variant("causal").roles and not variant("none", window=(64, 64)).roles
     off, on = Tuning(roles=False), Tuning(roles=True)
     assert not variant("none", off).roles and variant("none", on, head_dim=300).roles

@@ -222,7 +222,7 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
 
 def test_cuda_wgmma_key_value_candidates_toggle_roles_past_256():
     """The tuner's wgmma dK/dV candidates past D = 256 include the row with roles toggled (the
-    shipped D = 321..512 row has it, the D = 257..320 row not); rows up to 256 have no such candidate."""
+    shipped D = 385..512 row has it, the D = 257..384 row not); rows up to 256 have no such candidate."""
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
