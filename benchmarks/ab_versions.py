@@ -168,7 +168,7 @@ def compare(args) -> dict:
                 mine, theirs = np.load(diffs["this"]), np.load(diffs["other"])
                 difference = float(np.abs(mine - theirs).max() / max(np.abs(mine).max(), 1e-30))
                 for pass_name in args.passes:
-                    samples = {entry: [] for entry in sample_order(0)}
+                    samples = {"this/flash": [], "other/flash": [], "mx.fast": []}
                     for round_ in range(args.rounds + 1):  # round 0: warm-up
                         for worker_name, impl in sample_order(round_):
                             seconds = workers[worker_name].ask(op="sample", case=described, impl=impl,
@@ -176,10 +176,9 @@ def compare(args) -> dict:
                                                                compiled=args.compiled,
                                                                **{"pass": pass_name})["seconds"]
                             if round_:
-                                samples[(worker_name, impl)].append(seconds * 1e3)
+                                samples["mx.fast" if impl == "fast" else f"{worker_name}/flash"].append(seconds * 1e3)
                     row = {"case": described, "label": case.label(), "pass": pass_name, "kernels": kernels,
-                           "output_difference": difference,
-                           "samples_ms": {f"{w}/{i}": s for (w, i), s in samples.items()}}
+                           "output_difference": difference, "samples_ms": samples}
                     results["rows"].append(row)
                     print(format_row(row), flush=True)
         finally:
@@ -189,15 +188,18 @@ def compare(args) -> dict:
 
 
 def sample_order(round_: int):
-    """The samples of one round, in the order they are taken: the two versions, which one first
-    alternating, then mx.fast (timed in this tree's process). So across rounds each version comes
-    right after mx.fast in every other round and right after the other version in the rest. (The
-    order before, (this, other, mx.fast) and its reverse, put the other version right after
-    mx.fast in every other round and this tree's never: on an H200 at D = 320..512, where mx.fast
-    is MLX's unfused attention, the other version's samples in those rounds were 2-7 % slower,
-    with the same kernels on both sides too: B=1 H=16 N=4096 D=512 causal, 1.021x.)"""
-    versions = [("this", "flash"), ("other", "flash")]
-    return (versions if round_ % 2 == 0 else versions[::-1]) + [("this", "fast")]
+    """The samples of one round as (process, what), in the order they are taken: the two versions,
+    which one first alternating, then mx.fast in the process of the one that goes first next
+    round. So each version's sample follows, in every other round, mx.fast in its own process,
+    and in the rest the other version's sample in the other process: the same neighbours for
+    both. What a sample follows shows in its time: before this order ((this, other, mx.fast in
+    this process) and its reverse), with the same kernels on both sides, the other version took
+    1.036x this one's time (H200, B=1 H=16 N=4096 D=512 causal fwd+bwd; forward 1.011x) and
+    1.010x / 1.021x at B=4 N=4096 D=128 (fwd+bwd / forward), 1.002x / 1.026x at D=64: right after
+    mx.fast (MLX's unfused attention at D = 512) it ran up to 6 % slower, and this version,
+    which half the time followed its own last sample, up to 3 % faster.)"""
+    versions = [("this", "flash"), ("other", "flash")] if round_ % 2 == 0 else [("other", "flash"), ("this", "flash")]
+    return versions + [(versions[1][0], "fast")]  # the second goes first next round
 
 
 def format_row(row) -> str:
@@ -209,7 +211,7 @@ def format_row(row) -> str:
 
     this_q1, this, this_q3 = quartiles(row["samples_ms"]["this/flash"])
     other_q1, other, other_q3 = quartiles(row["samples_ms"]["other/flash"])
-    fast = Timing(row["samples_ms"]["this/fast"]).median
+    fast = Timing(row["samples_ms"]["mx.fast"]).median
     return (f"{row['label']:<40} {row['pass']:<16} {this:9.3f} {other:9.3f} {this / other:7.3f} "
             f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast:9.3f} {row['output_difference']:9.2e}")
 
