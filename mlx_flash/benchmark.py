@@ -24,8 +24,8 @@ What is timed (every MLX implementation alike; nothing is mx.compile'd unless `c
                       last kernel, torch's 0.04-0.05 ms). Forward and forward_backward only.
 Each measured call: inputs already evaluated, mx.synchronize(), start clock, run, mx.eval of
 the results, mx.synchronize(), stop clock. Calls that are compared with each other (the
-implementations and passes of one size) are timed interleaved, round-robin, so that load from
-other processes falls on all of them alike; the median and IQR of each call's repetitions are
+implementations and passes of one size) are timed interleaved, round-robin (each round in an
+order of its own: time_calls says why), so that load from other processes falls on all of them alike; the median and IQR of each call's repetitions are
 reported. Peak memory comes from a separate, untimed call
 (which is also the first warm-up): mx.reset_peak_memory() after recording the active memory,
 then mx.get_peak_memory() minus that baseline, i.e. the memory the call needs on top of the
@@ -46,6 +46,7 @@ import datetime
 import math
 import os
 import platform
+import random
 import re
 import statistics
 import subprocess
@@ -265,11 +266,16 @@ class Call:
 
 def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3, max_repeats: int = 10,
                target_seconds: float = 1.0, errors: Optional[Dict[Any, str]] = None,
-               progress: Optional[Callable[[Any], None]] = None) -> Dict[Any, Timing]:
+               progress: Optional[Callable[[Any], None]] = None, order_seed: Optional[int] = 0) -> Dict[Any, Timing]:
     """Wall-clock samples of several calls, interleaved round-robin.
 
     Interleaving puts the calls being compared in the same time windows, so load from other
-    processes or clock changes hit them alike instead of biasing whichever ran during it.
+    processes or clock changes hit them alike instead of biasing whichever ran during it. Each
+    timed round visits the calls in an order of its own, drawn from a generator seeded with
+    `order_seed` (None: the given order every round): a call's time depends on what ran just
+    before it (on an H200, the call after MLX's unfused D = 512 attention ran 3-7 % slower than
+    after another version of itself: benchmarks/ab_versions.py's sample_order), and a fixed
+    order would give each call the same neighbour in every round.
 
     Args:
         calls: what to time, by key.
@@ -281,6 +287,7 @@ def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3,
             (otherwise the exception propagates).
         progress: called with the key after every call (warm-ups included), e.g. to advance
             a progress bar.
+        order_seed: the seed of the rounds' orders (the warm-up rounds keep the given order).
     Returns:
         Timing by key, for the calls that did not fail.
     """
@@ -307,8 +314,11 @@ def time_calls(calls: Dict[Any, Call], *, warmup: int = 1, min_repeats: int = 3,
     for _ in range(warmup):
         for key in list(active):
             attempt(key)
+    shuffle = random.Random(order_seed).shuffle if order_seed is not None else (lambda keys: None)
     while active:
-        for key in list(active):
+        keys = list(active)
+        shuffle(keys)
+        for key in keys:
             elapsed = attempt(key)
             if elapsed is None:
                 continue

@@ -235,9 +235,26 @@ def test_interleaved_timing_and_failure_capture():
     errors = {}
     calls = {"a": bm.Call(recorder("a"), finish=lambda r: None), "b": bm.Call(recorder("b"), finish=lambda r: None),
              "c": bm.Call(broken, finish=lambda r: None)}
-    timings = bm.time_calls(calls, warmup=1, min_repeats=2, max_repeats=2, target_seconds=0, errors=errors)
+    timings = bm.time_calls(calls, warmup=1, min_repeats=2, max_repeats=2, target_seconds=0, errors=errors,
+                            order_seed=None)
     assert order == ["a", "b", "a", "b", "a", "b"]
     assert set(timings) == {"a", "b"} and errors == {"c": "MemoryError: no room"}
+
+
+def test_interleaved_rounds_take_orders_of_their_own():
+    """time_calls' timed rounds each visit every call once, in an order drawn from order_seed
+    (reproducible; the warm-up round in the given order), so no call always follows the same one."""
+    def run_rounds(seed):
+        order = []
+        calls = {key: bm.Call(lambda _, key=key: order.append(key), finish=lambda r: None) for key in "abcd"}
+        bm.time_calls(calls, warmup=1, min_repeats=12, max_repeats=12, target_seconds=0, order_seed=seed)
+        return [order[i:i + 4] for i in range(0, len(order), 4)]
+
+    rounds = run_rounds(0)
+    assert len(rounds) == 13 and rounds[0] == list("abcd") and all(sorted(r) == list("abcd") for r in rounds)
+    assert len({tuple(r) for r in rounds[1:]}) > 3 and rounds == run_rounds(0)
+    before_b = {r[r.index("b") - 1] for r in rounds[1:] if r.index("b") > 0}
+    assert len(before_b) >= 2  # b follows more than one call
 
 
 def test_peak_memory_counts_the_call_not_what_was_resident():
