@@ -194,7 +194,7 @@ def sample_order(round_: int):
     and in the rest the other version's sample in the other process: the same neighbours for
     both. What a sample follows shows in its time: before this order ((this, other, mx.fast in
     this process) and its reverse), with the same kernels on both sides, the other version took
-    1.036x this one's time (H200, B=1 H=16 N=4096 D=512 causal fwd+bwd; forward 1.011x) and
+    1.037x this one's time (H200, B=1 H=16 N=4096 D=512 causal fwd+bwd; forward 1.012x) and
     1.010x / 1.021x at B=4 N=4096 D=128 (fwd+bwd / forward), 1.002x / 1.026x at D=64: right after
     mx.fast (MLX's unfused attention at D = 512) it ran up to 6 % slower, and this version,
     which half the time followed its own last sample, up to 3 % faster.)"""

@@ -41,9 +41,9 @@
 //   they add the two parts through the swap area (a + b == b + a: both hold the same S^T), as
 //   the forward's column groups add S; each then accumulates dV for 256 columns. At D = 512
 //   that is 5 products' work per key block for 6. H200, fwd+bwd time by role / by columns: D =
-//   512 0.924x (GQA 4:1 N=8192 0.941x), D = 448 0.945x, D = 320..384 0.98-1.01x, causal D = 512
-//   1.026x (blocks_cuda.txt's roles: D = 385..512 without a causal mask or window). So the
-//   values' CTA saves less than its share of the products; not profiled apart, likely
+//   512 0.968x (GQA 4:1 N=8192 0.967x), D = 448 0.979x; not faster at D = 320..384 or causal
+//   (blocks_cuda.txt's roles: D = 385..512 without a causal mask or window). So the values'
+//   CTA saves less than its share of the products; not profiled apart, likely
 //   because its steps of BN = 16 are short and the per-step waits weigh more, and under a causal
 //   mask because the keys' CTAs, as long as the slices, set the tail. K and V (64 rows of all of
 //   D, 128 KB) leave room for BN = 16 only.

@@ -96,7 +96,7 @@ SCALE_FOLD = "scale_fold"
 # calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
 # added), the other dK (S^T and dP^T), instead of by columns (each recomputing S^T and dP^T):
 # 5 products' work for 6 at D = 512 (kernels/attention_backward_key_value_wgmma.cu, ROLES). H200:
-# 0.924x the fwd+bwd time at D = 512, 0.945x at D = 448, a tie at D <= 384, causal D = 512 1.026x
+# 0.968x the fwd+bwd time at D = 512, 0.979x at D = 448, none faster at D <= 384 or causal
 # (blocks_cuda.txt has the numbers).
 ROLES = "roles"
 # ... and head_splits_to<W> / head_splits_causal_to<W> / head_splits_fused_causal_to<W>: a dK/dV
