@@ -139,22 +139,29 @@ def test_cuda_masked_keys_option():
         keys("bool", with_options({"masked_t40"}))
 
 
+def _sm90_variant(kernel, mask, tuning, table, head_dim, **spec_fields):
+    """The wgmma variant the sm90 family plans for a bf16 call (a real sm_90: wgmma kernels) with
+    `mask` and the spec fields given (softcap, window), from `table` (None: the shipped one)."""
+    import dataclasses
+
+    import mlx.core as mx
+
+    mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
+    spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask), **spec_fields)
+    return cuda_source.make_variant(kernel, spec, mask_dtype, cuda_source.family_named("sm90"), tuning, True, table)
+
+
 def test_scale_fold_by_row_option_or_tuning():
     """The wgmma forward's scale fold (cuda_source.SCALE_FOLD) comes from its row's options or a
     Tuning, only where the kernel has the path it changes (no array mask, no softcap), and is part
     of the variant's name and key; the shipped table turns it on where it was measured faster (D <= 256)."""
     import dataclasses
 
-    import mlx.core as mx
-
     from mlx_flash import planner
-    sm90 = cuda_source.family_named("sm90")
     shipped = planner.shipped_table("cuda")
 
     def variant(mask="none", tuning=Tuning(), table=None, kernel="forward", head_dim=128, softcap=None):
-        mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
-        spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask), softcap=softcap)
-        return cuda_source.make_variant(kernel, spec, mask_dtype, sm90, tuning, True, table)
+        return _sm90_variant(kernel, mask, tuning, table, head_dim, softcap=softcap)
 
     folding = {(r.kernel, r.family, r.max_head_dim) for r in shipped.rows if cuda_source.SCALE_FOLD in r.cached}
     assert folding == {("forward", "sm90_wgmma", d) for d in (64, 128, 192, 256)}  # where it was faster
@@ -187,18 +194,11 @@ def test_roles_by_row_option_or_tuning():
     options or a Tuning, only for the two CTAs of column groups a key block (D = 257..512) and
     calls without a causal mask or window, and is part of the variant's name and key; the shipped
     table has it on the D = 385..512 row (measured faster at D = 448 and 512, a tie up to 384)."""
-    import dataclasses
-
-    import mlx.core as mx
-
     from mlx_flash import planner
-    sm90 = cuda_source.family_named("sm90")
     shipped = planner.shipped_table("cuda")
 
     def variant(mask="none", tuning=Tuning(), table=None, kernel="backward_key_value", head_dim=512, window=None):
-        mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
-        spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask), window=window)
-        return cuda_source.make_variant(kernel, spec, mask_dtype, sm90, tuning, True, table)
+        return _sm90_variant(kernel, mask, tuning, table, head_dim, window=window)
 
     rows = {(r.kernel, r.family, r.max_head_dim) for r in shipped.rows if cuda_source.ROLES in r.cached}
     assert rows == {("backward_key_value", "sm90_wgmma", 512)}
