@@ -15,10 +15,11 @@ folder, e.g.
 
 How: each version runs in a process of its own that imports its mlx_flash (planner, block table
 and templates together), as benchmarks/host_time.py does for host time. The processes take turns
-sample by sample (which one goes first alternates; MLX's own mx.fast.scaled_dot_product_attention,
-timed in this tree's process, closes each round: sample_order says why), so both versions and
-mx.fast meet the same clocks and the same neighbours. A sample is --back-to-back calls issued one after another and waited for once
-(mlx_flash.benchmark.Call), reported per call; each version's first sample is a warm-up (kernel
+sample by sample (which one goes first alternates; MLX's own mx.fast.scaled_dot_product_attention
+closes each round, in the process that goes first next round: sample_order says why), so both
+versions and mx.fast meet the same clocks and both versions the same neighbours. A sample is
+--back-to-back calls issued one after another and waited for once (mlx_flash.benchmark.Call),
+reported per call; each version's first sample is a warm-up (kernel
 compilation, first-contact probes). Outputs: each version's forward output on the same inputs,
 as the largest difference over the largest value of this tree's (reordered arithmetic shows as a
 few bf16 roundings; a broken kernel as O(1)).
