@@ -46,10 +46,11 @@ from mlx_flash.backends.cuda_source import Tuning
 # 224 without a mask: the D = 193..256 forward's T = 80 (array masks take T = 64 there); 48 with a
 # bool mask: the D <= 64 forward's T = 64 for array masks (128 otherwise). 128 without a mask:
 # the D = 113..128 rows (the forward's interior tiles with the scale fold at 300 queries, two
-# whole key blocks of 128; `--fused-dq` runs that row's fused dQ). Keys are n + 3: even for 48
-# and 200, odd for 96 and 128.
+# whole key blocks of 128; `--fused-dq` runs that row's fused dQ). 448 with a bool mask: the
+# D = 385..512 dK/dV row's split by role (roles: no causal mask or window). Keys are n + 3: even
+# for 48 and 200, odd for 96 and 128.
 CASES = ((64, "causal", 100), (48, "bool", 81), (96, "bool", 70), (128, None, 300), (160, "causal", 50),
-         (200, "additive", 41), (224, None, 90), (320, "window", 40), (512, "causal", 33))
+         (200, "additive", 41), (224, None, 90), (320, "window", 40), (448, "bool", 37), (512, "causal", 33))
 
 
 LAYOUTS = ("row", "token_major", "offset")
