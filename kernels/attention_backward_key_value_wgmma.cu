@@ -169,9 +169,10 @@ struct Role {
 };
 // The values' CTA: each warpgroup's part of the S^T contraction, in 64-column panels of K and Q
 // (the second part zero-filled past D; its K panels run on into the unused V region).
+// (2 HALF_PANELS <= PANELS + 1: the K and V regions, PANELS each, always hold both halves.)
 constexpr int HALF_PANELS = (PANELS + 1) / 2;
-static_assert(!ROLES || (DS == 128 && 2 * HALF_PANELS <= 2 * PANELS && 2 * HALF_PANELS <= TILE_PANELS),
-              "roles: 128-column accumulators, both halves of K in the K and V regions, of Q in its tile");
+static_assert(!ROLES || (DS == 128 && 2 * HALF_PANELS <= TILE_PANELS),
+              "roles: 128-column accumulators, both halves of Q's panels in its tile");
 // dK and dV stored through shared memory in 16-byte chunks (store_tile_staged) where each
 // warpgroup owns all of D of its keys in T (no slices, column groups or fp32 parts).
 constexpr bool STAGED_EPILOGUE = CG == 1 && NSLICE == 1 && !HEAD_SPLIT && HEAD_DIM % 8 == 0;
