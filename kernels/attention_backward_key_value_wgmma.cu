@@ -496,6 +496,17 @@ __device__ void attention_backward_key_value_wgmma(
       mbarrier_arrive(dq_full);
     };
 
+    // CG = 2 and the values' CTA: this warpgroup's fp32 tile (s_flat) out to `mine` in the swap
+    // area, the other warpgroup's in from `theirs` (into dp_flat). Two buffers: the other
+    // warpgroup last read buffer it % 2 two steps ago, before it arrived at last step's barrier.
+    // One buffer: an extra barrier that it reaches once it has read last step's.
+    auto swap_tiles = [&](int it, float4* mine, const float4* theirs) {
+      if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
+      store_fragments(s_flat, mine);
+      named_barrier_sync(SWAP_BARRIER, 256);
+      load_fragments(dp_flat, theirs);
+    };
+
     // One item. FIRST (FUSED_DQ's first step): no previous item's dQ unit to compute. ROLE: the
     // CTA's (a uniform branch around two whole loops: no wgmma under a runtime condition).
     auto step = [&](int it, auto first, auto role_of_cta) {
@@ -511,7 +522,7 @@ __device__ void attention_backward_key_value_wgmma(
       // fence after TMA tiles cost ptxas 8-12 bytes of spills here (acquire_tile).
       if constexpr (ROLE == VALUES) {
         // Each warpgroup's part of S^T over its half of the panels, then the other's part added
-        // (the swap area as below; the same sum in both).
+        // (the same sum in both).
         const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
         acquire_tile(full_q(stage), parity, true);
         wgmma_fence();
@@ -521,10 +532,8 @@ __device__ void attention_backward_key_value_wgmma(
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s_flat);
-        if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
-        store_fragments(s_flat, fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128));
-        named_barrier_sync(SWAP_BARRIER, 256);
-        load_fragments(dp_flat, fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128));
+        swap_tiles(it, fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128),
+                   fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128));
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) s_flat[i] += dp_flat[i];
         acquire_tile(full_do(stage), parity, true);  // dV's B
@@ -541,9 +550,7 @@ __device__ void attention_backward_key_value_wgmma(
         fence_registers(s_flat);
         fence_registers(dp_flat);
       } else {
-        // Column groups: one product each, then the swap. Two buffers: the other warpgroup last
-        // read buffer it % 2 two steps ago, before it arrived at last step's barrier. One
-        // buffer: an extra barrier that it reaches once it has read last step's.
+        // Column groups: one product each, then the swap.
         const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
         float4* mine = fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128);
         float4* theirs = fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128);
@@ -559,10 +566,7 @@ __device__ void attention_backward_key_value_wgmma(
         wgmma_commit();
         wgmma_wait<0>();
         fence_registers(s_flat);
-        if (SWAP_BUFFERS == 1 && it > 0) named_barrier_sync(SWAP_BARRIER, 256);
-        store_fragments(s_flat, mine);
-        named_barrier_sync(SWAP_BARRIER, 256);
-        load_fragments(dp_flat, theirs);
+        swap_tiles(it, mine, theirs);
         if (!scores_side) {  // this warpgroup's product was dP^T
 #pragma unroll
           for (int i = 0; i < BN / 2; ++i) {
