@@ -3,8 +3,8 @@
 mma.sync rows: P, T (multiples of 16), H (output columns per warp) halved or doubled, warps 4 <-> 8.
 wgmma rows (sm_90): T by 16 either way and halved / doubled; the forward and dQ between two
 (P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64; the forward's
-pingpong and scale_fold options on and off; the dK/dV rows past D = 256 with and without roles. A row the kernels cannot take is rejected by
-make_variant's own checks.
+pingpong and scale_fold options on and off and its t<T>_from<N> off; the dK/dV rows past D = 256
+with and without roles. A row the kernels cannot take is rejected by make_variant's own checks.
 """
 from __future__ import annotations
 
@@ -74,6 +74,9 @@ class CudaSpace:
             from .backends import cuda_source
             out += [dataclasses.replace(row, cached=row.cached ^ {option})
                     for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
+            # the T for long walks (t<T>_from<N>) off: the row's own T at every length
+            out += [dataclasses.replace(row, cached=row.cached - {option}) for option in row.cached
+                    if cuda_source.LONG_KEYS.fullmatch(option)]
         if row.kernel == "backward_key_value" and row.max_head_dim > 256:
             from .backends import cuda_source
             out.append(dataclasses.replace(row, cached=row.cached ^ {cuda_source.ROLES}))

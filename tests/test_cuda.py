@@ -942,6 +942,31 @@ def test_fused_query_by_length_on_the_gpu():
     assert not fallback_counts(), fallback_counts()
 
 
+@gpu
+@sm90_only
+def test_forward_by_keys_on_the_gpu():
+    """The shipped table's t<T>_from<N> (the forward's T = 176 from 8192 keys at D = 65..128) as
+    calls meet it: from N keys on, the wide forward (edge tiles: N + 33 keys; bottom-right causal;
+    GQA; sinks) against the float64 reference and the row's T, no fallback; below N the row's T."""
+    reset_fallback_counts()
+    backend = cuda.CUDABackend()
+    narrow = cuda.CUDABackend(tuning=Tuning(blocks={"forward_wgmma": (128, 128, 128, 8)}))
+    row = planner.plan("cuda", "forward", 128, mx.bfloat16, "sm90_wgmma", planner.shipped_table("cuda"))
+    wide, start = cuda_source.long_keys_option(row.cached, "row")
+    for case in (Case(head_dim=128, q_len=200, kv_len=start + 33, dtype="bfloat16"),
+                 Case(head_dim=96, q_len=300, kv_len=start, dtype="float16", mask="causal", group=2),
+                 Case(head_dim=128, q_len=130, kv_len=start + 200, dtype="bfloat16", sinks=True),
+                 Case(head_dim=128, q_len=100, kv_len=start - 64, dtype="bfloat16")):
+        a = make_arrays(case)
+        spec = check_inputs(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks)[0]
+        t = backend.variant("forward", spec).traversal_block
+        assert t == (wide if case.kv_len >= start else row.traversal_block), case
+        check_case(case, backend=backend, gradients=False)
+        got, want = (flash_attention(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, backend=b) for b in (backend, narrow))
+        assert relative_error(to_numpy(got), to_numpy(want)) < 1e-2, case
+    assert not fallback_counts(), fallback_counts()
+
+
 @emulator
 @pytest.mark.parametrize("head_dim,dtype,mask", [(37, "float16", "causal"), (64, "bfloat16", "none"),
                                                  (96, "float16", "none"), (128, "bfloat16", "causal"),

@@ -207,7 +207,8 @@ def test_cuda_tuned_table_of_the_wgmma_family_is_read_back(monkeypatch, tmp_path
 
 def test_cuda_wgmma_forward_candidates_toggle_its_options():
     """The tuner's wgmma forward candidates include the row with pingpong and with the scale fold
-    each toggled (on where the row has it, off where not): a tuned table keeps what wins."""
+    each toggled (on where the row has it, off where not) and without its t<T>_from<N>: a tuned
+    table keeps what wins."""
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
@@ -217,6 +218,8 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
         options = [c.cached for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
                    if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
         toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
+        toggled += [row.cached - {"t176_from8192"}] if head_dim == 128 else []  # the row's long-walk T off
+        assert (head_dim == 128) == ("t176_from8192" in row.cached)
         assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
 
 

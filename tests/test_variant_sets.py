@@ -144,6 +144,56 @@ def test_fused_query_by_length():
     assert plain.variants(long) is plain.variants(below)
 
 
+def test_forward_keys_by_length():
+    """The wgmma forward row's t<T>_from<N> (the shipped table: T = 176 from 8192 keys at D =
+    65..128): calls of at least N keys without an array mask, window or softcap get sets whose
+    forward walks T keys a step; the dQ and dK/dV variants are those of the same call below N
+    (fused dQ by the query count and head splits alike); a tuning that overrides the row's blocks
+    and D on other rows change nothing."""
+    table = planner.shipped_table("cuda")
+    row = planner.plan("cuda", "forward", 128, mx.bfloat16, "sm90_wgmma", table)
+    assert cuda_source.long_keys_option(row.cached, "row") == (176, 8192)
+    backend = CUDABackend(kernel_factory=_stub_factory, capability=90, tuning=WGMMA, sm_count=132)
+    base = dict(head_dim=128, dtype=mx.bfloat16, heads=(1, 1))
+    for head_dim, mask in ((128, {}), (128, dict(mask="causal")), (65, {}), (128, dict(sinks=True))):
+        for q_len in (64, 8192):  # the dK/dV kernel's two kernels / fused dQ (from 1024 queries)
+            spec, _ = _spec(**{**base, "head_dim": head_dim, **mask}, q_len=q_len, kv_len=8192)
+            below, _ = _spec(**{**base, "head_dim": head_dim, **mask}, q_len=q_len, kv_len=8191)
+            long, short = backend.variants(spec), backend.variants(below)
+            assert (long.forward.traversal_block, short.forward.traversal_block) == (176, 128), (head_dim, mask)
+            assert (long.backward_query, long.backward_key_value) == (short.backward_query, short.backward_key_value)
+            assert long is backend.variants(spec)  # one object per set (the guard's lookup)
+            assert backend.variant_key(spec) != backend.variant_key(below)
+    # a GQA call that the dK/dV row splits over head groups keeps its split, with the wide forward
+    gqa = dict(base, heads=(4, 1), q_len=2048)  # 64 key blocks of one kv head: 2 splits fit 132 SMs
+    spec, _ = _spec(**gqa, kv_len=8192)
+    below, _ = _spec(**gqa, kv_len=8191)
+    assert backend.head_splits(spec) == backend.head_splits(below) == 2
+    assert backend.variants(spec).backward_key_value == backend.variants(below).backward_key_value
+    assert backend.variants(spec).backward_key_value.head_split
+    assert (backend.variants(spec).forward.traversal_block, backend.variants(below).forward.traversal_block) == (
+        176, 128)
+    # no array mask, window or softcap (long_keys_fit); D on other rows; a blocks override
+    for features, t in ((dict(mask="bool"), 96), (dict(mask="additive"), 96), (dict(window=(64, 64)), 128),
+                        (dict(softcap=30.0), 128), (dict(head_dim=64), 128), (dict(head_dim=192), 96)):
+        spec, mask_dtype = _spec(**{**base, "q_len": 64, "kv_len": 16384, **features})
+        assert backend.variants(spec, mask_dtype).forward.traversal_block == t, features
+    pinned = CUDABackend(kernel_factory=_stub_factory, capability=90,
+                         tuning=dataclasses.replace(WGMMA, blocks={"forward_wgmma": (128, 64, 128, 8)}))
+    spec, _ = _spec(**base, q_len=64, kv_len=16384)
+    assert pinned.variants(spec).forward.traversal_block == 64
+    # the option is the forward's alone, and one per row
+    spec, _ = _spec(**base, q_len=64, kv_len=16384)
+    for kernel, options, message in (("backward_query", {"t176_from8192"}, "the forward's"),
+                                     ("forward", {"t176_from8192", "t160_from4096"}, "at most one")):
+        rows = tuple(dataclasses.replace(r, cached=r.cached | options)
+                     if (r.kernel, r.family, r.max_head_dim) == (kernel, "sm90_wgmma", 128) else r
+                     for r in table.rows)
+        with pytest.raises(ValueError, match=message):
+            cuda_source.make_variant(kernel, spec, None, cuda_source.family_of(90), WGMMA, True,
+                                     planner.Table("cuda", "test", rows), False, True)
+
+
 def test_set_needs_a_resolved_table():
     """None would cache whichever table was active at the first call: refused."""
     spec, _ = _spec()

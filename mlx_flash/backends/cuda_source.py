@@ -15,6 +15,7 @@ are chosen for its shared memory (tests/test_plans.py checks every head dim 1..5
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import FrozenSet, List, Mapping, NamedTuple, Optional, Tuple
@@ -87,6 +88,12 @@ SOFTCAP_KEYS = "softcap_t"
 # (blocks_cuda.txt has the numbers).
 FUSED_QUERY = "fused_dq_from"
 FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
+# ... and t<T>_from<N>: the wgmma forward's T for calls of at least N keys (a CTA's walk of N / T
+# steps is then long enough that a wider step pays: fewer steps' waits and barriers per key; at
+# N = 4096 it did not), for calls without an array mask, a window or softcap (long_keys_fit).
+# H200: D = 128 at T = 176 against 128, forward time 0.970x at B=2 N=8192, 0.983x at N=16384
+# (blocks_cuda.txt has the numbers).
+LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
 # ... and scale_fold: the wgmma forward's interior tiles without an array mask or softcap fold the
 # scale into exp2's FFMA where it is positive (kernels/attention_common.cuh, FOLD: one instruction
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
@@ -130,6 +137,24 @@ def option_keys(options, prefix: str, where: str) -> Optional[int]:
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(options)}: at most one "
                          f"{prefix}<N> with N a number (e.g. {prefix}64).")
     return int(text)
+
+
+def long_keys_option(options, where: str) -> Optional[Tuple[int, int]]:
+    """(T, N) of a t<T>_from<N> option (t176_from8192) among a row's options, None without one."""
+    found = [o for o in options if LONG_KEYS.fullmatch(o)]
+    if len(found) > 1:
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(options)}: at most one "
+                         f"t<T>_from<N> (e.g. t176_from8192).")
+    if not found:
+        return None
+    t, n = LONG_KEYS.fullmatch(found[0]).groups()
+    return int(t), int(n)
+
+
+def long_keys_fit(spec: AttentionSpec) -> bool:
+    """Whether a call can take t<T>_from<N>: measured without an array mask, a window or softcap
+    (at D = 128 and T = 176 a window spills 20 bytes, softcap 272; nvcc 13.0)."""
+    return spec.mask_kind == "none" and spec.window is None and spec.softcap is None
 
 
 def _round_up(x: int, m: int) -> int:
@@ -472,7 +497,8 @@ def uses_wgmma(kernel: str, head_dim: int, family: Family, tuning: Tuning, real_
 @functools.lru_cache(maxsize=4096)
 def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype], family: Family,
                  tuning: Tuning = Tuning(), real_sm90: bool = False,
-                 table: Optional[planner.Table] = None, long_queries: bool = False) -> KernelVariant:
+                 table: Optional[planner.Table] = None, long_queries: bool = False,
+                 long_keys: bool = False) -> KernelVariant:
     """The variant serving `spec` with `kernel` on `family`.
 
     Args:
@@ -486,13 +512,16 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
             Part of the cache key, so a table tuned in this process takes effect at once.
         long_queries: the call has at least the dK/dV row's fused_dq_from<N> queries (see
             fused_query_from; spec's own q_len is not read: variant sets are planned per features).
+        long_keys: the call has at least the forward row's t<T>_from<N> keys (see
+            forward_long_from; spec's kv_len is not read either).
 
     Raises:
         ValueError: a table row (or a tuning override) that the kernels cannot take or that
             breaks the family's shared memory / thread limits.
     """
     if uses_wgmma(kernel, spec.head_dim, family, tuning, real_sm90):
-        variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table, long_queries)
+        variant = _wgmma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table, long_queries,
+                                 long_keys)
     else:
         variant = _mma_variant(kernel, spec, mask_dtype, family, tuning, tuning.table or table)
     if spec.has_sinks and kernel != "backward_key_value":  # dK/dV: the forward's lse includes the sinks
@@ -510,9 +539,10 @@ def make_variant(kernel: str, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype
 # backend that does nothing costs 21 / 38, MLX's attention 5 / 20.
 @functools.lru_cache(maxsize=1024)
 def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
-                real_sm90: bool, table: planner.Table, long_queries: bool = False) -> VariantSet:
-    """The forward, dQ and dK/dV variants of every call with `features` (and long_queries: see
-    make_variant, fused_query_from); one object per key, made once.
+                real_sm90: bool, table: planner.Table, long_queries: bool = False,
+                long_keys: bool = False) -> VariantSet:
+    """The forward, dQ and dK/dV variants of every call with `features` (and long_queries,
+    long_keys: see make_variant, fused_query_from, forward_long_from); one object per key, made once.
 
     Args:
         table: the table to plan from, resolved by the caller (CUDABackend.table): a None here would
@@ -524,7 +554,8 @@ def variant_set(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
     if not isinstance(table, planner.Table):
         raise TypeError(f"[cuda] variant_set needs a planner.Table, got {table!r}.")
     spec = features.spec()
-    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, long_queries)
+    return VariantSet(*(make_variant(kernel, spec, mask_dtype, family, tuning, real_sm90, table, long_queries,
+                                     long_keys)
                         for kernel in planner.KERNELS))
 
 
@@ -533,7 +564,10 @@ class LengthSets(NamedTuple):
     (None where the length changes nothing); each with a twin whose dK/dV variant splits the
     query-head group (head_split), for the GQA calls that head_splits splits (`sm_count`: the
     GPU's SMs, `waves` / `long_waves`: the dK/dV row's W for the short / long set (see
-    length_sets), `forced`: Tuning.head_splits; twins None where none applies)."""
+    length_sets), `forced`: Tuning.head_splits; twins None where none applies). From
+    `forward_from` keys (None where the length changes nothing) the calls take `long_keys`
+    instead: the same four sets (short, long, short_split, long_split) with the forward row's
+    t<T>_from<N> forward."""
 
     short: VariantSet
     from_queries: Optional[int]
@@ -544,6 +578,8 @@ class LengthSets(NamedTuple):
     forced: Optional[int] = None
     short_split: Optional[VariantSet] = None
     long_split: Optional[VariantSet] = None
+    forward_from: Optional[int] = None
+    long_keys: Optional[Tuple[Optional[VariantSet], ...]] = None
 
     def is_long(self, spec: AttentionSpec) -> bool:
         return self.from_queries is not None and spec.q_len >= self.from_queries
@@ -558,8 +594,10 @@ class LengthSets(NamedTuple):
                            self.sm_count, self.long_waves if long else self.waves, self.forced)
 
     def pick(self, spec: AttentionSpec) -> VariantSet:
-        long = self.is_long(spec)
-        if self.splits(spec) > 1:
+        long, split = self.is_long(spec), self.splits(spec) > 1
+        if self.forward_from is not None and spec.kv_len >= self.forward_from:
+            return self.long_keys[2 * split + long]
+        if split:
             return self.long_split if long else self.short_split
         return self.long if long else self.short
 
@@ -569,10 +607,24 @@ def length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], famil
     """variant_set's sets of calls with `features` below and from fused_query_from's length, and
     their head-split twins where the tuning splits heads or the dK/dV row has head_splits_to<W>
     (head_splits_causal_to<W> in its place for causal calls, head_splits_fused_causal_to<W> for
-    the causal fused dQ's long set) and the GPU's SM count (`sm_count`) is known."""
-    short = variant_set(features, mask_dtype, family, tuning, real_sm90, table)
+    the causal fused dQ's long set) and the GPU's SM count (`sm_count`) is known; each again
+    with the forward of forward_long_from's keys on, where it applies."""
+    sets = _length_sets(features, mask_dtype, family, tuning, real_sm90, table, sm_count)
+    keys_from = forward_long_from(features, mask_dtype, family, tuning, real_sm90, table)
+    if keys_from is None:
+        return sets
+    wide = _length_sets(features, mask_dtype, family, tuning, real_sm90, table, sm_count, long_keys=True)
+    return sets._replace(forward_from=keys_from,
+                         long_keys=(wide.short, wide.long, wide.short_split, wide.long_split))
+
+
+def _length_sets(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                 real_sm90: bool, table: planner.Table, sm_count: Optional[int] = None,
+                 long_keys: bool = False) -> LengthSets:
+    short = variant_set(features, mask_dtype, family, tuning, real_sm90, table, False, long_keys)
     start = fused_query_from(features, mask_dtype, family, tuning, real_sm90, table)
-    long = None if start is None else variant_set(features, mask_dtype, family, tuning, real_sm90, table, True)
+    long = None if start is None else variant_set(features, mask_dtype, family, tuning, real_sm90, table, True,
+                                                  long_keys)
     kv = short.backward_key_value
     where = f"the {kv.family} backward_key_value at head_dim={features.head_dim}"
     options = planner.plan("cuda", "backward_key_value", features.head_dim, features.dtype, kv.family,
@@ -650,6 +702,19 @@ def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], 
                        f"the {family.name}_wgmma {kernel} at head_dim={spec.head_dim}")
 
 
+def forward_long_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
+                      real_sm90: bool, table: planner.Table) -> Optional[int]:
+    """From how many keys calls with `features` run the forward at the wgmma forward row's
+    t<T>_from<N> T: that N where it changes the forward variant (not where a mask, window or
+    softcap keeps a smaller T, or the tuning overrides the row's blocks), else None."""
+    spec = features.spec()
+    if make_variant("forward", spec, mask_dtype, family, tuning, real_sm90, table, long_keys=True) == make_variant(
+            "forward", spec, mask_dtype, family, tuning, real_sm90, table):
+        return None
+    plan = planner.plan("cuda", "forward", spec.head_dim, spec.dtype, family.name + "_wgmma", tuning.table or table)
+    return long_keys_option(plan.cached, f"the {family.name}_wgmma forward at head_dim={spec.head_dim}")[1]
+
+
 def check_limits(variant: KernelVariant, family: Family) -> None:
     """Raise before compiling if the variant breaks its family's limits (it would fail at launch)."""
     if variant.shared_memory > family.shared_memory:
@@ -694,12 +759,19 @@ def _mma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table
 
 
 def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, table=None,
-                   long_queries: bool = False) -> KernelVariant:
+                   long_queries: bool = False, long_keys: bool = False) -> KernelVariant:
     rows = family.name + "_wgmma"
     plan = planner.plan("cuda", kernel, spec.head_dim, spec.dtype, rows,
                         table or planner.active_table("cuda", family.name))
     block, keys, columns, warps = plan.parallel_block, plan.traversal_block, plan.head_block, plan.warps or 8
     where = f"the {rows} {kernel} at head_dim={spec.head_dim}"
+    # The forward's T for long walks (t<T>_from<N>), where the call has that many keys.
+    by_keys = long_keys_option(plan.cached, where)
+    if by_keys is not None and kernel != "forward":
+        raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(plan.cached)}: t<T>_from<N> is "
+                         f"the forward's (a {kernel} row takes its T by length only through fused_dq_from<N>).")
+    if long_keys and by_keys is not None and long_keys_fit(spec):
+        keys = by_keys[0]
     masked, windowed, capped = (option_keys(plan.cached, prefix, where)
                                 for prefix in (MASKED_KEYS, WINDOW_KEYS, SOFTCAP_KEYS))
     keys = min([t for t, applies in ((masked, spec.mask_kind != "none"), (windowed, spec.window is not None),
