@@ -197,19 +197,23 @@ class Job:
         return None
 
 
-def gate(space, table: planner.Table, point: Point) -> Optional[str]:
-    """None when the candidate `table` computes `point`'s kernel correctly on every mask, else why not."""
+def gate(space, table: planner.Table, point: Point, row: Optional[planner.Row] = None) -> Optional[str]:
+    """None when the candidate `table` computes `point`'s kernel correctly on every mask, else why
+    not: on GATE_QUERIES x GATE_KEYS and on the longer key counts the space names for its `row`
+    (a forward row's T for long walks, which short calls never meet)."""
     backend = space.backend(table)
-    for mask in point.masks:
-        job = Job(point.kernel, spec_for(point, mask, GATE_QUERIES, GATE_KEYS, heads=2), seed=1)
-        try:
-            results = job.run(backend)
-            mx.eval(results)
-        except Exception as error:  # the compiler's or the launcher's message
-            return f"failed to build or run: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
-        reason = job.check(results)
-        if reason is not None:
-            return f"{mask}: {reason}"
+    lengths = (GATE_KEYS,) + (tuple(space.gate_keys(row)) if row is not None else ())
+    for keys in lengths:
+        for mask in point.masks:
+            job = Job(point.kernel, spec_for(point, mask, GATE_QUERIES, keys, heads=2), seed=1)
+            try:
+                results = job.run(backend)
+                mx.eval(results)
+            except Exception as error:  # the compiler's or the launcher's message
+                return f"failed to build or run: {type(error).__name__}: {' '.join(str(error).split())[:200]}"
+            reason = job.check(results)
+            if reason is not None:
+                return f"{mask}{'' if keys == GATE_KEYS else f' at {keys} keys'}: {reason}"
     return None
 
 
@@ -267,14 +271,15 @@ def tune_point(space, table: planner.Table, point: Point, problem: Problem, sett
     outcome = Outcome(point, base, base)
     origin = "candidate"
     tables = {base: with_row(table, base, point.head_dim, origin)}
-    reason = gate(space, tables[base], point)
+    reason = gate(space, tables[base], point, base)
     progress(base)
     if reason is not None:
         outcome.skipped = f"the table's own row fails the gate ({reason}); nothing tuned"
         return outcome
     center, extra = base, list(extra_candidates)
     for _ in range(rounds or (1 if quick else ROUNDS)):
-        fresh = [r for r in dict.fromkeys(extra + space.candidates(center, point.head_dim, quick))
+        fresh = [r for r in dict.fromkeys(extra + space.candidates(center, point.head_dim, quick,
+                                                                          problem.length))
                  if r not in tables and r not in outcome.rejected]
         extra = []
         passed = {}
@@ -283,7 +288,7 @@ def tune_point(space, table: planner.Table, point: Point, problem: Problem, sett
                 outcome.rejected[row] = "not tried: time budget spent"
                 continue
             candidate = with_row(table, row, point.head_dim, origin)
-            reason = space.invalid_reason(candidate, point) or gate(space, candidate, point)
+            reason = space.invalid_reason(candidate, point) or gate(space, candidate, point, row)
             progress(row)
             if reason is not None:
                 outcome.rejected[row] = reason

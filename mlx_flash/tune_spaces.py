@@ -4,14 +4,16 @@ backend's plan type (mlx_flash/tune.py does the rest, the same for both).
 Each space has:
     target: "metal" or "cuda"; family(): the table family of this GPU;
     row_family(kernel, head_dim): the family name of the rows that plan the kernel here;
-    candidates(row, head_dim, quick): rows to try, one knob moved at a time;
+    candidates(row, head_dim, quick, length): rows to try, one knob moved at a time (length: the
+        timed problem's N, for knobs that only calls of some length meet);
     invalid_reason(table, point): why the backend cannot build a candidate (None if it can);
+    gate_keys(row): key counts past tune.GATE_KEYS at which the correctness gate runs the row too;
     backend(table): a backend object planning every kernel from `table`.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from . import planner
 
@@ -38,7 +40,7 @@ class MetalSpace:
     def row_family(self, kernel: str, head_dim: int) -> str:
         return self._family
 
-    def candidates(self, row: planner.Row, head_dim: int, quick: bool) -> List[planner.Row]:
+    def candidates(self, row: planner.Row, head_dim: int, quick: bool, length: int = 0) -> List[planner.Row]:
         from .backends.metal_source import CACHEABLE
 
         out = [dataclasses.replace(row, traversal_block=t) for t in _halve_double(row.traversal_block, 8, 8, 256)]
@@ -49,6 +51,9 @@ class MetalSpace:
             for operand in CACHEABLE[row.kernel]:
                 out.append(dataclasses.replace(row, cached=row.cached ^ {operand}))
         return out
+
+    def gate_keys(self, row: planner.Row) -> Tuple[int, ...]:
+        return ()  # a Metal row plans every length alike
 
     def invalid_reason(self, table: planner.Table, point) -> Optional[str]:
         from .backends import metal_source

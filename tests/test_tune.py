@@ -207,8 +207,7 @@ def test_cuda_tuned_table_of_the_wgmma_family_is_read_back(monkeypatch, tmp_path
 
 def test_cuda_wgmma_forward_candidates_toggle_its_options():
     """The tuner's wgmma forward candidates include the row with pingpong and with the scale fold
-    each toggled (on where the row has it, off where not) and without its t<T>_from<N>: a tuned
-    table keeps what wins."""
+    each toggled (on where the row has it, off where not): a tuned table keeps what wins."""
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
@@ -218,9 +217,67 @@ def test_cuda_wgmma_forward_candidates_toggle_its_options():
         options = [c.cached for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
                    if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
         toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
-        toggled += [row.cached - {"t176_from8192"}] if head_dim == 128 else []  # the row's long-walk T off
-        assert (head_dim == 128) == ("t176_from8192" in row.cached)
         assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
+
+
+def test_cuda_wgmma_forward_candidates_move_the_t_the_problem_runs(monkeypatch):
+    """A wgmma forward row with t<T>_from<N> (the shipped D = 65..128 row: T = 128, 176 from 8192
+    keys): a timed problem shorter than N runs the row's T, so the T moves move it; one of N keys
+    or more runs the long T, so they move that T instead and one candidate drops the option.
+    Either way the correctness gate also runs the row at N + 19 keys, and the kernels' own checks
+    see both Ts."""
+    from mlx_flash.backends import cuda_source
+    from mlx_flash.tune_cuda import CudaSpace
+
+    space = CudaSpace(family="sm90")
+    row = planner.find_row(planner.shipped_table("cuda"), "forward", 128, "mixed", "sm90_wgmma")
+    assert "t176_from8192" in row.cached and row.traversal_block == 128
+    short = space.candidates(row, 128, quick=True, length=4096)
+    assert {c.traversal_block for c in short if c.cached == row.cached} >= {112, 144}
+    assert all("t176_from8192" in c.cached for c in short)
+    long = [c for c in space.candidates(row, 128, quick=True, length=8192)
+            if c.cached != row.cached and c.cached ^ row.cached <= {"t176_from8192", "t160_from8192", "t192_from8192"}]
+    assert sorted(sorted(c.cached ^ row.cached) for c in long) == [
+        ["t160_from8192", "t176_from8192"], ["t176_from8192"], ["t176_from8192", "t192_from8192"]]
+    assert all(c.traversal_block == 128 for c in long)
+    assert space.gate_keys(row) == (8211,)
+    assert space.gate_keys(planner.find_row(planner.shipped_table("cuda"), "forward", 64, "mixed", "sm90_wgmma")) == ()
+    assert space.gate_keys(planner.find_row(planner.shipped_table("cuda"), "backward_query", 128, "mixed",
+                                            "sm90_wgmma")) == ()
+    # a long T the kernels cannot take (past the forward's 256) is rejected before any call
+    point = tune.Point("forward", 128, "bfloat16")
+    bad = dataclasses.replace(row, cached=row.cached - {"t176_from8192"} | {"t272_from8192"})
+    from mlx_flash.backends import cuda
+
+    monkeypatch.setattr(cuda.CUDABackend, "real_sm90", lambda self: True)  # plan as an H100 / H200 does
+    sm90 = CudaSpace(family="sm90")
+    table = planner.shipped_table("cuda")
+    assert sm90.invalid_reason(tune.with_row(table, row, 128, "x"), point) is None
+    reason = sm90.invalid_reason(tune.with_row(table, bad, 128, "x"), point)
+    assert reason is not None and "T=272" in reason
+
+
+def test_the_gate_runs_the_spaces_longer_key_counts(sim, monkeypatch):
+    """tune.gate runs a candidate at GATE_KEYS and at each key count the space's gate_keys names
+    for its row, and a wrong answer there rejects it before timing, naming the count."""
+    class Longer(MetalSpace):
+        def gate_keys(self, row):
+            return (120,)
+
+    seen = []
+    check = tune.Job.check
+
+    def spy(job, results):
+        seen.append(job.spec.kv_len)
+        return "relative error 1 (planted)" if job.spec.kv_len == 120 else check(job, results)
+
+    monkeypatch.setattr(tune.Job, "check", spy)
+    point = tune.Point("forward", D, "float32")
+    table = planner.shipped_table("metal")
+    assert tune.gate(MetalSpace("m3"), table, point, BASE) is None and seen == [tune.GATE_KEYS]
+    seen.clear()
+    reason = tune.gate(Longer("m3"), table, point, BASE)
+    assert seen == [tune.GATE_KEYS, 120] and reason == "none at 120 keys: relative error 1 (planted)"
 
 
 def test_cuda_wgmma_key_value_candidates_toggle_roles_past_256():
