@@ -103,7 +103,7 @@ def plans(backend: str, head_dim: int, dtype: str = "bfloat16", mask: str = "non
         q_len: the call's query count (cuda: a row's fused_dq_from<N> picks the dK/dV kernel by it).
         kv_len, group, kv_heads, batch: the call's key count (None = q_len), query heads per kv
             head, kv heads and batch (cuda: they decide the dK/dV kernel's head splits, see
-            head_splits_line).
+            head_splits_line; a forward row's t<T>_from<N> picks the forward's T by kv_len).
         sm_count: cuda: the GPU's SMs (None = this machine's GPU's, unknown without one).
 
     Returns:
@@ -121,7 +121,8 @@ def _cuda_length_sets(spec: AttentionSpec, mask_dtype, capability: Optional[int]
                       sm_count: Optional[int] = None):
     """(backend, its LengthSets for the call, or the reason it cannot serve it) as a GPU of
     `capability` (None: this machine's) plans the call: the sets the backend would pick from (the
-    dK/dV kernel's fused dQ by length, its head splits by the call's CTAs)."""
+    dK/dV kernel's fused dQ by length, its head splits by the call's CTAs, the forward's T by the
+    key count)."""
     from .backends import cuda, cuda_source
 
     tuning = tuning if tuning is not None else cuda_source.Tuning()

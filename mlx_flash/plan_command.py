@@ -40,7 +40,8 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--mask", default="none", choices=inspect.MASKS)
     parser.add_argument("--seq-len", type=positive_int, help="cuda: Nq, for the backend='auto' routing line "
                         "and the dK/dV kernel's fused dQ by length (default: list the N ranges that route)")
-    parser.add_argument("--kv-len", type=positive_int, help="cuda: Nk (default: --seq-len)")
+    parser.add_argument("--kv-len", type=positive_int, help="cuda: Nk, for the forward's T for long calls "
+                        "(default: --seq-len)")
     parser.add_argument("--group", type=positive_int, default=1,
                         help="cuda: query heads per kv head, for the routing and head-split lines (default: "
                              "%(default)s, MHA)")
