@@ -4,7 +4,9 @@ spec -> plan -> variant -> source (cuda_source.py) -> launch (here). A `CUDABack
 is fixed for its life: the `Tuning` value, the kernel factory (mx.fast.cuda_kernel, or the CPU
 emulator's stand-in) and optionally a compute capability; it compiles each variant once (NVRTC)
 and launches the kernels with the runtime values (sizes, strides, scale, softcap, window) passed
-as two small arrays, so a new sequence length or batch never recompiles.
+as two small arrays, so a new sequence length or batch never recompiles (past the lengths where
+the table picks other kernels: the fused dQ's queries, the forward's t<T>_from<N> keys, each a
+variant compiled once).
 
 No atomics on the data: gradients are bitwise reproducible (the dK/dV kernel's fused dQ, which
 the table turns on for long calls without an array mask at D = 49..64 and 97..128 (fused_dq_from<N>,
@@ -188,8 +190,9 @@ class CUDABackend:
         (cuda_source.length_sets: made once per features, family, tuning and table, a set below
         and one from the table's fused_dq_from<N> queries where that changes the dK/dV kernel, each
         with a twin whose dK/dV kernel splits the query-head group for the GQA calls that
-        cuda_source.head_splits splits; the sets are kept per features and mask dtype while
-        call_cache's stamp holds, as each launch asks)."""
+        cuda_source.head_splits splits, and all again with the forward of the table's
+        t<T>_from<N> for calls of N keys or more; the sets are kept per features and mask dtype
+        while call_cache's stamp holds, as each launch asks)."""
         return self._length_sets(spec, mask_dtype).pick(spec)
 
     def head_splits(self, spec: AttentionSpec, mask_dtype: Optional[mx.Dtype] = None) -> int:
