@@ -34,7 +34,10 @@ the tool, not a timing).
 
 Prints one row per shape and pass, medians in ms: this tree, REV, the ratio this / REV (below 1:
 this tree is faster), its spread (the ratio of the quartiles, q1 / q3 and q3 / q1), mx.fast, and
-the output difference. --out writes every sample and the environment as JSON.
+the output difference. --out writes every sample and the environment as JSON. Where mx.fast fails
+(MLX's unfused attention past D = 256 runs out of device memory at long N with calls queued back
+to back), its error is printed and kept in the row ("mx_fast_error") and the rounds go on with the
+two versions alone; a version that fails ends the run.
 """
 from __future__ import annotations
 
@@ -119,7 +122,16 @@ def serve(backend_name: str, tuning: dict) -> None:
             prepare, run = bm.mlx_pass(attention, case, inputs[case], request["pass"],
                                        compiled=request.get("compiled", False))
             calls[key] = bm.Call(run, prepare, back_to_back=request["back_to_back"])
-        print(json.dumps({"seconds": calls[key].timed_once()}), flush=True)
+        try:
+            seconds = calls[key].timed_once()
+        except RuntimeError as error:  # mx.fast's (MLX's unfused attention past D = 256) out of memory
+            if request["impl"] == "flash":
+                raise
+            del calls[key]
+            mx.clear_cache()
+            print(json.dumps({"error": " ".join(str(error).split())[:300]}), flush=True)
+            continue
+        print(json.dumps({"seconds": seconds}), flush=True)
 
 
 class Worker:
@@ -170,16 +182,24 @@ def compare(args) -> dict:
                 difference = float(np.abs(mine - theirs).max() / max(np.abs(mine).max(), 1e-30))
                 for pass_name in args.passes:
                     samples = {"this/flash": [], "other/flash": [], "mx.fast": []}
+                    fast_error = None  # mx.fast's error, after which the rounds go on without it
                     for round_ in range(args.rounds + 1):  # round 0: warm-up
                         for worker_name, impl in sample_order(round_):
-                            seconds = workers[worker_name].ask(op="sample", case=described, impl=impl,
-                                                               back_to_back=args.back_to_back,
-                                                               compiled=args.compiled,
-                                                               **{"pass": pass_name})["seconds"]
+                            if impl == "fast" and fast_error is not None:
+                                continue
+                            answer = workers[worker_name].ask(op="sample", case=described, impl=impl,
+                                                              back_to_back=args.back_to_back,
+                                                              compiled=args.compiled, **{"pass": pass_name})
+                            if "error" in answer:
+                                fast_error = answer["error"]
+                                print(f"# {case.label()} {pass_name}: mx.fast failed, the rounds go on without "
+                                      f"it: {fast_error}", flush=True)
+                                continue
                             if round_:
-                                samples["mx.fast" if impl == "fast" else f"{worker_name}/flash"].append(seconds * 1e3)
+                                samples["mx.fast" if impl == "fast" else f"{worker_name}/flash"].append(
+                                    answer["seconds"] * 1e3)
                     row = {"case": described, "label": case.label(), "pass": pass_name, "kernels": kernels,
-                           "output_difference": difference, "samples_ms": samples}
+                           "output_difference": difference, "samples_ms": samples, "mx_fast_error": fast_error}
                     results["rows"].append(row)
                     print(format_row(row), flush=True)
         finally:
@@ -212,9 +232,9 @@ def format_row(row) -> str:
 
     this_q1, this, this_q3 = quartiles(row["samples_ms"]["this/flash"])
     other_q1, other, other_q3 = quartiles(row["samples_ms"]["other/flash"])
-    fast = Timing(row["samples_ms"]["mx.fast"]).median
+    fast = f"{Timing(row['samples_ms']['mx.fast']).median:9.3f}" if row["samples_ms"]["mx.fast"] else f"{'-':>9}"
     return (f"{row['label']:<40} {row['pass']:<16} {this:9.3f} {other:9.3f} {this / other:7.3f} "
-            f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast:9.3f} {row['output_difference']:9.2e}")
+            f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast} {row['output_difference']:9.2e}")
 
 
 def main(argv=None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -378,6 +379,28 @@ def test_ab_versions_times_both_trees_in_turn(tmp_path, doubled):
         assert all(len(s) == 2 and min(s) > 0 for s in row["samples_ms"].values())
         assert row["output_difference"] == pytest.approx(1.0 if doubled else 0.0, abs=1e-6)
     assert done.stdout.count("forward_backward") == 2
+
+
+def test_ab_versions_goes_on_where_mx_fast_fails(tmp_path):
+    """Where mx.fast raises (on a GPU: MLX's unfused attention out of memory at long N), ab_versions
+    prints and keeps its error and times the two versions on: a sitecustomize on PYTHONPATH makes
+    mx.fast.scaled_dot_product_attention raise in every process."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import mlx.core as mx\n\n\ndef _fails(*args, **kwargs):\n"
+        "    raise RuntimeError('cudaMallocAsync failed: out of memory (planted)')\n\n\n"
+        "mx.fast.scaled_dot_product_attention = _fails\n")
+    env = dict(ENV, PYTHONPATH=os.pathsep.join(p for p in (str(hook), ENV.get("PYTHONPATH", "")) if p))
+    command = [sys.executable, str(ROOT / "benchmarks" / "ab_versions.py"), "--against", str(ROOT), "--backend",
+               "mlx", "--shapes", "1,2,64,32,none", "--passes", "forward", "--rounds", "2", "--back-to-back", "1",
+               "--out", str(tmp_path / "ab.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    (row,) = json.loads((tmp_path / "ab.json").read_text())["rows"]
+    assert "out of memory (planted)" in row["mx_fast_error"] and "mx.fast failed" in done.stdout
+    assert row["samples_ms"]["mx.fast"] == []
+    assert len(row["samples_ms"]["this/flash"]) == len(row["samples_ms"]["other/flash"]) == 2
 
 
 def _emulated_ab_forward(tmp_path, shape: str, *tunings) -> dict:
