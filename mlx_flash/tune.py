@@ -197,12 +197,12 @@ class Job:
         return None
 
 
-def gate(space, table: planner.Table, point: Point, row: Optional[planner.Row] = None) -> Optional[str]:
+def gate(space, table: planner.Table, point: Point, row: planner.Row) -> Optional[str]:
     """None when the candidate `table` computes `point`'s kernel correctly on every mask, else why
-    not: on GATE_QUERIES x GATE_KEYS and on the longer key counts the space names for its `row`
-    (a forward row's T for long walks, which short calls never meet)."""
+    not: on GATE_QUERIES x GATE_KEYS and on the longer key counts the space names for `row`, the
+    candidate's row for the point (a forward row's T for long walks, which short calls never meet)."""
     backend = space.backend(table)
-    lengths = (GATE_KEYS,) + (tuple(space.gate_keys(row)) if row is not None else ())
+    lengths = (GATE_KEYS, *space.gate_keys(row))
     for keys in lengths:
         for mask in point.masks:
             job = Job(point.kernel, spec_for(point, mask, GATE_QUERIES, keys, heads=2), seed=1)

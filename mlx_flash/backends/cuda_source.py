@@ -705,8 +705,9 @@ def fused_query_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], 
 def forward_long_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype], family: Family, tuning: Tuning,
                       real_sm90: bool, table: planner.Table) -> Optional[int]:
     """From how many keys calls with `features` run the forward at the wgmma forward row's
-    t<T>_from<N> T: that N where it changes the forward variant (not where a mask, window or
-    softcap keeps a smaller T, or the tuning overrides the row's blocks), else None."""
+    t<T>_from<N> T: that N where it changes the forward variant, else None (no such option,
+    calls with an array mask, window or softcap (long_keys_fit), or a tuning that overrides the
+    row's blocks)."""
     spec = features.spec()
     if make_variant("forward", spec, mask_dtype, family, tuning, real_sm90, table, long_keys=True) == make_variant(
             "forward", spec, mask_dtype, family, tuning, real_sm90, table):
