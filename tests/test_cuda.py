@@ -772,6 +772,39 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 
 
 @gpu
+@sm90_only
+@pytest.mark.parametrize("case", [
+    # D <= 64: three consumer warpgroups of 64 rows (BM = 192); 385 = 2 x 192 + 1 and 10 rows
+    # leave two of the last block's three without a row, 320 = 192 + 128 one.
+    Case(head_dim=64, q_len=385, kv_len=300, dtype="bfloat16"),
+    Case(head_dim=64, q_len=385, kv_len=385, dtype="float16", mask="causal", group=2),
+    Case(head_dim=64, q_len=10, kv_len=333, dtype="bfloat16", mask="bool", sinks=True),
+    Case(head_dim=48, q_len=400, kv_len=420, dtype="bfloat16", mask="causal_window", window=(50, 0)),
+    Case(head_dim=64, q_len=200, kv_len=250, dtype="bfloat16", softcap=15.0, batch=2),
+    Case(head_dim=64, q_len=320, kv_len=520, dtype="bfloat16", mask="additive"),
+    # Two consumer warpgroups (BM = 128): 320 = 2 x 128 + 64, 257 and 192 rows.
+    Case(head_dim=128, q_len=320, kv_len=300, dtype="bfloat16", group=2),
+    Case(head_dim=128, q_len=257, kv_len=700, dtype="float16", mask="causal", sinks=True),
+    Case(head_dim=96, q_len=192, kv_len=8300, dtype="bfloat16"),  # the wide forward (T = 176)
+    Case(head_dim=200, q_len=257, kv_len=260, dtype="bfloat16", mask="window", window=(30, 40)),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}")
+def test_forward_warpgroups_without_rows(case):
+    """The wgmma forward's last query block where its warpgroups of 64 rows outnumber its rows:
+    those without a row run the key walk on zero-filled Q rows and must leave nothing in O or lse
+    (nor in rows of the next head). Each case has such a warpgroup in the table's plan; O and lse
+    against float64, and the calls are served by the kernels (none fell back)."""
+    reset_fallback_counts()
+    a = make_arrays(case)
+    spec = check_inputs(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, **a.kwargs)[0]
+    variant = cuda.CUDABackend().variant("forward", spec)
+    rows_per_block = variant.parallel_block
+    last_rows = case.q_len - (-(-case.q_len // rows_per_block) - 1) * rows_per_block
+    assert variant.col_groups == 1 and last_rows <= rows_per_block - 64, (variant.name, last_rows)
+    check_case(case, backend="cuda", gradients=False)
+    assert not fallback_counts(), fallback_counts()
+
+
+@gpu
 @pytest.mark.parametrize("case", [
     Case(head_dim=64, q_len=900, kv_len=1000, dtype="bfloat16", mask="bool", group=2),
     Case(head_dim=128, q_len=1000, kv_len=777, dtype="float16", mask="additive", mask_shape=(True, False, True, True),
