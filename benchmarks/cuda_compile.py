@@ -30,7 +30,7 @@ ARCHES = {"sm80": "sm_80", "sm86": "sm_86", "sm90": "sm_90a", "sm100": "sm_100a"
 POINTER_TYPES = {"params": "int64_t", "fparams": "float", "lse2": "float", "delta": "float", "lse": "float",
                  "d_sinks_part": "float", "tensor_map": "uint32_t", "tensor_maps": "uint8_t", "dq_acc": "float",
                  "dq_order": "int32_t", "acc": "float", "counts": "int32_t", "d_lse": "float",
-                 "dk_parts": "float", "dv_parts": "float"}
+                 "dk_parts": "float", "dv_parts": "float", "sinks": "float"}
 
 
 def translation_unit(variant: cuda_source.KernelVariant) -> str:
@@ -94,6 +94,8 @@ def main(argv=None) -> int:
                         help="N of the call (an array mask is shaped [1, 1, N, N])")
     parser.add_argument("--fused-dq", choices=["table", "on", "off"], default="table",
                         help="sm90: the wgmma dK/dV kernel accumulates dQ as the table says for --seq-len, or forced on / off")
+    parser.add_argument("--sinks", action="store_true",
+                        help="calls with attention sinks (the forward and dQ kernels compile them in)")
     parser.add_argument("--head-splits", type=int, default=None,
                         help="compile the dK/dV kernels for a call of 4 query heads per kv head split over this many "
                              "CTAs (the head_split variant; default: the table's choice for one MHA call)")
@@ -118,8 +120,9 @@ def main(argv=None) -> int:
             family = cuda_source.family_named(name)
             for head_dim in args.head_dims:
                 for mask in args.masks:
-                    spec = inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len,
-                                             group=4 if args.head_splits else 1)
+                    spec = dataclasses.replace(inspect.make_spec(head_dim, "bfloat16", mask, q_len=args.seq_len,
+                                                                 group=4 if args.head_splits else 1),
+                                               has_sinks=args.sinks)
                     mask_dtype = {"bool": mx.bool_, "additive": mx.bfloat16}.get(mask)
                     variants = cuda_source.length_sets(cuda_source.VariantFeatures.of(spec), mask_dtype, family,
                                                        tuning, True, planner.active_table("cuda", family.name))

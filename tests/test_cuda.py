@@ -1264,7 +1264,7 @@ def test_first_contact_failure_falls_back_on_the_gpu():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no nvcc (the CUDA toolkit's compiler)")
 def test_wgmma_kernels_compile_with_nvcc():
     """The wgmma templates compile for sm_90a (nothing else compiles them off the GPU: the
-    emulator runs the mma.sync kernels only); ~30 s on the CI machine."""
+    emulator runs the mma.sync kernels only), sinks variants among them; ~35 s on the CI machine."""
     import importlib.util
     import tempfile
     path = os.path.join(os.path.dirname(cuda.__file__), "..", "..", "benchmarks", "cuda_compile.py")
@@ -1276,6 +1276,14 @@ def test_wgmma_kernels_compile_with_nvcc():
         # every D once failed to compile there, and the calls fell back)
         for kernel, head_dim in [(kernel, d) for d in (37, 128, 512) for kernel in planner.KERNELS]:
             line = module.compile_variant(_variant(kernel, head_dim, Tuning(), real_sm90=True), "sm_90a", tmp)
+            assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
+        for kernel, head_dim in [(k, d) for d in (64, 128, 512) for k in ("forward", "backward_query")]:
+            # with attention sinks (a float pointer after the mask; the dQ kernel writes d_sinks parts)
+            q = mx.zeros((1, 2, 8, head_dim), mx.bfloat16)
+            spec, _ = check_inputs(q, q, q, mask="causal", sinks=mx.zeros((2,), mx.bfloat16))
+            variant = cuda_source.make_variant(kernel, spec, None, SM90, Tuning(), True)
+            assert variant.sinks
+            line = module.compile_variant(variant, "sm_90a", tmp)
             assert not line.startswith("ERROR") and "SERIALIZED" not in line, line
         for head_dim in (64, 128, 512):  # the forward with the scale fold (forced at D = 512)
             variant = _variant("forward", head_dim, Tuning(scale_fold=True), real_sm90=True)
