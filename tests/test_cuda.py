@@ -774,8 +774,8 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 @gpu
 @sm90_only
 @pytest.mark.parametrize("case", [
-    # D <= 64: three consumer warpgroups of 64 rows (BM = 192); 385 = 2 x 192 + 1 and 10 rows
-    # leave two of the last block's three without a row, 320 = 192 + 128 one.
+    # D <= 64: three consumer warpgroups of 64 rows (BM = 192); last blocks of 1 (385), 10, 16
+    # (400) and 8 (200) rows leave two of the three without a row, 128 (320) one.
     Case(head_dim=64, q_len=385, kv_len=300, dtype="bfloat16"),
     Case(head_dim=64, q_len=385, kv_len=385, dtype="float16", mask="causal", group=2),
     Case(head_dim=64, q_len=10, kv_len=333, dtype="bfloat16", mask="bool", sinks=True),
