@@ -226,7 +226,6 @@ def test_cuda_wgmma_forward_candidates_move_the_t_the_problem_runs(monkeypatch):
     or more runs the long T, so they move that T instead and one candidate drops the option.
     Either way the correctness gate also runs the row at N + 19 keys, and the kernels' own checks
     see both Ts."""
-    from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
     space = CudaSpace(family="sm90")
