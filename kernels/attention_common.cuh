@@ -512,9 +512,10 @@ constexpr float MAX_SLACK = 8.f;
 // exp2(old max - new max) that O must be scaled by (rescale_output) before P V is added: exactly
 // 1 where the running max stays (LAZY: MAX_SLACK). FOLD: interior tiles without a mask or softcap
 // keep the raw scores and scale them in exp2's FFMA (where the scale is positive; see below).
-// full_block: every element is visible (skips the index tests).
-template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, bool FOLD = false, int NS,
-          typename MaskT>
+// full_block: every element is visible (skips the index tests). SUMS = false: the caller's tensor
+// cores sum P (the wgmma forward's MMA_SUMS), so row_sum is left alone.
+template <bool CAUSAL, bool WINDOW, bool SOFTCAP, int MASK_KIND, bool LAZY = false, bool FOLD = false,
+          bool SUMS = true, int NS, typename MaskT>
 __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&corr)[2], float (&row_max)[2],
                                                     float (&row_sum)[2], const MaskRegs<MASK_KIND, NS, MaskT>& masks,
                                                     int row0, int key0, bool full_block, int Nq, int Nk, int diag,
@@ -620,9 +621,9 @@ __device__ __forceinline__ void softmax_scores_tile(float (&s)[NS][4], float (&c
       for (int e = 0; e < 2; ++e) {
         const float p = fast_exp2(FOLDS ? fmaf(s[n][2 * hf + e], exp_scale, -m_use) : s[n][2 * hf + e] - m_use);
         s[n][2 * hf + e] = p;
-        sum += p;
+        if (SUMS) sum += p;
       }
-    row_sum[hf] = row_sum[hf] * corr[hf] + sum;
+    if (SUMS) row_sum[hf] = row_sum[hf] * corr[hf] + sum;
   }
 }
 

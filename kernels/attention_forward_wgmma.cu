@@ -60,6 +60,12 @@ constexpr bool SCALE_FOLD = {{scale_fold}};
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
 // time against rescaling every step, D=256 6 % faster, D=128 2-3 % slower, D=64 12-13 % slower.
 constexpr bool LAZY_RESCALE = DV > 128;
+// Row sums by the tensor cores (D = 49..64, one V panel): O += P V runs as P [V | 1] with N = DV + 8,
+// the eight extra columns read from a panel of ones beside each V stage, so the accumulator's last
+// n8 tile holds each row's sum of P (the bf16 P the products use) and the softmax adds nothing:
+// one FADD per score fewer. The rescale by corr scales the sums with O, as l's recurrence does.
+constexpr bool MMA_SUMS = {{mma_sums}};
+constexpr int NV = DV + (MMA_SUMS ? 8 : 0);  // the O += P V product's N (O and, with MMA_SUMS, the sums)
 constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM = 64 * ROW_GROUPS;
 // Two buffers: three measured slower on an H100 (TFLOP/s per call 2 / 3 stages: D=64 250 / 233,
 // D=128 412 / 388; the hardware announces each copy, so the producer never waits on its own).
@@ -69,8 +75,12 @@ constexpr int PANELS = CG == 2 ? 2 * DV / 64 : (DP + 63) / 64;
 constexpr int Q_GROUP_BYTES = PANELS * 64 * 128, K_BYTES = PANELS * BN * 128, V_BYTES = K_BYTES;
 // Column groups: the parts of S swapped between the warpgroups, double-buffered (one barrier per step).
 constexpr int SWAP_BYTES = CG == 2 ? 2 * 2 * 128 * (BN / 2) * 4 : 0;
-constexpr int SMEM_BYTES =
-    1024 + ROW_GROUPS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + SWAP_BYTES + KeyValueRing<STAGES>::BYTES;
+// MMA_SUMS: STAGES panels of ones right after the V stages; the product's leading byte offset
+// (the distance between its 64-column panels) is then STAGES * V_BYTES, so stage s's second panel
+// is ones panel s.
+constexpr int ONES_BYTES = MMA_SUMS ? STAGES * V_BYTES : 0;
+constexpr int SMEM_BYTES = 1024 + ROW_GROUPS * Q_GROUP_BYTES + STAGES * (K_BYTES + V_BYTES) + ONES_BYTES + SWAP_BYTES +
+                           KeyValueRing<STAGES>::BYTES;
 static_assert(SMEM_BYTES <= {{shared_memory}}, "shared memory layout larger than the launch's");
 // Register split: the launch bounds give every thread LAUNCH_REGS (65536 / THREADS rounded down
 // to 8: 168 with two consumers). setmaxnreg moves registers only inside the CTA's allocation, so
@@ -98,6 +108,7 @@ constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named b
 // all of D (its Q tile is free after the loop) and rows split into whole chunks.
 constexpr bool STAGED_EPILOGUE = CG == 1 && HEAD_DIM % 8 == 0;
 static_assert(BN % 16 == 0 && BN <= 256, "BN must be a multiple of 16, at most 256");
+static_assert(!MMA_SUMS || (CG == 1 && DP == 64), "row sums by MMA: one 64-column V panel, the ones in the next");
 }  // namespace fwdwg
 
 __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fwdwg::T* __restrict__ k,
@@ -114,8 +125,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   unsigned char* Qs = base;
   unsigned char* Ks = Qs + ROW_GROUPS * Q_GROUP_BYTES;
   unsigned char* Vs = Ks + STAGES * K_BYTES;
-  float4* swap = reinterpret_cast<float4*>(Vs + STAGES * V_BYTES);  // [2 buffers][2 warpgroups]
-  const KeyValueRing<STAGES> ring{smem_u32(Vs + STAGES * V_BYTES + SWAP_BYTES)};
+  unsigned char* ones = Vs + STAGES * V_BYTES;  // MMA_SUMS: [STAGES] panels of ones
+  float4* swap = reinterpret_cast<float4*>(ones + ONES_BYTES);  // [2 buffers][2 warpgroups]
+  const KeyValueRing<STAGES> ring{smem_u32(ones + ONES_BYTES + SWAP_BYTES)};
 
   const i64 bid = linear_block();
   if (bid >= ip[P_TOTAL]) return;
@@ -142,7 +154,12 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   const int steps = kb_end - kb_begin;
 
   if (tid == 0) ring.init(4 * CONSUMERS, tma ? 1 : 128);
-  __syncthreads();  // the barriers are initialized before anyone uses them
+  if (MMA_SUMS) {  // the ones panels (every element 1, so the swizzle does not matter), for wgmma's reads
+    const u32 word = pack2(1.f, 1.f, T());
+    for (int i = tid; i < ONES_BYTES / 16; i += THREADS) reinterpret_cast<uint4*>(ones)[i] = make_uint4(word, word, word, word);
+    fence_proxy_async();
+  }
+  __syncthreads();  // the barriers are initialized (and the ones written) before anyone uses them
 
   if (warpgroup == CONSUMERS) {  // ---------------- producer ----------------
     registers_decrease<PRODUCER_REGS>();
@@ -161,14 +178,18 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   // Column groups: this warpgroup's columns of the S contraction and of O, V.
   const int col0 = (warpgroup % CG) * DV;
 
-  float o[DV / 8][4];
+  float o[NV / 8][4];  // O's DV columns, then (MMA_SUMS) the row sums in every column of the last n8 tile
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
   if (SINKS) {
     sink_row_state(sinks[h], tq, row_max[0], row_sum[0]);
     sink_row_state(sinks[h], tq, row_max[1], row_sum[1]);
   }
 #pragma unroll
-  for (int n = 0; n < DV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  for (int n = 0; n < NV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  if (MMA_SUMS) {  // the sums start where the softmax's would: the sink's term (quad-summed: in every lane)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) o[NV / 8 - 1][2 * hf] = o[NV / 8 - 1][2 * hf + 1] = quad_sum(row_sum[hf]);
+  }
 
   if (steps > 0) {
     const MaskT* mrow[2] = {nullptr, nullptr};
@@ -201,10 +222,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     // V as the B operand (16 keys x DV columns, MN-major): 64-column panels are BN * 128 bytes
     // apart (along N: the leading byte offset), 8-key row groups 1024 bytes apart (along K: the
     // stride byte offset), per the canonical layout ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)).
-    const u32 v_leading = BN * 128, v_stride = 1024;
+    const u32 v_leading = MMA_SUMS ? STAGES * V_BYTES : BN * 128, v_stride = 1024;
     float s[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
-    float(&o_flat)[DV / 2] = *reinterpret_cast<float(*)[DV / 2]>(&o[0][0]);
+    float(&o_flat)[NV / 2] = *reinterpret_cast<float(*)[NV / 2]>(&o[0][0]);
     u32 p[BN / 16][4];  // P_j as bf16 / fp16 A fragments: two n8 accumulator tiles = one k16 fragment
 
     // S = Q K_j^T from K buffer j % STAGES.
@@ -222,7 +243,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     auto issue_values = [&](int it) {
       fence_registers(o_flat);
       wgmma_fence();
-      wgmma_registers_shared<DV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part, v_leading,
+      wgmma_registers_shared<NV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part, v_leading,
                                         v_stride);
       wgmma_commit();
     };
@@ -231,7 +252,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       const int key0 = (kb_begin + it) * BN;
       const bool full_block =
           key0 + BN <= Nk && band_covers_tile<CAUSAL, WINDOW>(q0, q_last, key0, key0 + BN - 1, diag, wleft, wright);
-      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE, SCALE_FOLD>(
+      softmax_scores_tile<CAUSAL, WINDOW, SOFTCAP, MASK_KIND, LAZY_RESCALE, SCALE_FOLD, !MMA_SUMS>(
           s, corr, row_max, row_sum, masks, row0, key0, full_block, Nq, Nk, diag, wleft, wright, scale, scale_log2, cap,
           tq);
     };
@@ -302,6 +323,11 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     fence_registers(o_flat);
   }
 
+  if (MMA_SUMS) {  // the row sums for the epilogues' quad sums: each lane holds its rows' whole sum
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) row_sum[hf] = tq == 0 ? o[NV / 8 - 1][2 * hf] : 0.f;
+  }
+  float(&o_out)[DV / 8][4] = *reinterpret_cast<float(*)[DV / 8][4]>(&o[0][0]);
   const Rows<T> og = head_rows(out, token_major(Nq, Hq, HEAD_DIM), b, h);
   if constexpr (STAGED_EPILOGUE) {
     // O through this warpgroup's Q tile: its last reader, S of the last step, was waited for.
@@ -315,11 +341,11 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
         const int i = row0 + 8 * hf;
         if (i < Nq && tq == 0) lse[bh * Nq + i] = row_lse(row_max[hf], l);
       }
-      store_tile_staged<HEAD_DIM>(o, inv, Qs + row_group * Q_GROUP_BYTES, warp, lane, Nq - q_row, og.from(q_row));
+      store_tile_staged<HEAD_DIM>(o_out, inv, Qs + row_group * Q_GROUP_BYTES, warp, lane, Nq - q_row, og.from(q_row));
       return;
     }
   }
-  store_output_tile<HEAD_DIM>(o, row_max, row_sum, row0, Nq, col0, og, col0 == 0 ? lse + bh * Nq : nullptr, tq);
+  store_output_tile<HEAD_DIM>(o_out, row_max, row_sum, row0, Nq, col0, og, col0 == 0 ? lse + bh * Nq : nullptr, tq);
 }
 
 }  // namespace mlxflash

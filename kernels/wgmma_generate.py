@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 
-WIDTHS = tuple(range(16, 257, 16))  # N of m64nNk16: every multiple of 16 up to 256
+WIDTHS = tuple(sorted((*range(16, 257, 16), 72)))  # N of m64nNk16: multiples of 16 up to 256; 72 = 64 + the
+# forward's row sums (MMA_SUMS)
 TYPES = {"__nv_bfloat16": "bf16", "__half": "f16"}
 SS_MN_WIDTHS = (64,)  # ss_mn: the dK/dV kernel's fused dQ units (m64n64)
 HEADER = """\

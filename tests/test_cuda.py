@@ -774,6 +774,40 @@ def test_wgmma_forward_matches_reference_and_mma(case):
 @gpu
 @sm90_only
 @pytest.mark.parametrize("case", [
+    Case(head_dim=64, q_len=700, kv_len=900, dtype="bfloat16"),
+    Case(head_dim=64, q_len=385, kv_len=385, dtype="float16", mask="causal", group=2),
+    Case(head_dim=64, q_len=300, kv_len=333, dtype="bfloat16", mask="bool", sinks=True),
+    Case(head_dim=64, q_len=320, kv_len=520, dtype="float16", mask="additive", lse_gradient=True),
+    Case(head_dim=56, q_len=400, kv_len=420, dtype="bfloat16", mask="causal_window", window=(50, 0)),
+    Case(head_dim=64, q_len=200, kv_len=250, dtype="bfloat16", softcap=15.0, batch=2),
+    Case(head_dim=50, q_len=260, kv_len=130, dtype="bfloat16", scale=-0.7),
+    Case(head_dim=64, q_len=129, kv_len=1, dtype="bfloat16", mask="causal", sinks=True),
+], ids=lambda c: f"d{c.head_dim}-{c.mask}-{c.q_len}x{c.kv_len}" + ("-sinks" if c.sinks else ""))
+def test_forward_row_sums_by_mma(case):
+    """The wgmma forward with its row sums by the tensor cores (MMA_SUMS: O += P [V | 1] with the
+    ones in a panel beside each V stage): O, lse and the gradients (which read lse) against
+    float64, and O / lse against the forward that sums in the softmax. The variant is asserted to
+    take the option, so a plan change cannot empty the test."""
+    reset_fallback_counts()
+    a = make_arrays(case)
+    spec = check_inputs(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, **a.kwargs)[0]
+    on, off = (cuda.CUDABackend(tuning=Tuning(mma_sums=flag)) for flag in (True, False))
+    assert on.variant("forward", spec).mma_sums and not off.variant("forward", spec).mma_sums
+    check_case(case, backend=on)
+    (out_on, lse_on), (out_off, lse_off) = (
+        flash_attention(a.q, a.k, a.v, mask=a.mask, sinks=a.sinks, return_lse=True, backend=backend, **a.kwargs)
+        for backend in (on, off))
+    assert relative_error(to_numpy(out_on), to_numpy(out_off)) < 1e-2
+    lse_on, lse_off = np.array(lse_on), np.array(lse_off)
+    finite = np.isfinite(lse_off)
+    assert np.array_equal(np.isfinite(lse_on), finite)
+    assert relative_error(lse_on[finite], lse_off[finite]) < 1e-4
+    assert not fallback_counts(), fallback_counts()
+
+
+@gpu
+@sm90_only
+@pytest.mark.parametrize("case", [
     # D <= 64: three consumer warpgroups of 64 rows (BM = 192); last blocks of 1 (385), 10, 16
     # (400) and 8 (200) rows leave two of the three without a row, 128 (320) one.
     Case(head_dim=64, q_len=385, kv_len=300, dtype="bfloat16"),

@@ -189,6 +189,39 @@ def test_scale_fold_by_row_option_or_tuning():
     assert variant("none", table=table, head_dim=64).scale_fold  # another row
 
 
+def test_row_sums_by_mma_by_row_option_or_tuning():
+    """The wgmma forward's row sums by the tensor cores (cuda_source.MMA_SUMS) come from its row's
+    options or a Tuning, only where O is one 64-column V panel (D = 49..64, so the ones sit in the
+    next panel), and are part of the variant's name, key, shared memory and wgmma widths."""
+    import dataclasses
+
+    from mlx_flash import planner
+    shipped = planner.shipped_table("cuda")
+
+    def variant(mask="none", tuning=Tuning(), table=None, kernel="forward", head_dim=64):
+        return _sm90_variant(kernel, mask, tuning, table, head_dim)
+
+    on, off = Tuning(mma_sums=True), Tuning(mma_sums=False)
+    assert all(variant(m, on, head_dim=d).mma_sums for m in ("none", "causal", "bool") for d in (49, 50, 64))
+    assert not any(variant("none", on, head_dim=d).mma_sums for d in (32, 48, 65, 128, 512))
+    assert not any(variant("none", on, kernel=k).mma_sums for k in ("backward_query", "backward_key_value"))
+    assert not variant("none", off).mma_sums
+    summed, plain = variant("none", on), variant("none", off)
+    assert summed.name == plain.name + "l" and summed != plain
+    assert summed.shared_memory - plain.shared_memory == 2 * plain.traversal_block * 128  # a ones panel a V stage
+    assert summed.constants()["mma_sums"] is True and plain.constants()["mma_sums"] is False
+    header = cuda_source.source(summed)[0]
+    assert "struct Wgmma<72, __nv_bfloat16>" in header
+    assert "struct Wgmma<72," not in cuda_source.source(plain)[0]
+    # a table's row option
+    rows = tuple(dataclasses.replace(r, cached=r.cached | {cuda_source.MMA_SUMS})
+                 if (r.kernel, r.family, r.max_head_dim) == ("forward", "sm90_wgmma", 64) else r
+                 for r in shipped.rows)
+    table = planner.Table("cuda", "test", rows)
+    assert variant("none", table=table).mma_sums and not variant("none", off, table).mma_sums
+    assert not variant("none", table=table, head_dim=128).mma_sums
+
+
 def test_roles_by_row_option_or_tuning():
     """The wgmma dK/dV kernel's split by role past D = 256 (cuda_source.ROLES) comes from its row's
     options or a Tuning, only for the two CTAs of column groups a key block (D = 257..512) and

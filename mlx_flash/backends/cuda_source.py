@@ -99,6 +99,10 @@ LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
 # per score fewer). On the rows up to D = 256: 0.914x (D = 64) to 0.984x (D = 192) the forward time
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
+# ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
+# each row's P: O += P [V | 1] with N = 72, the ones in a panel beside each V stage
+# (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in the softmax).
+MMA_SUMS = "mma_sums"
 # ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
 # calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
 # added), the other dK (S^T and dP^T), instead of by columns (each recomputing S^T and dP^T):
@@ -242,6 +246,8 @@ class Tuning:
             forces the wgmma dK/dV kernel to accumulate dQ (where it can: see FUSED_QUERY), or not.
         scale_fold: None = the table's options column; True / False forces the wgmma forward's
             scale fold (where it applies: see SCALE_FOLD), or not.
+        mma_sums: None = the table's options column; True / False forces the wgmma forward's row
+            sums by the tensor cores (where it applies: see MMA_SUMS), or not.
         roles: None = the table's options column; True / False forces the wgmma dK/dV kernel's
             split by role past D = 256 (where it applies: see ROLES), or the split by columns.
         head_splits: None = the table's options column (head_splits_to<W>, see head_splits, on a
@@ -258,6 +264,7 @@ class Tuning:
     block_major: Optional[bool] = None
     fused_query: Optional[bool] = None
     scale_fold: Optional[bool] = None
+    mma_sums: Optional[bool] = None
     roles: Optional[bool] = None
     head_splits: Optional[int] = None
     table: Optional[planner.Table] = None
@@ -325,6 +332,7 @@ class KernelVariant:
             does not run.
         scale_fold: wgmma forward without an array mask or softcap: interior tiles fold a positive
             scale into exp2's FFMA (SCALE_FOLD).
+        mma_sums: wgmma forward at D = 49..64: the tensor cores sum P's rows (MMA_SUMS).
         roles: wgmma dK/dV past D = 256: the key block's two CTAs compute dV and dK (ROLES), not a
             column slice of both each.
         head_split: dK/dV: CTAs share a kv head's query-head group (P_SPLITS of them at run time,
@@ -355,6 +363,7 @@ class KernelVariant:
     sinks: bool = False
     fused_query: bool = False
     scale_fold: bool = False
+    mma_sums: bool = False
     roles: bool = False
     head_split: bool = False
     tuning: Tuning = Tuning()
@@ -390,7 +399,8 @@ class KernelVariant:
             ring = WGMMA_MAP_BYTES + 32 * stages  # K / V tensor maps and mbarriers (KeyValueRing)
             if self.kernel == "forward":  # Q; K and V rings (column groups: panels of both, S's parts swapped)
                 tile_row = max(row, cg * self.head_block * 2)
-                return 1024 + tile_row * (bm + 2 * stages * bn) + (1024 * bn if cg == 2 else 0) + ring
+                ones = stages * bn * 128 if self.mma_sums else 0  # a panel of ones per V stage
+                return 1024 + tile_row * (bm + 2 * stages * bn) + ones + (1024 * bn if cg == 2 else 0) + ring
             if self.kernel == "backward_query":  # Q and dO; K and V rings (column groups: panels of both, a swap)
                 tile_row = max(row, cg * self.head_block * 2)
                 return 1024 + row * 2 * bm + tile_row * 2 * stages * bn + (1024 * bn if cg == 2 else 0) + ring
@@ -425,7 +435,7 @@ class KernelVariant:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
-                                         ("f", self.scale_fold), ("r", self.roles), ("h", self.head_split)) if on)
+                                         ("f", self.scale_fold), ("l", self.mma_sums), ("r", self.roles), ("h", self.head_split)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -444,7 +454,7 @@ class KernelVariant:
             values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
             if self.kernel == "forward":
                 values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups,
-                              scale_fold=self.scale_fold)
+                              scale_fold=self.scale_fold, mma_sums=self.mma_sums)
             if self.kernel == "backward_key_value":
                 values.update(slices=self.slices, head_block=self.head_block, col_groups=self.col_groups,
                               fused_query=self.fused_query, chains=fused_chains(self), roles=self.roles)
@@ -822,6 +832,9 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # The scale fold where the kernel has the path it changes (no array mask, no softcap).
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
+    # The row sums by MMA where O is one 64-column V panel (D = 49..64).
+    mma_sums = kernel == "forward" and col_groups == 1 and padded == 64 and (
+        plan.is_cached(MMA_SUMS) if tuning.mma_sums is None else tuning.mma_sums)
     # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
     # calls without a causal mask or window (those were not faster: ROLES).
     roles = kernel == "backward_key_value" and col_groups == 2 and slices == 2 and not spec.causal and (
@@ -829,7 +842,8 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
-                         fused_query=fused_query, scale_fold=scale_fold, roles=roles, tuning=tuning, **features)
+                         fused_query=fused_query, scale_fold=scale_fold, mma_sums=mma_sums, roles=roles, tuning=tuning,
+                         **features)
 
 
 def fused_chains(variant: KernelVariant) -> int:
@@ -991,6 +1005,8 @@ def _wgmma_wrappers(variant: KernelVariant) -> str:
     head, structs = text[:first], text[first:].split(marker)[1:]
     # The dK/dV kernel's fused dQ product is m64n64 (compiled in whether or not it runs).
     widths = {variant.traversal_block, variant.head_block} | ({64} if variant.kernel == "backward_key_value" else set())
+    if variant.mma_sums:  # O += P [V | 1]
+        widths.add(variant.head_block + 8)
     keep = [marker + body for body in structs
             if int(body.split(",")[0]) in widths and body.split(",")[1].split(">")[0].strip() == variant.input_type]
     return head + "".join(keep).rstrip().removesuffix("}  // namespace mlxflash").rstrip() + "\n\n}  // namespace mlxflash\n"
