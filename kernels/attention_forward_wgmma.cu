@@ -295,6 +295,10 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     release(ring.empty_keys(0));
     add_other_part(0);
     softmax(0, corr);  // O is still zero: no rescale
+    if (MMA_SUMS && SINKS) {  // but the sums start at the sink's term, which the softmax's sum would rescale
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[NV / 8 - 1][e] *= corr[e / 2];
+    }
     convert();
     for (int it = 0; it + 1 < steps; ++it) {
       wait_full(ring.full_keys((it + 1) % STAGES), it + 1);
