@@ -4,8 +4,8 @@ mma.sync rows: P, T (multiples of 16), H (output columns per warp) halved or dou
 wgmma rows (sm_90): T by 16 either way and halved / doubled (a forward row's t<T>_from<N> T
 instead, and that option dropped, where the timed problem has N keys or more); the forward and
 dQ between two (P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64;
-the forward's pingpong and scale_fold options on and off; the dK/dV rows past D = 256 with and
-without roles. A row the kernels cannot take is rejected by make_variant's own checks.
+the forward's pingpong and scale_fold options (and mma_sums at D = 49..64) on and off; the dK/dV
+rows past D = 256 with and without roles. A row the kernels cannot take is rejected by make_variant's own checks.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class CudaSpace:
 
     def candidates(self, row: planner.Row, head_dim: int, quick: bool, length: int = 0) -> List[planner.Row]:
         if row.family.endswith("_wgmma"):
-            return self._wgmma_candidates(row, quick, length)
+            return self._wgmma_candidates(row, head_dim, quick, length)
         most_columns = -(-head_dim // 16) * 16
         out = [dataclasses.replace(row, traversal_block=t) for t in _halve_double(row.traversal_block, 16, 16, 128)]
         out += [dataclasses.replace(row, parallel_block=p) for p in _halve_double(row.parallel_block, 16, 16, 256)]
@@ -59,7 +59,8 @@ class CudaSpace:
                     for p in _halve_double(row.parallel_block, 16, 16, 256)]
         return out
 
-    def _wgmma_candidates(self, row: planner.Row, quick: bool, length: int = 0) -> List[planner.Row]:
+    def _wgmma_candidates(self, row: planner.Row, head_dim: int, quick: bool,
+                          length: int = 0) -> List[planner.Row]:
         from .backends import cuda_source
 
         most = 256 if row.kernel == "forward" else 128
@@ -84,8 +85,10 @@ class CudaSpace:
         out += [dataclasses.replace(row, parallel_block=p, warps=w) for p, w in shapes
                 if (p, w) != (row.parallel_block, row.warps)]
         if row.kernel == "forward":
+            # mma_sums only where it applies: O one 64-column V panel (D = 49..64)
+            sums = (cuda_source.MMA_SUMS,) if -(-head_dim // 16) * 16 == 64 else ()
             out += [dataclasses.replace(row, cached=row.cached ^ {option})
-                    for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
+                    for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD, *sums)]
         if row.kernel == "backward_key_value" and row.max_head_dim > 256:
             out.append(dataclasses.replace(row, cached=row.cached ^ {cuda_source.ROLES}))
         return out

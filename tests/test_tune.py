@@ -207,16 +207,18 @@ def test_cuda_tuned_table_of_the_wgmma_family_is_read_back(monkeypatch, tmp_path
 
 def test_cuda_wgmma_forward_candidates_toggle_its_options():
     """The tuner's wgmma forward candidates include the row with pingpong and with the scale fold
-    each toggled (on where the row has it, off where not): a tuned table keeps what wins."""
+    each toggled (on where the row has it, off where not), and at D = 64 the row sums by MMA: a
+    tuned table keeps what wins."""
     from mlx_flash.backends import cuda_source
     from mlx_flash.tune_cuda import CudaSpace
 
-    for head_dim in (128, 512):  # the shipped rows: with the fold, without it
+    for head_dim in (64, 128, 512):  # the shipped rows: with the fold (and D = 64 the row sums), without it
         row = planner.find_row(planner.shipped_table("cuda"), "forward", head_dim, "mixed", "sm90_wgmma")
         assert (cuda_source.SCALE_FOLD in row.cached) == (head_dim <= 256)
         options = [c.cached for c in CudaSpace(family="sm90").candidates(row, head_dim, quick=True)
                    if (c.parallel_block, c.traversal_block, c.warps) == (row.parallel_block, row.traversal_block, row.warps)]
-        toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD)]
+        sums = (cuda_source.MMA_SUMS,) if head_dim == 64 else ()  # only where it applies (D = 49..64)
+        toggled = [row.cached ^ {option} for option in (cuda_source.PINGPONG, cuda_source.SCALE_FOLD, *sums)]
         assert sorted(options, key=sorted) == sorted(toggled, key=sorted), head_dim
 
 

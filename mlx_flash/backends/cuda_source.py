@@ -100,8 +100,9 @@ LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
 # ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
-# each row's P: O += P [V | 1] with N = 72, the ones in a panel beside each V stage
-# (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in the softmax).
+# each row's P for calls without an array mask: O += P [V | 1] with N = 72, the ones in a panel
+# beside each V stage (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in
+# the softmax). H200: 0.968-0.992x the forward time without a mask (blocks_cuda.txt has the numbers).
 MMA_SUMS = "mma_sums"
 # ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
 # calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
@@ -832,9 +833,10 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # The scale fold where the kernel has the path it changes (no array mask, no softcap).
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
-    # The row sums by MMA where O is one 64-column V panel (D = 49..64).
+    # The row sums by MMA where O is one 64-column V panel (D = 49..64); by the row's option for calls
+    # without an array mask (measured so; with a bool mask ptxas spills 6 bytes more), forced anywhere.
     mma_sums = kernel == "forward" and col_groups == 1 and padded == 64 and (
-        plan.is_cached(MMA_SUMS) if tuning.mma_sums is None else tuning.mma_sums)
+        plan.is_cached(MMA_SUMS) and spec.mask_kind == "none" if tuning.mma_sums is None else tuning.mma_sums)
     # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
     # calls without a causal mask or window (those were not faster: ROLES).
     roles = kernel == "backward_key_value" and col_groups == 2 and slices == 2 and not spec.causal and (
