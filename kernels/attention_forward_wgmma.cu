@@ -159,7 +159,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   if (tid == 0) ring.init(4 * CONSUMERS, tma ? 1 : 128);
   if (MMA_SUMS) {  // the ones panels (every element 1, so the swizzle does not matter), for wgmma's reads
     const u32 word = pack2(1.f, 1.f, T());
-    for (int i = tid; i < ONES_BYTES / 16; i += THREADS) reinterpret_cast<uint4*>(ones)[i] = make_uint4(word, word, word, word);
+    for (int i = tid; i < ONES_BYTES / 16; i += THREADS)
+      reinterpret_cast<uint4*>(ones)[i] = make_uint4(word, word, word, word);
     fence_proxy_async();
   }
   __syncthreads();  // the barriers are initialized (and the ones written) before anyone uses them

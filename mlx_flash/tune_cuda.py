@@ -5,7 +5,8 @@ wgmma rows (sm_90): T by 16 either way and halved / doubled (a forward row's t<T
 instead, and that option dropped, where the timed problem has N keys or more); the forward and
 dQ between two (P = 128) and three (P = 192) consumer warpgroups; dK/dV between P = 128 and 64;
 the forward's pingpong and scale_fold options (and mma_sums at D = 49..64) on and off; the dK/dV
-rows past D = 256 with and without roles. A row the kernels cannot take is rejected by make_variant's own checks.
+rows past D = 256 with and without roles. A row the kernels cannot take is rejected by
+make_variant's own checks.
 """
 from __future__ import annotations
 

@@ -102,7 +102,8 @@ SCALE_FOLD = "scale_fold"
 # ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
 # each row's P for calls without an array mask: O += P [V | 1] with N = 72, the ones in a panel
 # beside each V stage (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in
-# the softmax). H200: 0.968-0.992x the forward time without a mask (blocks_cuda.txt has the numbers).
+# the softmax). H200: 0.990x the forward time on average over 12 A/B readings, 0.961-1.009x
+# (blocks_cuda.txt has the numbers).
 MMA_SUMS = "mma_sums"
 # ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
 # calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
@@ -436,7 +437,8 @@ class KernelVariant:
     def name(self) -> str:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
-                                         ("f", self.scale_fold), ("l", self.mma_sums), ("r", self.roles), ("h", self.head_split)) if on)
+                                         ("f", self.scale_fold), ("l", self.mma_sums), ("r", self.roles),
+                                         ("h", self.head_split)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
