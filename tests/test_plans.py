@@ -191,7 +191,7 @@ def test_scale_fold_by_row_option_or_tuning():
 
 def test_row_sums_by_mma_by_row_option_or_tuning():
     """The wgmma forward's row sums by the tensor cores (cuda_source.MMA_SUMS) come from its row's
-    options (for calls without an array mask) or a Tuning, only where O is one 64-column V panel
+    options (for calls without an array mask, window or softcap) or a Tuning, only where O is one 64-column V panel
     (D = 49..64, so the ones sit in the next panel), and are part of the variant's name, key,
     shared memory and wgmma widths; the shipped table has them on its D <= 64 forward row."""
     import dataclasses
@@ -207,6 +207,11 @@ def test_row_sums_by_mma_by_row_option_or_tuning():
     assert summing == {("forward", "sm90_wgmma", 64)}  # where it was measured faster
     assert variant("none").mma_sums and variant("causal").mma_sums and variant("none", head_dim=50).mma_sums
     assert not any((variant("bool").mma_sums, variant("additive").mma_sums, variant("none", head_dim=48).mma_sums))
+    # nor calls with a window or softcap (not measured with the option), unless forced
+    windowed = _sm90_variant("forward", "causal", Tuning(), None, 64, window=(64, 0))
+    capped = _sm90_variant("forward", "none", Tuning(), None, 64, softcap=20.0)
+    assert not windowed.mma_sums and not capped.mma_sums
+    assert _sm90_variant("forward", "none", on, None, 64, softcap=20.0).mma_sums
     assert all(variant(m, on, head_dim=d).mma_sums for m in ("none", "causal", "bool") for d in (49, 50, 64))
     assert not any(variant("none", on, head_dim=d).mma_sums for d in (32, 48, 65, 128, 512))
     assert not any(variant("none", on, kernel=k).mma_sums for k in ("backward_query", "backward_key_value"))

@@ -100,7 +100,7 @@ LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
 # ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
-# each row's P for calls without an array mask: O += P [V | 1] with N = 72, the ones in a panel
+# each row's P for calls without an array mask, window or softcap: O += P [V | 1] with N = 72, the ones in a panel
 # beside each V stage (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in
 # the softmax). H200: 0.990x the forward time on average over 12 A/B readings, 0.961-1.009x
 # (blocks_cuda.txt has the numbers).
@@ -835,10 +835,11 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # The scale fold where the kernel has the path it changes (no array mask, no softcap).
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
-    # The row sums by MMA where O is one 64-column V panel (D = 49..64); by the row's option for calls
-    # without an array mask (measured so; with a bool mask ptxas spills 6 bytes more), forced anywhere.
+    # The row sums by MMA where O is one 64-column V panel (D = 49..64); by the row's option for the
+    # calls it was measured on (long_keys_fit: no array mask, window or softcap; with a bool mask ptxas
+    # spills 6 bytes more), forced anywhere.
     mma_sums = kernel == "forward" and col_groups == 1 and padded == 64 and (
-        plan.is_cached(MMA_SUMS) and spec.mask_kind == "none" if tuning.mma_sums is None else tuning.mma_sums)
+        plan.is_cached(MMA_SUMS) and long_keys_fit(spec) if tuning.mma_sums is None else tuning.mma_sums)
     # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
     # calls without a causal mask or window (those were not faster: ROLES).
     roles = kernel == "backward_key_value" and col_groups == 2 and slices == 2 and not spec.causal and (
