@@ -6,6 +6,9 @@
         [--out FILE.json]
     python benchmarks/ab_versions.py --against . --tuning scale_fold=True   # one option, this tree
 
+A shape is B,H,N,D,mask[,KV_HEADS] in bf16; its mask is none, causal, bool or additive (a random
+[1, 1, N, N] array mask, benchmark.random_mask, the same in both versions and in mx.fast's calls).
+
 REV is a git revision (its mlx_flash/ and kernels/ are extracted with git archive) or a folder
 that holds a version's mlx_flash/ and kernels/ (benchmarks/versions.py): the GPU machine's copy of
 the tree has no usable .git (one older than its files), so extract the revision here and carry the
@@ -91,28 +94,32 @@ def serve(backend_name: str, tuning: dict) -> None:
     bm = _benchmark_helpers()
     backend = _backend(backend_name, tuning)
     print(json.dumps({"ready": str(Path(mlx_flash.__file__).resolve().parent)}), flush=True)
-    calls, inputs = {}, {}
+    calls, inputs, masks = {}, {}, {}
 
     def flash(q, k, v, mask, scale):
         return mlx_flash.flash_attention(q, k, v, scale=scale, mask=mask, backend=backend)
+
+    def mask_of(case):
+        """The case's mask argument: its array mask (benchmark.random_mask), "causal" or None."""
+        return masks[case] if masks[case] is not None else ("causal" if case.causal else None)
 
     def kernels(case) -> list:
         """The CUDA variants that serve the case (names), [] on other backends."""
         if not hasattr(backend, "variants"):
             return []
         q, k, v, _ = inputs[case]
-        spec, _ = check_inputs(q, k, v, mask="causal" if case.causal else None, scale=case.scale)
-        chosen = backend.variants(spec)
+        spec, _ = check_inputs(q, k, v, mask=mask_of(case), scale=case.scale)
+        chosen = backend.variants(spec, None if masks[case] is None else masks[case].dtype)
         return [getattr(chosen, kernel).name for kernel in ("forward", "backward_query", "backward_key_value")]
 
     for line in sys.stdin:
         request = json.loads(line)
         case = bm.case_of(request["case"])
         if case not in inputs:
-            inputs[case] = bm.random_inputs(case, seed=0)
+            inputs[case], masks[case] = bm.random_inputs(case, seed=0), bm.random_mask(case, seed=0)
         if request["op"] == "output":
             q, k, v, _ = inputs[case]
-            out = flash(q, k, v, "causal" if case.causal else None, case.scale)
+            out = flash(q, k, v, mask_of(case), case.scale)
             np.save(request["path"], np.array(out.astype(mx.float32)))
             print(json.dumps({"kernels": kernels(case)}), flush=True)
             continue
@@ -120,7 +127,7 @@ def serve(backend_name: str, tuning: dict) -> None:
         if key not in calls:
             attention = flash if request["impl"] == "flash" else bm.fast_attention
             prepare, run = bm.mlx_pass(attention, case, inputs[case], request["pass"],
-                                       compiled=request.get("compiled", False))
+                                       compiled=request.get("compiled", False), mask=masks[case])
             calls[key] = bm.Call(run, prepare, back_to_back=request["back_to_back"])
         try:
             seconds = calls[key].timed_once()
@@ -241,8 +248,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--against", help="a git revision, or a folder with mlx_flash/ and kernels/")
     parser.add_argument("--backend", default="cuda", help="the mlx_flash backend both versions run (default cuda)")
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=None,
-                        help=f"B,H,N,D,mask[,KV_HEADS] (bf16), default {' '.join(DEFAULT_SHAPES)}")
+    parser.add_argument("--shapes", nargs="+", type=functools.partial(parse_shape, array_masks=True), default=None,
+                        help=f"B,H,N,D,mask[,KV_HEADS] (bf16; mask none, causal, bool or additive: a random "
+                             f"[1, 1, N, N] array mask), default {' '.join(DEFAULT_SHAPES)}")
     parser.add_argument("--passes", nargs="+", default=["forward", "forward_backward"],
                         choices=["forward", "forward_backward"])
     parser.add_argument("--rounds", type=int, default=15, help="timed samples of each (default 15)")

@@ -4,17 +4,20 @@ from __future__ import annotations
 import argparse
 
 
-def parse_shape(text: str):
-    """"B,H,N,D,mask" or "B,H,N,D,mask,KV_HEADS" (mask: none or causal) -> a BenchCase of bf16."""
+def parse_shape(text: str, array_masks: bool = False):
+    """"B,H,N,D,mask" or "B,H,N,D,mask,KV_HEADS" (mask: none or causal; with array_masks also bool
+    or additive, benchmark.random_mask's [1, 1, N, N] mask) -> a BenchCase of bf16."""
     from mlx_flash import benchmark as bm
     parts = text.split(",")
-    if len(parts) not in (5, 6) or parts[4] not in ("none", "causal"):
-        raise argparse.ArgumentTypeError(f"--shapes takes B,H,N,D,mask[,KV_HEADS] with mask none or causal, "
-                                         f"got {text!r}")
+    masks = ("none", "causal") + (("bool", "additive") if array_masks else ())
+    if len(parts) not in (5, 6) or parts[4] not in masks:
+        raise argparse.ArgumentTypeError(f"--shapes takes B,H,N,D,mask[,KV_HEADS] with mask one of "
+                                         f"{', '.join(masks)}, got {text!r}")
     try:
         b, h, n, d = (int(p) for p in parts[:4])
         kv = int(parts[5]) if len(parts) == 6 else h
-        return bm.BenchCase(b, h, kv, n, n, d, "bfloat16", causal=parts[4] == "causal")
+        return bm.BenchCase(b, h, kv, n, n, d, "bfloat16", causal=parts[4] == "causal",
+                            array_mask=parts[4] if parts[4] in ("bool", "additive") else "none")
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"--shapes {text!r}: {error}") from None
 

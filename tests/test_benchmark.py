@@ -414,6 +414,17 @@ def _emulated_ab_forward(tmp_path, shape: str, *tunings) -> dict:
     return json.loads((tmp_path / "ab.json").read_text())
 
 
+def test_ab_versions_times_calls_with_an_array_mask(tmp_path):
+    """A shape with a bool or additive mask runs both versions (and mx.fast) on the same random
+    [1, 1, N, N] array mask: the kernels each side ran are the masked variants (mask kind 1 / 2 in
+    their names), and the label says so."""
+    for mask, kind in (("bool", "_k1bool"), ("additive", "_k2bfloat16")):
+        (row,) = _emulated_ab_forward(tmp_path, f"1,2,40,32,{mask}")["rows"]
+        assert row["label"] == f"B=1 H=2 N=40 D=32 bfloat16 {mask} mask"
+        assert kind in row["kernels"]["this"][0] and row["kernels"]["this"] == row["kernels"]["other"]
+        assert row["output_difference"] == 0.0
+
+
 def test_ab_versions_tuning_applies_to_this_tree_and_names_the_kernels(tmp_path):
     """--tuning builds this tree's CUDA backend with those Tuning fields (here on the CPU emulator):
     the rows record the kernels each side ran, and only this side's forward takes the override."""
