@@ -836,8 +836,8 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
     # The row sums by MMA where O is one 64-column V panel (D = 49..64); by the row's option for the
-    # calls it was measured on (long_keys_fit: no array mask, window or softcap; with a bool mask ptxas
-    # spills 6 bytes more), forced anywhere.
+    # calls it was measured on and faster (long_keys_fit: no array mask, window or softcap; forced with
+    # an array mask 1.010-1.021x the forward time), forced anywhere.
     mma_sums = kernel == "forward" and col_groups == 1 and padded == 64 and (
         plan.is_cached(MMA_SUMS) and long_keys_fit(spec) if tuning.mma_sums is None else tuning.mma_sums)
     # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
