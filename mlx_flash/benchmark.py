@@ -29,7 +29,8 @@ order of its own: time_calls says why), so that load from other processes falls 
 alike; the median and IQR of each call's repetitions are reported. Peak memory comes from a
 separate, untimed call (which is also the first warm-up): mx.reset_peak_memory() after recording
 the active memory, then mx.get_peak_memory() minus that baseline, i.e. the memory the call needs
-on top of the inputs already resident (its outputs and temporaries; for backward, the retained forward too).
+on top of the inputs already resident (its outputs and temporaries; for backward, the retained
+forward too).
 
 Metrics (B batch, Hq query heads, Nq, Nk lengths, D head dim; causal halves every count):
     TFLOP/s (papers' convention): forward 4·B·Hq·Nq·Nk·D, backward 2.5x, forward+backward 3.5x.

@@ -173,7 +173,7 @@ def test_forward_keys_by_length():
     assert backend.variants(spec).backward_key_value.head_split
     assert (backend.variants(spec).forward.traversal_block, backend.variants(below).forward.traversal_block) == (
         176, 128)
-    # no array mask, window or softcap (long_keys_fit); D on other rows; a blocks override
+    # no array mask, window or softcap (plain_scores); D on other rows; a blocks override
     for features, t in ((dict(mask="bool"), 96), (dict(mask="additive"), 96), (dict(window=(64, 64)), 128),
                         (dict(softcap=30.0), 128), (dict(head_dim=64), 128), (dict(head_dim=192), 96)):
         spec, mask_dtype = _spec(**{**base, "q_len": 64, "kv_len": 16384, **features})

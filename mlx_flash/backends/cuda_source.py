@@ -90,7 +90,7 @@ FUSED_QUERY = "fused_dq_from"
 FUSED_QUERY_CAUSAL = "fused_dq_causal_from"
 # ... and t<T>_from<N>: the wgmma forward's T for calls of at least N keys (a CTA's walk of N / T
 # steps is then long enough that a wider step pays: fewer steps' waits and barriers per key; at
-# N = 4096 it did not), for calls without an array mask, a window or softcap (long_keys_fit).
+# N = 4096 it did not), for calls without an array mask, a window or softcap (plain_scores).
 # H200: D = 128 at T = 176 against 128, forward time 0.970x at B=2 N=8192, 0.983x at N=16384
 # (blocks_cuda.txt has the numbers).
 LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
@@ -100,9 +100,9 @@ LONG_KEYS = re.compile(r"t(\d+)_from(\d+)")
 # on an H200 (blocks_cuda.txt has the numbers).
 SCALE_FOLD = "scale_fold"
 # ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
-# each row's P for calls without an array mask, window or softcap: O += P [V | 1] with N = 72, the ones in a panel
-# beside each V stage (kernels/attention_forward_wgmma.cu, MMA_SUMS: one FADD per score fewer in
-# the softmax). H200: 0.990x the forward time on average over 12 A/B readings, 0.961-1.009x
+# each row's P for calls without an array mask, window or softcap (plain_scores): O += P [V | 1]
+# with N = 72, the ones in a panel beside each V stage (kernels/attention_forward_wgmma.cu,
+# MMA_SUMS: one FADD per score fewer in the softmax). H200: 0.990x the forward time on average over 12 A/B readings, 0.961-1.009x
 # (blocks_cuda.txt has the numbers).
 MMA_SUMS = "mma_sums"
 # ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
@@ -157,9 +157,10 @@ def long_keys_option(options, where: str) -> Optional[Tuple[int, int]]:
     return int(t), int(n)
 
 
-def long_keys_fit(spec: AttentionSpec) -> bool:
-    """Whether a call can take t<T>_from<N>: measured without an array mask, a window or softcap
-    (at D = 128 and T = 176 a window spills 20 bytes, softcap 272; nvcc 13.0)."""
+def plain_scores(spec: AttentionSpec) -> bool:
+    """Whether a call's scores take no array mask, window or softcap: the calls the forward's
+    t<T>_from<N> and mma_sums were measured on and take (at D = 128 and T = 176 a window spills 20
+    bytes, softcap 272, nvcc 13.0; mma_sums forced with an array mask was slower)."""
     return spec.mask_kind == "none" and spec.window is None and spec.softcap is None
 
 
@@ -719,7 +720,7 @@ def forward_long_from(features: VariantFeatures, mask_dtype: Optional[mx.Dtype],
                       real_sm90: bool, table: planner.Table) -> Optional[int]:
     """From how many keys calls with `features` run the forward at the wgmma forward row's
     t<T>_from<N> T: that N where it changes the forward variant, else None (no such option,
-    calls with an array mask, window or softcap (long_keys_fit), or a tuning that overrides the
+    calls with an array mask, window or softcap (plain_scores), or a tuning that overrides the
     row's blocks)."""
     spec = features.spec()
     if make_variant("forward", spec, mask_dtype, family, tuning, real_sm90, table, long_keys=True) == make_variant(
@@ -784,7 +785,7 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     if by_keys is not None and kernel != "forward":
         raise ValueError(f"[cuda] blocks_cuda.txt: {where} has options {sorted(plan.cached)}: t<T>_from<N> is "
                          f"the forward's (a {kernel} row takes its T by length only through fused_dq_from<N>).")
-    if long_keys and by_keys is not None and long_keys_fit(spec):
+    if long_keys and by_keys is not None and plain_scores(spec):
         keys = by_keys[0]
     masked, windowed, capped = (option_keys(plan.cached, prefix, where)
                                 for prefix in (MASKED_KEYS, WINDOW_KEYS, SOFTCAP_KEYS))
@@ -835,11 +836,11 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     # The scale fold where the kernel has the path it changes (no array mask, no softcap).
     scale_fold = kernel == "forward" and spec.mask_kind == "none" and spec.softcap is None and (
         plan.is_cached(SCALE_FOLD) if tuning.scale_fold is None else tuning.scale_fold)
-    # The row sums by MMA where O is one 64-column V panel (D = 49..64); by the row's option for the
-    # calls it was measured on and faster (long_keys_fit: no array mask, window or softcap; forced with
-    # an array mask 1.010-1.021x the forward time), forced anywhere.
+    # The row sums by MMA where O is one 64-column V panel (D = 49..64): by the row's option for the
+    # calls it was measured on and faster (plain_scores; forced with an array mask 1.010-1.021x the
+    # forward time), by a tuning anywhere.
     mma_sums = kernel == "forward" and col_groups == 1 and padded == 64 and (
-        plan.is_cached(MMA_SUMS) and long_keys_fit(spec) if tuning.mma_sums is None else tuning.mma_sums)
+        plan.is_cached(MMA_SUMS) and plain_scores(spec) if tuning.mma_sums is None else tuning.mma_sums)
     # dK/dV past 256 (two CTAs of column groups a key block): split by role, not by columns, for
     # calls without a causal mask or window (those were not faster: ROLES).
     roles = kernel == "backward_key_value" and col_groups == 2 and slices == 2 and not spec.causal and (
