@@ -190,7 +190,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
   }
 #pragma unroll
   for (int n = 0; n < NV / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  if (MMA_SUMS) {  // the sums start where the softmax's would: the sink's term (quad-summed: in every lane)
+  if (MMA_SUMS && SINKS) {  // the sums start where the softmax's would: the sink's term (quad-summed: in every lane)
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) o[NV / 8 - 1][2 * hf] = o[NV / 8 - 1][2 * hf + 1] = quad_sum(row_sum[hf]);
   }
