@@ -5,12 +5,14 @@ import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_flash import benchmark as bm
@@ -1009,3 +1011,50 @@ def test_mx_fast_fusion_on_cuda_follows_the_fast_backends_rule(monkeypatch):
     case = bm.BenchCase(batch=1, q_heads=2, kv_heads=2, q_len=1000, kv_len=1000, head_dim=128, dtype="bfloat16")
     assert bm.score_memory_estimate("mx.fast", case, "forward") == 0
     assert bm.score_memory_estimate("mx.fast", case, "forward_backward") > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# benchmarks/cta_phases.py: its stamps fit the forward template; the records' arithmetic
+
+def test_cta_phases_stamps_fit_the_forward_template(tmp_path):
+    """Every line cta_phases inserts its clock stamps at is in this tree's templates once (the tool
+    stops with the line's name otherwise), and the stamped forward writes its record."""
+    phases = load_tool("cta_phases.py")
+    for part in ("mlx_flash", "kernels"):
+        shutil.copytree(ROOT / part, tmp_path / part)
+    phases.stamp_tree(str(tmp_path))
+    forward = (tmp_path / phases.TEMPLATE).read_text()
+    assert all(f"probe[{i}] = clock64();" in forward for i in range(1, 12)) and "probe_p[1] = clock64();" in forward
+    assert "w[15 + i] = (unsigned)(probe_p[i] - probe_e)" in forward
+    assert "volatile unsigned long long* probe_p" in (tmp_path / "kernels" / "wgmma_common.cuh").read_text()
+    (tmp_path / phases.TEMPLATE).write_text(forward.replace("  registers_increase<CONSUMER_REGS>();\n", ""))
+    with pytest.raises(SystemExit, match="registers_increase"):
+        phases.stamp_tree(str(tmp_path))
+
+
+def test_cta_phases_records_to_phases():
+    """Two SMs with two CTAs each (one warpgroup of 64 rows a CTA): the SM clock fitted from the
+    entry clocks against the timer, the phases' medians, the gaps between CTAs and the idle ends."""
+    phases = load_tool("cta_phases.py")
+    ghz = 1.5
+    words = np.zeros((1, 4 * 64), dtype=np.uint32)
+    ends = {}
+    for cta, (sm, start_ns) in enumerate([(0, 0), (1, 100), (0, 10_000), (1, 12_100)]):
+        entry = 1_000_000 + int(start_ns * ghz)
+        duration = 9_000 if cta < 3 else 12_000  # cycles
+        consumer = [int(duration * (i + 1) / 11) for i in range(11)]
+        record = [sm, entry & 0xFFFFFFFF, entry >> 32, start_ns, 0] + consumer + [10, 20, 30]
+        words[0, cta * 64:cta * 64 + len(record)] = record
+        ends[cta] = start_ns + duration / ghz
+    records = phases.decode(words, parallel_block=64)
+    assert [r["cta"] for r in records] == [(0, 0), (0, 1), (0, 2), (0, 3)] and records[3]["sm"] == 1
+    summary = phases.summarize(records, steps=8)
+    assert abs(summary["sm_clock_ghz"] - ghz) < 1e-9 and summary["ctas"] == 4 and summary["sms"] == 2
+    assert abs(summary["phase_end_us"]["end"] - 9_000 / ghz / 1e3) < 1e-9  # three of the four CTAs
+    # gaps: SM 0 from 6000 to 10000 ns, SM 1 from 6100 to 12100 ns
+    assert abs(summary["gap_between_ctas_us"] - 5.0) < 1e-9
+    kernel_end = max(ends.values())
+    assert abs(summary["kernel_us"] - kernel_end / 1e3) < 1e-9
+    assert abs(summary["sm_idle_at_end_us"] - (kernel_end - ends[2]) / 2 / 1e3) < 1e-9
+    assert abs(summary["loop_us_per_step"] - (summary["phase_end_us"]["step loop done"]
+                                              - summary["phase_end_us"]["first softmax done"]) / 7) < 1e-12
