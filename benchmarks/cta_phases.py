@@ -110,7 +110,10 @@ REPLACE = {
 
 
 def stamp_tree(tree: str) -> None:
-    """Insert STAMPS into the copy at `tree` (its kernels/ files are rewritten in place)."""
+    """Insert STAMPS into the copy at `tree` (its kernels/ files are rewritten in place; its
+    mlx_flash/kernels must be the link to them that the package reads its templates through)."""
+    if Path(tree, "mlx_flash", "kernels").resolve() != Path(tree, "kernels").resolve():
+        raise SystemExit(f"{tree}: mlx_flash/kernels is not a link to kernels/, so the stamps would not be used")
     texts = {}
     for path, line, before, after in STAMPS:
         text = texts.setdefault(path, Path(tree, path).read_text())
@@ -218,13 +221,15 @@ def main(argv=None) -> int:
         return 0
     with tempfile.TemporaryDirectory() as scratch:
         if args.against is None:
-            for part in ("mlx_flash", "kernels"):
-                shutil.copytree(ROOT / part, Path(scratch, part), ignore=shutil.ignore_patterns("__pycache__"))
+            for part in ("mlx_flash", "kernels"):  # (symlinks kept: mlx_flash/kernels -> ../kernels)
+                shutil.copytree(ROOT / part, Path(scratch, part), symlinks=True,
+                                ignore=shutil.ignore_patterns("__pycache__"))
         else:
             tree = versions.version_tree(args.against, scratch)
             if tree != scratch:
                 for part in ("mlx_flash", "kernels"):
-                    shutil.copytree(Path(tree, part), Path(scratch, part), ignore=shutil.ignore_patterns("__pycache__"))
+                    shutil.copytree(Path(tree, part), Path(scratch, part), symlinks=True,
+                                    ignore=shutil.ignore_patterns("__pycache__"))
         stamp_tree(scratch)
         path = [scratch] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         shapes = [",".join(map(str, s[:4])) + (",causal" if s[4] else "") for s in args.shapes]

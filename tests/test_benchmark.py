@@ -1020,9 +1020,14 @@ def test_cta_phases_stamps_fit_the_forward_template(tmp_path):
     """Every line cta_phases inserts its clock stamps at is in this tree's templates once (the tool
     stops with the line's name otherwise), and the stamped forward writes its record."""
     phases = load_tool("cta_phases.py")
-    for part in ("mlx_flash", "kernels"):
-        shutil.copytree(ROOT / part, tmp_path / part)
+    shutil.copytree(ROOT / "mlx_flash", tmp_path / "mlx_flash")  # its kernels link followed: a copy of its own
+    shutil.copytree(ROOT / "kernels", tmp_path / "kernels")
+    with pytest.raises(SystemExit, match="not a link"):
+        phases.stamp_tree(str(tmp_path))
+    shutil.rmtree(tmp_path / "mlx_flash")
+    shutil.copytree(ROOT / "mlx_flash", tmp_path / "mlx_flash", symlinks=True)
     phases.stamp_tree(str(tmp_path))
+    assert "probe[11] = clock64();" in (tmp_path / "mlx_flash" / phases.TEMPLATE).read_text()
     forward = (tmp_path / phases.TEMPLATE).read_text()
     assert all(f"probe[{i}] = clock64();" in forward for i in range(1, 12)) and "probe_p[1] = clock64();" in forward
     assert "w[15 + i] = (unsigned)(probe_p[i] - probe_e)" in forward
