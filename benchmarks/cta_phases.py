@@ -152,8 +152,9 @@ def decode(words, parallel_block: int):
     return records
 
 
-def summarize(records, steps: int):
-    """Medians over CTAs (us from entry), the loop's time per key block, gaps between CTAs on an SM."""
+def summarize(records, steps):
+    """Medians over CTAs (us from entry), the loop's time per key block (where every CTA walks
+    `steps` key blocks; None: they differ, as under a causal mask), gaps between CTAs on an SM."""
     import numpy as np
     by_sm = {}
     for r in records:
@@ -182,7 +183,7 @@ def summarize(records, steps: int):
     phases.update({name: float(np.median(producer[:, i])) for i, name in enumerate(PRODUCER_PHASES)})
     loop = phases["step loop done"] - phases["first softmax done"]
     return dict(sm_clock_ghz=ghz, ctas=len(ctas), sms=len(per_sm), kernel_us=(max(ends) - start) / 1e3,
-                phase_end_us=phases, steps=steps, loop_us_per_step=loop / max(steps - 1, 1),
+                phase_end_us=phases, steps=steps, loop_us_per_step=loop / max(steps - 1, 1) if steps else None,
                 gap_between_ctas_us=float(np.median(gaps)) * to_us if gaps else None,
                 sm_idle_at_end_us=float(np.mean([max(ends) - e for e in ends])) / 1e3)
 
@@ -204,7 +205,8 @@ def measure(shapes) -> dict:
         variant = cuda.CUDABackend().variant("forward", check_inputs(q, k, v, mask=mask)[0])
         records = decode(mx.view(lse, mx.uint32).reshape(b * h, n), variant.parallel_block)
         label = f"B={b} H={h} N={n} D={d}" + (" causal" if causal else "")
-        results[label] = dict(kernel=variant.name, **summarize(records, -(-n // variant.traversal_block)))
+        steps = None if causal else -(-n // variant.traversal_block)  # (causal: each query block its own)
+        results[label] = dict(kernel=variant.name, **summarize(records, steps))
     return results
 
 
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
     for label, r in results.items():
         p = r["phase_end_us"]
         print(f"| {label} | " + " | ".join(f"{p[n]:.2f}" for n in names)
-              + f" | {r['loop_us_per_step']:.3f} | {r['gap_between_ctas_us'] or 0:.2f} | {r['sm_idle_at_end_us']:.1f} "
+              + (f" | {r['loop_us_per_step']:.3f}" if r["loop_us_per_step"] is not None else " | -")
+              + f" | {r['gap_between_ctas_us'] or 0:.2f} | {r['sm_idle_at_end_us']:.1f} "
               f"| {r['kernel_us']:.0f} |")
     print("(us from a CTA's entry, medians over CTAs; per key block: the step loop's time / its steps)")
     return 0
