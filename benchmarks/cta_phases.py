@@ -1,13 +1,14 @@
 """Where a wgmma forward CTA's time goes: clock stamps at its phases, on the GPU (sm_90).
 
-    python benchmarks/cta_phases.py [--against REV|FOLDER] [--shapes 4,16,4096,128 1,16,16384,128,causal ...]
+    python benchmarks/cta_phases.py [--against REV|FOLDER] [--shapes 4,16,4096,128,none 1,16,16384,128,causal ...]
         [--out FILE.json]
 
 A copy of a version's mlx_flash/ and kernels/ (this checkout's by default; --against as in
 ab_versions.py) gets clock64 stamps in kernels/attention_forward_wgmma.cu (STAMPS below: text
 inserted after fixed lines of the template, which must still be there), and a process that imports
-that copy runs the forward on each shape (backend "cuda", the table's plan) and reads the stamps
-back. The stamps overwrite lse: this is a probe, never a kernel to use.
+that copy runs the forward on each shape (B,H,N,D,mask[,KV_HEADS] in bf16 as in ab_versions.py,
+mask none or causal; backend "cuda", the table's plan) and reads the stamps back. The stamps
+overwrite lse: this is a probe, never a kernel to use.
 
 Each consumer warpgroup's thread 0 writes 16 words over lse[b, h, first row of its 64 .. + 15]
 after its epilogue: the SM, its entry clock (64 bits), the global timer at entry (64 bits), and
@@ -32,6 +33,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import versions  # noqa: E402
+from cli_args import parse_shape  # noqa: E402
 
 ROOT = HERE.parent
 TEMPLATE = "kernels/attention_forward_wgmma.cu"
@@ -40,7 +42,7 @@ CONSUMER_PHASES = ("parameters read", "barriers ready", "registers raised", "Q i
                    "first softmax done", "step loop done", "last P V done", "epilogue math done", "end")
 PRODUCER_PHASES = ("producer registers lowered", "tensor maps published", "first K issued")
 RECORD_WORDS = 19  # 5 + len(CONSUMER_PHASES) words by warp 0, len(PRODUCER_PHASES) by warp 1
-SHAPES = ("4,16,4096,128", "1,16,16384,128", "4,16,4096,64", "4,16,4096,128,causal")
+SHAPES = ("4,16,4096,128,none", "1,16,16384,128,none", "4,16,4096,64,none", "4,16,4096,128,causal")
 
 _WRITE = """{ probe[11] = clock64(); __syncwarp();
     const int prow = q0 + (warpgroup / CG) * 64;
@@ -126,17 +128,6 @@ def stamp_tree(tree: str) -> None:
         Path(tree, path).write_text(text)
 
 
-def parse_shape(text: str):
-    parts = text.split(",")
-    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] not in ("causal", "none")):
-        raise argparse.ArgumentTypeError(f"a shape is B,H,N,D[,causal|none], got {text!r}")
-    try:
-        b, h, n, d = (int(p) for p in parts[:4])
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a shape is B,H,N,D[,causal|none] with integer sizes, got {text!r}")
-    return b, h, n, d, len(parts) == 5 and parts[4] == "causal"
-
-
 def decode(words, parallel_block: int):
     """Records of one call from lse's words (uint32 [B * H, N]): one per consumer warpgroup of 64 rows."""
     import numpy as np
@@ -195,16 +186,19 @@ def measure(shapes) -> dict:
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
     results = {}
-    for b, h, n, d, causal in shapes:
+    for case in shapes:
+        b, h, n, d, causal = case.batch, case.q_heads, case.q_len, case.head_dim, case.causal
         mx.random.seed(0)
-        q, k, v = (mx.random.normal((b, h, n, d)).astype(mx.bfloat16) for _ in range(3))
+        q, k, v = (mx.random.normal((b, heads, n, d)).astype(mx.bfloat16)
+                   for heads in (h, case.kv_heads, case.kv_heads))
         mask = "causal" if causal else None
         for _ in range(3):  # compile, warm up; the last call's stamps are read
             out, lse = flash_attention(q, k, v, mask=mask, return_lse=True, backend="cuda")
             mx.eval(out, lse)
         variant = cuda.CUDABackend().variant("forward", check_inputs(q, k, v, mask=mask)[0])
         records = decode(mx.view(lse, mx.uint32).reshape(b * h, n), variant.parallel_block)
-        label = f"B={b} H={h} N={n} D={d}" + (" causal" if causal else "")
+        label = f"B={b} H={h}{f'/{case.kv_heads}' if case.kv_heads != h else ''} N={n} D={d}" + (
+            " causal" if causal else "")
         steps = None if causal else -(-n // variant.traversal_block)  # (causal: each query block its own)
         results[label] = dict(kernel=variant.name, **summarize(records, steps))
     return results
@@ -214,28 +208,27 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", default=None, help="a git revision or a folder with mlx_flash/ and kernels/ "
                                                         "(default: this checkout)")
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=[parse_shape(s) for s in SHAPES])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES),
+                        help=f"B,H,N,D,mask[,KV_HEADS] (bf16, mask none or causal), default {' '.join(SHAPES)}")
     parser.add_argument("--out", help="write the summaries as JSON here")
     parser.add_argument("--measure", action="store_true", help=argparse.SUPPRESS)  # in the stamped copy
     args = parser.parse_args(argv)
+    try:
+        cases = [parse_shape(text) for text in args.shapes]
+    except argparse.ArgumentTypeError as error:
+        parser.error(str(error))
     if args.measure:
-        print(json.dumps(measure(args.shapes)))
+        print(json.dumps(measure(cases)))
         return 0
     with tempfile.TemporaryDirectory() as scratch:
-        if args.against is None:
-            for part in ("mlx_flash", "kernels"):  # (symlinks kept: mlx_flash/kernels -> ../kernels)
-                shutil.copytree(ROOT / part, Path(scratch, part), symlinks=True,
+        tree = str(ROOT) if args.against is None else versions.version_tree(args.against, scratch)
+        if tree != scratch:  # a copy to stamp (symlinks kept: mlx_flash/kernels -> ../kernels)
+            for part in ("mlx_flash", "kernels"):
+                shutil.copytree(Path(tree, part), Path(scratch, part), symlinks=True,
                                 ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            tree = versions.version_tree(args.against, scratch)
-            if tree != scratch:
-                for part in ("mlx_flash", "kernels"):
-                    shutil.copytree(Path(tree, part), Path(scratch, part), symlinks=True,
-                                    ignore=shutil.ignore_patterns("__pycache__"))
         stamp_tree(scratch)
         path = [scratch] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        shapes = [",".join(map(str, s[:4])) + (",causal" if s[4] else "") for s in args.shapes]
-        run = subprocess.run([sys.executable, __file__, "--measure", "--shapes", *shapes], cwd=scratch, text=True,
+        run = subprocess.run([sys.executable, __file__, "--measure", "--shapes", *args.shapes], cwd=scratch, text=True,
                              capture_output=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
         if run.returncode != 0:
             sys.stderr.write(run.stderr)
