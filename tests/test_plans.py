@@ -192,8 +192,9 @@ def test_scale_fold_by_row_option_or_tuning():
 def test_row_sums_by_mma_by_row_option_or_tuning():
     """The wgmma forward's row sums by the tensor cores (cuda_source.MMA_SUMS) come from its row's
     options (for calls without an array mask, window or softcap) or a Tuning, only where O is one
-    64-column V panel (D = 49..64, so the ones sit in the next panel), and are part of the variant's name, key,
-    shared memory and wgmma widths; the shipped table has them on its D <= 64 forward row."""
+    64-column V panel (D = 49..64, so the ones sit in the next panel), and are part of the
+    variant's name, key, shared memory and wgmma widths; the shipped table has them on its D <= 64
+    forward row."""
     import dataclasses
 
     from mlx_flash import planner

@@ -102,8 +102,8 @@ SCALE_FOLD = "scale_fold"
 # ... and mma_sums: the wgmma forward at D = 49..64 (one 64-column V panel) has the tensor cores sum
 # each row's P for calls without an array mask, window or softcap (plain_scores): O += P [V | 1]
 # with N = 72, the ones in a panel beside each V stage (kernels/attention_forward_wgmma.cu,
-# MMA_SUMS: one FADD per score fewer in the softmax). H200: 0.990x the forward time on average over 12 A/B readings, 0.961-1.009x
-# (blocks_cuda.txt has the numbers).
+# MMA_SUMS: one FADD per score fewer in the softmax). H200: 0.990x the forward time on average over
+# 12 A/B readings, 0.961-1.009x (blocks_cuda.txt has the numbers).
 MMA_SUMS = "mma_sums"
 # ... and roles: past D = 256 the wgmma dK/dV kernel's two CTAs of a key block split by role for
 # calls without a causal mask or window, one computing dV (S^T over half of D per warpgroup,
