@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -182,15 +181,14 @@ def summarize(records, steps):
 def measure(shapes) -> dict:
     """In the stamped copy's process: each shape's forward, its stamps decoded and summarized."""
     import mlx.core as mx
+    from mlx_flash import benchmark as bm
     from mlx_flash import flash_attention
     from mlx_flash.backends import cuda
     from mlx_flash.spec import check_inputs
     results = {}
     for case in shapes:
         b, h, n, d, causal = case.batch, case.q_heads, case.q_len, case.head_dim, case.causal
-        mx.random.seed(0)
-        q, k, v = (mx.random.normal((b, heads, n, d)).astype(mx.bfloat16)
-                   for heads in (h, case.kv_heads, case.kv_heads))
+        q, k, v, _ = bm.random_inputs(case, seed=0)
         mask = "causal" if causal else None
         for _ in range(3):  # compile, warm up; the last call's stamps are read
             out, lse = flash_attention(q, k, v, mask=mask, return_lse=True, backend="cuda")
@@ -227,9 +225,8 @@ def main(argv=None) -> int:
                 shutil.copytree(Path(tree, part), Path(scratch, part), symlinks=True,
                                 ignore=shutil.ignore_patterns("__pycache__"))
         stamp_tree(scratch)
-        path = [scratch] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         run = subprocess.run([sys.executable, __file__, "--measure", "--shapes", *args.shapes], cwd=scratch, text=True,
-                             capture_output=True, env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)))
+                             capture_output=True, env=versions.tree_env(scratch))
         if run.returncode != 0:
             sys.stderr.write(run.stderr)
             return run.returncode

@@ -32,18 +32,21 @@ def version_tree(against: str, scratch: str, option: str = "--against") -> str:
     return scratch
 
 
+def tree_env(tree: str) -> dict:
+    """This process's environment with `tree` first on PYTHONPATH, then the caller's entries
+    (benchmarks/gpu_env.sh puts MLX's CUDA wheels there): a child then imports that version."""
+    path = [tree] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+
+
 class Server:
     """`script` --serve `arguments` importing mlx_flash from `tree`. Its first line (what it
     prints once ready) is `ready`; `ask` sends one line and returns the answer's line."""
 
     def __init__(self, script: Path, tree: str, arguments=()):
         self.tree = tree
-        # The version's tree first on the path, then the caller's entries (benchmarks/gpu_env.sh
-        # puts MLX's CUDA wheels there).
-        path = [tree] + [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
-        self.process = subprocess.Popen([sys.executable, str(script), "--serve", *arguments],
-                                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), cwd=tree, text=True,
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.process = subprocess.Popen([sys.executable, str(script), "--serve", *arguments], env=tree_env(tree),
+                                        cwd=tree, text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.ready = self._answer("start")
 
     def _answer(self, what: str) -> str:
