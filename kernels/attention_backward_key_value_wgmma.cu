@@ -216,7 +216,7 @@ __device__ void attention_backward_key_value_wgmma(
   const u32 q_map = smem_u32(after + SWAP_BYTES), do_map = q_map + 128;
   float* Ls = reinterpret_cast<float*>(after + SWAP_BYTES + MAP_BYTES);  // [STAGES] x BN lse2
   float* Dls = Ls + STAGES * BN;                                     // [STAGES] x BN delta
-  const u32 barriers = smem_u32(Dls + STAGES * BN);
+  u32 barriers = smem_u32(Dls + STAGES * BN);  // made opaque in the consumers (below)
   // Per stage: Q + lse2 landed, dO + delta landed, both released by every consumer thread.
   auto full_q = [&](int stage) { return barriers + 8 * stage; };
   auto full_do = [&](int stage) { return barriers + 8 * (STAGES + stage); };
@@ -416,6 +416,10 @@ __device__ void attention_backward_key_value_wgmma(
 
   // ---------------- consumers ----------------
   registers_increase<CONSUMER_REGS>();
+  // The barriers' address opaque once: else the compiler rebuilds it from the CTA id in the step
+  // loop (S2UR + ULEA at D = 32, 96, 160 and causal 64; nvcc 13.0). Not with FUSED_DQ, whose loops
+  // keep it and which spill 4-24 bytes more with it opaque.
+  if (!FUSED_DQ) asm volatile("" : "+r"(barriers));
   const int role = ROLES ? (cslice == 0 ? VALUES : KEYS) : BOTH;
   const int warp = (tid % 128) / 32, lane = tid % 32;
   const int g = lane / 4, tq = lane % 4;

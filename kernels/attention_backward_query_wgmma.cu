@@ -172,6 +172,12 @@ __device__ void attention_backward_query_wgmma(
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
+    // The ring's address opaque once, before the step loop: else the compiler rebuilds it from
+    // the CTA id at every step's barriers (S2UR + ULEA; nvcc 13.0, every D up to 256), which also
+    // costs the loop registers. Past D = 256 the loop holds it without.
+    KeyValueRing<STAGES> step_ring = ring;
+    u32 keys_at = smem_u32(Ks), values_at = smem_u32(Vs);
+    if (DP <= 256) asm volatile("" : "+r"(step_ring.at), "+r"(keys_at), "+r"(values_at));
     float s[BN / 8][4], dp[BN / 8][4];
     float(&s_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&s[0][0]);
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
@@ -180,14 +186,14 @@ __device__ void attention_backward_query_wgmma(
     for (int it = 0; it < steps; ++it) {
       const int stage = it % STAGES, key0 = (kb_begin + it) * BN;
       const u32 parity = (it / STAGES) & 1;
-      const u32 k_addr = smem_u32(Ks + stage * TILE_BYTES), v_addr = smem_u32(Vs + stage * TILE_BYTES);
+      const u32 k_addr = keys_at + stage * TILE_BYTES, v_addr = values_at + stage * TILE_BYTES;
 
       if (CG == 1) {
-        acquire_tile(ring.full_keys(stage), parity, !tma);
+        acquire_tile(step_ring.full_keys(stage), parity, !tma);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
         wgmma_commit();
-        acquire_tile(ring.full_values(stage), parity, !tma);
+        acquire_tile(step_ring.full_values(stage), parity, !tma);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
         wgmma_commit();
@@ -202,7 +208,7 @@ __device__ void attention_backward_query_wgmma(
         // tile's address is made opaque each step, as in the forward past D = 256.
         float4* mine = fragment_slot<BN / 2>(swap, (it % 2) * 2 + warpgroup, tid % 128);
         float4* theirs = fragment_slot<BN / 2>(swap, (it % 2) * 2 + 1 - warpgroup, tid % 128);
-        acquire_tile(scores_side ? ring.full_keys(stage) : ring.full_values(stage), parity, !tma);
+        acquire_tile(scores_side ? step_ring.full_keys(stage) : step_ring.full_values(stage), parity, !tma);
         u32 resident = scores_side ? q_addr : do_addr;
         asm volatile("" : "+r"(resident));
         wgmma_fence();
@@ -221,10 +227,10 @@ __device__ void attention_backward_query_wgmma(
             s_flat[i] = dp_flat[i];
             dp_flat[i] = x;
           }
-          acquire_tile(ring.full_keys(stage), parity, !tma);  // K: the B operand of dQ += dS K
+          acquire_tile(step_ring.full_keys(stage), parity, !tma);  // K: the B operand of dQ += dS K
         }
       }
-      if (lane == 0) mbarrier_arrive(ring.empty_values(stage));  // V is read: the producer may refill it
+      if (lane == 0) mbarrier_arrive(step_ring.empty_values(stage));  // V is read: the producer may refill it
 
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
@@ -289,7 +295,7 @@ __device__ void attention_backward_query_wgmma(
       wgmma_commit();
       wgmma_wait<0>();
       fence_registers(dq_flat);
-      if (lane == 0) mbarrier_arrive(ring.empty_keys(stage));
+      if (lane == 0) mbarrier_arrive(step_ring.empty_keys(stage));
     }
   }
 
