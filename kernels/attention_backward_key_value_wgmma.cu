@@ -550,9 +550,8 @@ __device__ void attention_backward_key_value_wgmma(
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
         wgmma_commit();
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // S^T; dP^T still running (its wait is below the exponentials)
         fence_registers(s_flat);
-        fence_registers(dp_flat);
       } else {
         // Column groups: one product each, then the swap.
         const int buffer = SWAP_BUFFERS == 2 ? it % 2 : 0;
@@ -598,7 +597,36 @@ __device__ void attention_backward_key_value_wgmma(
           dp[n][2 * hf + e] = ds;
         }
       };
-      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+      // CG = 1 (both products in this warpgroup): the interior tile's exponentials run while the
+      // tensor cores still compute dP^T, whose wait follows them; the other paths wait first.
+      constexpr bool DP_PENDING = ROLE == BOTH && CG == 1;
+      const bool interior = MASK_KIND == 0 && !SOFTCAP && full_block;
+      if (DP_PENDING && interior) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+          const float2 l2 = *reinterpret_cast<const float2*>(Lst + n * 8 + 2 * tq);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            s[n][2 * hf] = fast_exp2(s[n][2 * hf] * scale_log2 - l2.x);
+            s[n][2 * hf + 1] = fast_exp2(s[n][2 * hf + 1] * scale_log2 - l2.y);
+          }
+        }
+      }
+      if constexpr (DP_PENDING) {
+        wgmma_wait<0>();
+        fence_registers(dp_flat);
+      }
+      if (DP_PENDING && interior) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n) {
+          const float2 dl = *reinterpret_cast<const float2*>(Dst + n * 8 + 2 * tq);
+#pragma unroll
+          for (int hf = 0; hf < 2; ++hf) {
+            dp[n][2 * hf] = s[n][2 * hf] * (dp[n][2 * hf] - dl.x);
+            dp[n][2 * hf + 1] = s[n][2 * hf + 1] * (dp[n][2 * hf + 1] - dl.y);
+          }
+        }
+      } else if (interior) {
         // Interior tile, no mask: no index arithmetic (see softmax_scores_tile).
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
