@@ -25,7 +25,9 @@ versions and mx.fast meet the same clocks and both versions the same neighbours.
 reported per call; each version's first sample is a warm-up (kernel
 compilation, first-contact probes). Outputs: each version's forward output on the same inputs,
 as the largest difference over the largest value of this tree's (reordered arithmetic shows as a
-few bf16 roundings; a broken kernel as O(1)).
+few bf16 roundings; a broken kernel as O(1)); with the forward_backward pass also the gradients
+(the vjp with the case's cotangent), the largest such difference of dq, dk and dv (0: bitwise
+the same gradients).
 
 --tuning sets fields of this tree's cuda_source.Tuning (this tree's side only: another version's
 Tuning may lack them), so `--against .` times one option against the table; --against-tuning sets
@@ -37,10 +39,10 @@ the tool, not a timing).
 
 Prints one row per shape and pass, medians in ms: this tree, REV, the ratio this / REV (below 1:
 this tree is faster), its spread (the ratio of the quartiles, q1 / q3 and q3 / q1), mx.fast, and
-the output difference. --out writes every sample and the environment as JSON. Where mx.fast fails
-(MLX's unfused attention past D = 256 runs out of device memory at long N with calls queued back
-to back), its error is printed and kept in the row ("mx_fast_error") and the rounds go on with the
-two versions alone; a version that fails ends the run.
+the output and gradient differences. --out writes every sample and the environment as JSON.
+Where mx.fast fails (MLX's unfused attention past D = 256 runs out of device memory at long N
+with calls queued back to back), its error is printed and kept in the row ("mx_fast_error") and
+the rounds go on with the two versions alone; a version that fails ends the run.
 """
 from __future__ import annotations
 
@@ -118,9 +120,13 @@ def serve(backend_name: str, tuning: dict) -> None:
         if case not in inputs:
             inputs[case], masks[case] = bm.random_inputs(case, seed=0), bm.random_mask(case, seed=0)
         if request["op"] == "output":
-            q, k, v, _ = inputs[case]
-            out = flash(q, k, v, mask_of(case), case.scale)
-            np.save(request["path"], np.array(out.astype(mx.float32)))
+            q, k, v, d_out = inputs[case]
+            if request.get("gradients"):  # the output and its vjp with the case's cotangent
+                (out,), grads = mx.vjp(lambda a, b, c: [flash(a, b, c, mask_of(case), case.scale)], [q, k, v], [d_out])
+            else:
+                out, grads = flash(q, k, v, mask_of(case), case.scale), []
+            arrays = dict(zip(("out", "dq", "dk", "dv"), (out, *grads)))
+            np.savez(request["path"], **{name: np.array(x.astype(mx.float32)) for name, x in arrays.items()})
             print(json.dumps({"kernels": kernels(case)}), flush=True)
             continue
         key = (case, request["pass"], request["impl"])
@@ -173,20 +179,25 @@ def compare(args) -> dict:
         results["packages"] = {name: worker.package for name, worker in workers.items()}
         print(f"# this: {workers['this'].package}, other: {workers['other'].package} ({args.against})\n"
               f"{'shape':<40} {'pass':<16} {'this ms':>9} {'other ms':>9} {'ratio':>7} {'(spread)':<13} "
-              f"{'mx.fast':>9} {'out diff':>9}", flush=True)
+              f"{'mx.fast':>9} {'out diff':>9} {'grad diff':>9}", flush=True)
         try:
             for case in args.shapes:
                 described = bm.as_dict(case)
-                diffs, kernels = {}, {}
+                paths, kernels = {}, {}
+                gradients = "forward_backward" in args.passes
                 for name, worker in workers.items():
-                    path = os.path.join(scratch, f"out_{name}.npy")
-                    kernels[name] = worker.ask(op="output", case=described, path=path)["kernels"]
-                    diffs[name] = path
+                    paths[name] = os.path.join(scratch, f"out_{name}.npz")
+                    kernels[name] = worker.ask(op="output", case=described, path=paths[name],
+                                               gradients=gradients)["kernels"]
                 if kernels["this"]:
                     print(f"# {case.label()}: this {' '.join(kernels['this'])}; other {' '.join(kernels['other'])}",
                           flush=True)
-                mine, theirs = np.load(diffs["this"]), np.load(diffs["other"])
-                difference = float(np.abs(mine - theirs).max() / max(np.abs(mine).max(), 1e-30))
+                mine, theirs = np.load(paths["this"]), np.load(paths["other"])
+
+                def relative(name):  # the largest difference over the largest value of this tree's
+                    return float(np.abs(mine[name] - theirs[name]).max() / max(np.abs(mine[name]).max(), 1e-30))
+                difference = relative("out")
+                gradient_difference = max(relative(name) for name in ("dq", "dk", "dv")) if gradients else None
                 for pass_name in args.passes:
                     samples = {"this/flash": [], "other/flash": [], "mx.fast": []}
                     fast_error = None  # mx.fast's error, after which the rounds go on without it
@@ -206,7 +217,8 @@ def compare(args) -> dict:
                                 samples["mx.fast" if impl == "fast" else f"{worker_name}/flash"].append(
                                     answer["seconds"] * 1e3)
                     row = {"case": described, "label": case.label(), "pass": pass_name, "kernels": kernels,
-                           "output_difference": difference, "samples_ms": samples, "mx_fast_error": fast_error}
+                           "output_difference": difference, "gradient_difference": gradient_difference,
+                           "samples_ms": samples, "mx_fast_error": fast_error}
                     results["rows"].append(row)
                     print(format_row(row), flush=True)
         finally:
@@ -240,8 +252,10 @@ def format_row(row) -> str:
     this_q1, this, this_q3 = quartiles(row["samples_ms"]["this/flash"])
     other_q1, other, other_q3 = quartiles(row["samples_ms"]["other/flash"])
     fast = f"{Timing(row['samples_ms']['mx.fast']).median:9.3f}" if row["samples_ms"]["mx.fast"] else f"{'-':>9}"
+    grads = row.get("gradient_difference")
+    grads = f"{grads:9.2e}" if grads is not None else f"{'-':>9}"
     return (f"{row['label']:<40} {row['pass']:<16} {this:9.3f} {other:9.3f} {this / other:7.3f} "
-            f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast} {row['output_difference']:9.2e}")
+            f"({this_q1 / other_q3:.3f}-{this_q3 / other_q1:.3f}) {fast} {row['output_difference']:9.2e} {grads}")
 
 
 def main(argv=None) -> int:

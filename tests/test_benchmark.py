@@ -380,6 +380,8 @@ def test_ab_versions_times_both_trees_in_turn(tmp_path, doubled):
         assert sorted(row["samples_ms"]) == ["mx.fast", "other/flash", "this/flash"]
         assert all(len(s) == 2 and min(s) > 0 for s in row["samples_ms"].values())
         assert row["output_difference"] == pytest.approx(1.0 if doubled else 0.0, abs=1e-6)
+        # twice the output, twice its gradients under the same cotangent
+        assert row["gradient_difference"] == pytest.approx(1.0 if doubled else 0.0, abs=1e-6)
     assert done.stdout.count("forward_backward") == 2
 
 
@@ -403,6 +405,7 @@ def test_ab_versions_goes_on_where_mx_fast_fails(tmp_path):
     assert "out of memory (planted)" in row["mx_fast_error"] and "mx.fast failed" in done.stdout
     assert row["samples_ms"]["mx.fast"] == []
     assert len(row["samples_ms"]["this/flash"]) == len(row["samples_ms"]["other/flash"]) == 2
+    assert row["gradient_difference"] is None  # a forward pass alone compares no gradients
 
 
 def _emulated_ab_forward(tmp_path, shape: str, *tunings) -> dict:
