@@ -198,8 +198,9 @@ __device__ void attention_backward_query_wgmma(
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
         wgmma_commit();
         masks.load(mrow, key0, Nk, msk, tq);
-        wgmma_wait<1>();  // S; dP still running (its wait is below the exponentials)
+        wgmma_wait<0>();
         fence_registers(s_flat);
+        fence_registers(dp_flat);
       } else {
         // Column groups: one product each, then the swap (two buffers: the other warpgroup last
         // read buffer it % 2 two steps ago, before it arrived at last step's barrier). The same
@@ -243,25 +244,7 @@ __device__ void attention_backward_query_wgmma(
         if (SOFTCAP) ds *= 1.f - t * t;
         s[n][2 * hf + e] = ds;
       };
-      // CG = 1 (both products in this warpgroup): the interior tile's exponentials run while the
-      // tensor cores still compute dP, whose wait follows them; the other paths wait first.
-      const bool interior = MASK_KIND == 0 && !SOFTCAP && full_block;
-      if (CG == 1 && interior) {
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) s[n][r] = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
-      }
-      if constexpr (CG == 1) {
-        wgmma_wait<0>();
-        fence_registers(dp_flat);
-      }
-      if (CG == 1 && interior) {
-#pragma unroll
-        for (int n = 0; n < BN / 8; ++n)
-#pragma unroll
-          for (int r = 0; r < 4; ++r) s[n][r] *= dp[n][r] - row_d[r / 2];
-      } else if (interior) {
+      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
