@@ -605,8 +605,9 @@ __device__ void attention_backward_key_value_wgmma(
       };
       // CG = 1 (both products in this warpgroup): the interior tile's exponentials run while the
       // tensor cores still compute dP^T, whose wait follows them; the other paths wait first.
-      // Not with the fused dQ past D = 64 (H200, fwd+bwd: D = 128 1.016x at B=4 N=4096, 1.025x
-      // GQA 4:1 N=8192, against D = 64 0.973x).
+      // The stage is released at the step's end, after every product that reads it. Not with the
+      // fused dQ past D = 64: H200, fwd+bwd, D = 128 read 1.016x (B=4 N=4096) and 1.025x (GQA
+      // 4:1 N=8192), inside one run's spread but no gain; D = 64 0.973x / 0.995x (two runs).
       constexpr bool DP_PENDING = ROLE == BOTH && CG == 1 && (!FUSED_DQ || DP <= 64);
       const bool interior = MASK_KIND == 0 && !SOFTCAP && full_block;
       if (DP_PENDING && interior) {
