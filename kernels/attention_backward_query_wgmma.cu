@@ -172,9 +172,9 @@ __device__ void attention_backward_query_wgmma(
     resident_rows_ready(warpgroup);
 
     const u32 q_addr = smem_u32(q_tile), do_addr = smem_u32(do_tile);
-    // The ring's address opaque once, before the step loop: else the compiler rebuilds it from
-    // the CTA id at every step's barriers (S2UR + ULEA; nvcc 13.0, every D up to 256), which also
-    // costs the loop registers. Past D = 256 the loop holds it without.
+    // The ring's and the tiles' addresses opaque once, before the step loop: else the compiler
+    // rebuilds the ring's from the CTA id in every step (S2UR + ULEA; nvcc 13.0, every D up to
+    // 256). Past D = 256 (column groups) the loop keeps it without.
     KeyValueRing<STAGES> step_ring = ring;
     u32 keys_at = smem_u32(Ks), values_at = smem_u32(Vs);
     if (DP <= 256) asm volatile("" : "+r"(step_ring.at), "+r"(keys_at), "+r"(values_at));
