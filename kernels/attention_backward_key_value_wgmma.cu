@@ -109,6 +109,7 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
 // HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], at most the group, next to each other in CTA order)
 // share a key block, each walking GROUP / SPLITS of its query heads (the first GROUP % SPLITS one
 // more, so a group of 7 runs as 4 + 3) and storing its dK / dV sums
@@ -370,6 +371,10 @@ __device__ void attention_backward_key_value_wgmma(
         for (int r = 0; r < STATS_ROWS; ++r) l[r] = next_l[r], d[r] = next_d[r];
         load_stats(it + 1);
         mbarrier_wait(empty(stage), ((it / STAGES) & 1) ^ 1);  // the consumers freed this buffer
+        if (POISON_RELEASED && ptid == 0 && it >= STAGES) {
+          poison_released_tile<TILE_BYTES>(Qs + stage * TILE_BYTES);
+          poison_released_tile<TILE_BYTES>(dOs + stage * TILE_BYTES);
+        }
         load_tile(Qs + stage * TILE_BYTES, q_global, qs, gi, full_q(stage));
         if (stats_thread) {
 #pragma unroll

@@ -38,6 +38,7 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool SINKS = {{sinks}};
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM = 64 * ROW_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;
@@ -118,7 +119,7 @@ __device__ void attention_backward_query_wgmma(
     registers_decrease<PRODUCER_REGS>();
     produce_key_value_tiles<BN, TILE_PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
                                                                {tensor_map, tensor_map_slots(tensor_maps, bid)},
-                                                               tid - 128 * CONSUMERS);
+                                                               tid - 128 * CONSUMERS, POISON_RELEASED);
     return;
   }
 

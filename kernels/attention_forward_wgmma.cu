@@ -55,6 +55,7 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
 // Interior tiles without a mask or softcap fold a positive scale into exp2's FFMA (attention_common.cuh).
 constexpr bool SCALE_FOLD = {{scale_fold}};
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel
@@ -169,7 +170,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     registers_decrease<PRODUCER_REGS>();
     produce_key_value_tiles<BN, PANELS, HEAD_DIM, STAGES>(ring, Ks, Vs, kg, vg, kb_begin, steps, Nk, vec, tma,
                                                           {tensor_map, tensor_map_slots(tensor_maps, bid)},
-                                                          tid - 128 * CONSUMERS);
+                                                          tid - 128 * CONSUMERS, POISON_RELEASED);
     return;
   }
 

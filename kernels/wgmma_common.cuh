@@ -496,17 +496,34 @@ struct TensorMapSource {
   unsigned char* slots;
 };
 
+// POISON_RELEASED (Tuning.poison_released; tests only, never in the table): before the producer
+// refills a buffer its consumers released, it overwrites the buffer with NaN (0x7fff in every
+// bf16 / fp16 element), last bytes first, and fences the stores before the refill's TMA writes.
+// A product that still reads a buffer after its release then reads NaN, where otherwise it reads
+// the right data as long as the refill's round trip outlasts it: the race that neither the
+// tests nor racecheck (blind to wgmma's and TMA's shared-memory accesses) can see. The TMA
+// paths only (the cp.async paths' copies are ordinary enough for racecheck).
+template <int BYTES>
+__device__ __forceinline__ void poison_released_tile(unsigned char* tile) {
+  static_assert(BYTES % 16 == 0, "whole 16-byte chunks");
+  uint4* chunks = reinterpret_cast<uint4*>(tile);
+  for (int i = BYTES / 16 - 1; i >= 0; --i) chunks[i] = make_uint4(0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu, 0x7fff7fffu);
+  fence_proxy_async();  // these stores before the refill's (async-proxy) writes
+}
+
 // The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
 // kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
 // once the consumers released it (it runs up to STAGES tiles ahead).
 // tma (tma_rows for K and V; the ring's "full" barriers then count one arrival): the first warp
 // publishes the two tensor maps and one thread issues a TMA load per 64-column panel; the
 // hardware counts the bytes on "full". Else all 128 threads copy with cp.async (load_swizzled).
+// poison: POISON_RELEASED's check (above), on the TMA path.
 template <int BN, int PANELS, int HEAD_DIM, int STAGES, typename T>
 __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGES>& ring, unsigned char* Ks,
                                                         unsigned char* Vs, const Rows<const T>& kg,
                                                         const Rows<const T>& vg, int kb_begin, int steps, int Nk,
-                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid) {
+                                                        bool vec, bool tma, const TensorMapSource& maps, int ptid,
+                                                        bool poison = false) {
   constexpr int TILE_BYTES = PANELS * BN * 128;
   if (tma) {
     if (ptid >= 32) return;
@@ -520,11 +537,13 @@ __device__ __forceinline__ void produce_key_value_tiles(const KeyValueRing<STAGE
       const int k0 = (kb_begin + j) * BN, stage = j % STAGES;
       const u32 parity = ((j / STAGES) & 1) ^ 1;
       mbarrier_wait(ring.empty_keys(stage), parity);
+      if (poison && j >= STAGES) poison_released_tile<TILE_BYTES>(Ks + stage * TILE_BYTES);
       mbarrier_arrive_expect_bytes(ring.full_keys(stage), TILE_BYTES);
 #pragma unroll
       for (int p = 0; p < PANELS; ++p)
         tma_load_2d(smem_u32(Ks + stage * TILE_BYTES + p * BN * 128), key_map, 64 * p, k0, ring.full_keys(stage));
       mbarrier_wait(ring.empty_values(stage), parity);
+      if (poison && j >= STAGES) poison_released_tile<TILE_BYTES>(Vs + stage * TILE_BYTES);
       mbarrier_arrive_expect_bytes(ring.full_values(stage), TILE_BYTES);
 #pragma unroll
       for (int p = 0; p < PANELS; ++p)

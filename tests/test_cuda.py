@@ -166,6 +166,26 @@ def test_sinks_kernel_signature(kernel, wgmma):
     assert "sinks" not in plain_inputs
 
 
+@pytest.mark.parametrize("kernel", ["forward", "backward_query", "backward_key_value"])
+def test_poison_released_compiles_into_wgmma_kernels_only(kernel):
+    """Tuning.poison_released is part of the wgmma variants (their names and the template's
+    POISON_RELEASED) and of nothing else; a value that is not a bool is refused."""
+    family = cuda_source.family_named("sm90")
+    q = mx.zeros((1, 2, 300, 128), mx.bfloat16)
+    spec = check_inputs(q, q, q)[0]
+    wgmma = Tuning(wgmma_forward=True, wgmma_backward=True)
+    plain = cuda_source.make_variant(kernel, spec, None, family, wgmma)
+    checked = cuda_source.make_variant(kernel, spec, None, family, replace(wgmma, poison_released=True))
+    assert checked.poison_released and not plain.poison_released
+    assert checked.name.endswith("z") and checked.name.rsplit("_", 1)[0] == plain.name.rsplit("_", 1)[0]
+    assert "constexpr bool POISON_RELEASED = true;" in cuda_source.source(checked)[0]
+    assert "constexpr bool POISON_RELEASED = false;" in cuda_source.source(plain)[0]
+    mma = Tuning(wgmma_forward=False, wgmma_backward=False, poison_released=True)
+    assert not cuda_source.make_variant(kernel, spec, None, family, mma).poison_released
+    with pytest.raises(TypeError, match="poison_released must be a bool, got 1"):
+        Tuning(poison_released=1)
+
+
 def _block_orders_agree(make_backend):
     """Head-major and block-major CTA orders compute bitwise the same (only the schedule differs)."""
     case = Case(batch=2, kv_heads=2, group=2, q_len=140, kv_len=150, head_dim=64, dtype="bfloat16", mask="causal")
@@ -182,6 +202,43 @@ def test_emulated_block_orders_agree():
 @gpu
 def test_block_orders_agree():
     _block_orders_agree(lambda tuning: cuda.CUDABackend(tuning=tuning))
+
+
+# Calls whose wgmma kernels refill their buffers many times (more steps or items than stages), one
+# per scheme of the producers and consumers: (case, tuning, what it exercises).
+POISON_CASES = [
+    (Case(kv_heads=2, group=2, q_len=700, kv_len=690, head_dim=64, dtype="bfloat16"), Tuning(fused_query=True),
+     "D = 64: three forward consumers, the fused dQ"),
+    (Case(kv_heads=1, group=4, q_len=600, kv_len=650, head_dim=128, dtype="bfloat16", mask="causal"),
+     Tuning(fused_query=True), "D = 128 causal GQA: the fused dQ's walk"),
+    (Case(kv_heads=2, q_len=500, kv_len=520, head_dim=96, dtype="float16", mask="bool"), Tuning(fused_query=False),
+     "D = 96 with an array mask: the dQ kernel"),
+    (Case(kv_heads=2, q_len=300, kv_len=310, head_dim=192, dtype="bfloat16"), Tuning(),
+     "D = 192: the dK/dV kernel's column slices"),
+    (Case(kv_heads=1, group=2, q_len=260, kv_len=270, head_dim=256, dtype="bfloat16", softcap=20.0), Tuning(),
+     "D = 256 with softcap: column groups"),
+    (Case(q_len=200, kv_len=210, head_dim=512, dtype="bfloat16"), Tuning(), "D = 512: the dK/dV kernel's roles"),
+]
+
+
+@sm90_only
+@pytest.mark.parametrize("case, tuning, what", POISON_CASES, ids=[f"d{c.head_dim}-{c.mask}" for c, _, _ in POISON_CASES])
+def test_released_buffers_are_not_read(case, tuning, what):
+    """Tuning.poison_released: the wgmma producers overwrite every buffer their consumers released
+    with NaN before refilling it, so a product that still reads a released buffer (a release
+    before the wait for that product: racecheck does not see wgmma's or TMA's accesses) reads NaN.
+    Every kernel of the call carries the check, and the outputs and gradients are finite and
+    bitwise those of the same kernels without it."""
+    checked = cuda.CUDABackend(tuning=replace(tuning, poison_released=True))
+    a = make_arrays(case)
+    spec = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)[0]
+    mask_dtype = None if a.mask is None or isinstance(a.mask, str) else a.mask.dtype
+    for kernel in ("forward", "backward_query", "backward_key_value"):
+        variant = checked.variant(kernel, spec, mask_dtype)
+        assert variant.instruction == "wgmma" and variant.poison_released, (what, variant.name)
+    plain = _out_and_grads(case, cuda.CUDABackend(tuning=tuning))
+    for x, y in zip(plain, _out_and_grads(case, checked)):
+        assert np.isfinite(y).all() and np.array_equal(x, y), what
 
 
 # GQA calls whose dK/dV kernel splits each kv head's query-head group over CTAs (head_split):

@@ -258,6 +258,10 @@ class Tuning:
             CTAs; n >= 2 = split every GQA call's group over min(n, group) CTAs.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
+        poison_released: a check for tests, never for speed: the wgmma kernels' producers
+            overwrite every buffer their consumers released with NaN before refilling it, so a
+            product still reading a released buffer shows in the results (POISON_RELEASED in
+            wgmma_common.cuh); the outputs must be bitwise those of the kernels without it.
     """
 
     blocks: Tuple[Tuple[str, Tuple[int, ...]], ...] = field(default=())
@@ -271,8 +275,11 @@ class Tuning:
     roles: Optional[bool] = None
     head_splits: Optional[int] = None
     table: Optional[planner.Table] = None
+    poison_released: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.poison_released, bool):
+            raise TypeError(f"[cuda] Tuning.poison_released must be a bool, got {self.poison_released!r}.")
         if self.head_splits is not None and (isinstance(self.head_splits, bool) or not isinstance(self.head_splits, int)
                                              or self.head_splits < 1):
             raise ValueError(f"[cuda] Tuning.head_splits must be None or an int >= 1, got {self.head_splits!r}.")
@@ -342,6 +349,7 @@ class KernelVariant:
             head_splits) and write fp32 parts of dK and dV, which the parts kernel adds (HEAD_SPLIT).
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
+        poison_released: wgmma kernels: Tuning.poison_released's check compiled in.
         tuning: the Tuning value it was planned with (part of the key).
     """
 
@@ -369,6 +377,7 @@ class KernelVariant:
     mma_sums: bool = False
     roles: bool = False
     head_split: bool = False
+    poison_released: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -439,7 +448,7 @@ class KernelVariant:
         flags = "".join(c for c, on in (("c", self.causal), ("w", self.window), ("s", self.softcap),
                                          ("p", self.pingpong), ("k", self.sinks), ("q", self.fused_query),
                                          ("f", self.scale_fold), ("l", self.mma_sums), ("r", self.roles),
-                                         ("h", self.head_split)) if on)
+                                         ("h", self.head_split), ("z", self.poison_released)) if on)
         kernel = self.kernel + ("_wgmma" if self.instruction == "wgmma" else "")
         return (f"mlxflash_{kernel}_{'bf16' if 'bfloat' in self.input_type else 'f16'}_d{self.head_dim}"
                 f"_h{self.head_block}_w{self.warps}g{self.col_groups}_m{self.m_tiles}_n{self.traversal_block}"
@@ -455,7 +464,8 @@ class KernelVariant:
         else:
             values.update(head_split=self.head_split, gradient_type="float" if self.head_split else self.input_type)
         if self.instruction == "wgmma":
-            values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory)
+            values.update(consumer_groups=self.warps // 4, shared_memory=self.shared_memory,
+                          poison_released=self.poison_released)
             if self.kernel == "forward":
                 values.update(pingpong=self.pingpong, head_block=self.head_block, col_groups=self.col_groups,
                               scale_fold=self.scale_fold, mma_sums=self.mma_sums)
@@ -848,8 +858,8 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
-                         fused_query=fused_query, scale_fold=scale_fold, mma_sums=mma_sums, roles=roles, tuning=tuning,
-                         **features)
+                         fused_query=fused_query, scale_fold=scale_fold, mma_sums=mma_sums, roles=roles,
+                         poison_released=tuning.poison_released, tuning=tuning, **features)
 
 
 def fused_chains(variant: KernelVariant) -> int:
