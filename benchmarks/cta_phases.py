@@ -88,7 +88,7 @@ STAMPS = (
     (TEMPLATE, _OUTPUT_STORE, "  probe[10] = clock64();\n", "  " + _WRITE),
     ("kernels/wgmma_common.cuh",
      "                                                        bool vec, bool tma, const TensorMapSource& maps, "
-     "int ptid) {\n",
+     "int ptid,\n",
      "", ""),  # replaced below: the producer takes the stamp array
     ("kernels/wgmma_common.cuh", "    if (ptid != 0) return;\n    for (int j = 0; j < steps; ++j) {\n",
      "", ""),
@@ -102,9 +102,9 @@ STAMPS = (
 REPLACE = {
     ("kernels/wgmma_common.cuh",
      "                                                        bool vec, bool tma, const TensorMapSource& maps, "
-     "int ptid) {\n"):
+     "int ptid,\n"):
     "                                                        bool vec, bool tma, volatile unsigned long long* probe_p,\n"
-    "                                                        const TensorMapSource& maps, int ptid) {\n",
+    "                                                        const TensorMapSource& maps, int ptid,\n",
     ("kernels/wgmma_common.cuh", "    if (ptid != 0) return;\n    for (int j = 0; j < steps; ++j) {\n"):
     "    if (ptid != 0) return;\n    if (probe_p) probe_p[2] = clock64();\n    for (int j = 0; j < steps; ++j) {\n",
 }
