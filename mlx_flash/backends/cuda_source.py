@@ -349,7 +349,6 @@ class KernelVariant:
             head_splits) and write fp32 parts of dK and dV, which the parts kernel adds (HEAD_SPLIT).
         sinks: attention sinks compiled in (forward and dQ kernels; dK/dV needs none: the
             forward's lse includes them).
-        poison_released: wgmma kernels: Tuning.poison_released's check compiled in.
         tuning: the Tuning value it was planned with (part of the key).
     """
 
@@ -377,7 +376,6 @@ class KernelVariant:
     mma_sums: bool = False
     roles: bool = False
     head_split: bool = False
-    poison_released: bool = False
     tuning: Tuning = Tuning()
 
     def __hash__(self) -> int:  # computed once: variants key the compile cache on every launch
@@ -396,6 +394,11 @@ class KernelVariant:
     @functools.cached_property
     def parallel_block(self) -> int:
         return 16 * self.m_tiles * self.row_groups
+
+    @property
+    def poison_released(self) -> bool:
+        """Tuning.poison_released's check compiled in (the wgmma kernels' producers only)."""
+        return self.instruction == "wgmma" and self.tuning.poison_released
 
     @property
     def staged_dim(self) -> int:
@@ -858,8 +861,8 @@ def _wgmma_variant(kernel, spec, mask_dtype, family: Family, tuning: Tuning, tab
     return KernelVariant(kernel=kernel, family=rows, instruction="wgmma",
                          head_block=width, slices=slices, m_tiles=1,
                          traversal_block=keys, warps=warps, col_groups=col_groups, pingpong=pingpong,
-                         fused_query=fused_query, scale_fold=scale_fold, mma_sums=mma_sums, roles=roles,
-                         poison_released=tuning.poison_released, tuning=tuning, **features)
+                         fused_query=fused_query, scale_fold=scale_fold, mma_sums=mma_sums, roles=roles, tuning=tuning,
+                         **features)
 
 
 def fused_chains(variant: KernelVariant) -> int:
