@@ -184,6 +184,12 @@ static_assert(!FUSED_DQ || (CG == 1 && NSLICE == 1 && !WINDOW && BN % 64 == 0 &&
 // the registers allow (BN = 64: their P^T / dS^T fragments and the unit's 32 accumulators fit;
 // at BN = 128 ptxas serializes every wgmma, nvcc 13.0), else after them.
 constexpr bool DQ_BESIDE_GRADIENTS = BN == 64;
+// CG = 1 (both score products in each warpgroup): the interior tile's exponentials run while the
+// tensor cores still compute dP^T, whose wait follows them; the stage is released at the step's
+// end, after every product that reads it. Not with the fused dQ past D = 64: H200, fwd+bwd, D =
+// 128 read 1.016x (B=4 N=4096) and 1.025x (GQA 4:1 N=8192), inside one run's spread but no gain;
+// D = 64 0.973x / 0.995x (two runs).
+constexpr bool EXP_UNDER_DP = CG == 1 && (!FUSED_DQ || DP <= 64);
 // The producer warpgroup's threads: with FUSED_DQ warps 0-1 copy (cp.async path) and stage the
 // statistics, thread 96 writes dQ; otherwise all 128 copy and BN stage one statistics row each.
 // With FUSED_DQ the cp.async path (rows TMA cannot name) spills 146-414 bytes on the producer's
@@ -555,7 +561,7 @@ __device__ void attention_backward_key_value_wgmma(
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
         wgmma_commit();
-        if constexpr (!FUSED_DQ || DP <= 64) {
+        if constexpr (EXP_UNDER_DP) {
           wgmma_wait<1>();  // S^T; dP^T still running (its wait is below the exponentials)
           fence_registers(s_flat);
         } else {
@@ -608,14 +614,10 @@ __device__ void attention_backward_key_value_wgmma(
           dp[n][2 * hf + e] = ds;
         }
       };
-      // CG = 1 (both products in this warpgroup): the interior tile's exponentials run while the
-      // tensor cores still compute dP^T, whose wait follows them; the other paths wait first.
-      // The stage is released at the step's end, after every product that reads it. Not with the
-      // fused dQ past D = 64: H200, fwd+bwd, D = 128 read 1.016x (B=4 N=4096) and 1.025x (GQA
-      // 4:1 N=8192), inside one run's spread but no gain; D = 64 0.973x / 0.995x (two runs).
-      constexpr bool DP_PENDING = ROLE == BOTH && CG == 1 && (!FUSED_DQ || DP <= 64);
+      // EXP_UNDER_DP (CG = 1, so ROLE == BOTH): the interior tile's exponentials before dP^T's
+      // wait; the other paths after it.
       const bool interior = MASK_KIND == 0 && !SOFTCAP && full_block;
-      if (DP_PENDING && interior) {
+      if (EXP_UNDER_DP && interior) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
           const float2 l2 = *reinterpret_cast<const float2*>(Lst + n * 8 + 2 * tq);
@@ -626,11 +628,11 @@ __device__ void attention_backward_key_value_wgmma(
           }
         }
       }
-      if constexpr (DP_PENDING) {
+      if constexpr (EXP_UNDER_DP) {
         wgmma_wait<0>();
         fence_registers(dp_flat);
       }
-      if (DP_PENDING && interior) {
+      if (EXP_UNDER_DP && interior) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n) {
           const float2 dl = *reinterpret_cast<const float2*>(Dst + n * 8 + 2 * tq);
