@@ -69,6 +69,9 @@ constexpr int SWAP_BARRIER = 1 + 2 * CONSUMERS;  // past the warpgroups' named b
 // dQ stored through shared memory in 16-byte chunks (store_tile_staged) where each warpgroup
 // owns all of D (its dO tile is free after the loop).
 constexpr bool STAGED_EPILOGUE = CG == 1 && HEAD_DIM % 8 == 0;
+// CG = 1 (both products in one warpgroup): the interior tile's exponentials run while the tensor
+// cores still compute dP (as in the dK/dV kernel); V is released after dP's wait.
+constexpr bool EXP_UNDER_DP = CG == 1;
 static_assert(BN % 16 == 0 && BN <= 128, "BN must be a multiple of 16, at most 128");
 }  // namespace bwdqwg
 
@@ -199,9 +202,8 @@ __device__ void attention_backward_query_wgmma(
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
         wgmma_commit();
         masks.load(mrow, key0, Nk, msk, tq);
-        wgmma_wait<0>();
+        wgmma_wait<1>();  // S; dP still running (its wait follows the exponentials)
         fence_registers(s_flat);
-        fence_registers(dp_flat);
       } else {
         // Column groups: one product each, then the swap (two buffers: the other warpgroup last
         // read buffer it % 2 two steps ago, before it arrived at last step's barrier). The same
@@ -231,7 +233,8 @@ __device__ void attention_backward_query_wgmma(
           acquire_tile(step_ring.full_keys(stage), parity, !tma);  // K: the B operand of dQ += dS K
         }
       }
-      if (lane == 0) mbarrier_arrive(step_ring.empty_values(stage));  // V is read: the producer may refill it
+      // V is read: the producer may refill it (EXP_UNDER_DP: below, once dP has completed).
+      if (!EXP_UNDER_DP && lane == 0) mbarrier_arrive(step_ring.empty_values(stage));
 
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
@@ -245,7 +248,25 @@ __device__ void attention_backward_query_wgmma(
         if (SOFTCAP) ds *= 1.f - t * t;
         s[n][2 * hf + e] = ds;
       };
-      if (MASK_KIND == 0 && !SOFTCAP && full_block) {
+      // EXP_UNDER_DP: the interior tile's exponentials before dP's wait; the other paths wait first.
+      const bool interior = MASK_KIND == 0 && !SOFTCAP && full_block;
+      if (EXP_UNDER_DP && interior) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[n][r] = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
+      }
+      if constexpr (EXP_UNDER_DP) {
+        wgmma_wait<0>();
+        fence_registers(dp_flat);
+        if (lane == 0) mbarrier_arrive(step_ring.empty_values(stage));
+      }
+      if (EXP_UNDER_DP && interior) {
+#pragma unroll
+        for (int n = 0; n < BN / 8; ++n)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) s[n][r] *= dp[n][r] - row_d[r / 2];
+      } else if (interior) {
 #pragma unroll
         for (int n = 0; n < BN / 8; ++n)
 #pragma unroll
