@@ -473,6 +473,7 @@ __device__ void attention_backward_key_value_wgmma(
     float(&dv_flat)[DS / 2] = *reinterpret_cast<float(*)[DS / 2]>(&dva[0][0]);
     const i64 msk = MASK_KIND != 0 ? ip[P_MSK] : 0, msq = MASK_KIND != 0 ? ip[P_MSQ] : 0;
 
+    ReadLedger<POISON_RELEASED, STAGES> ledger;  // tests only (wgmma_common.cuh): keys = Q, values = dO
     // acc (64 x DS) += A (registers, 64 x BN) * tile columns [col0, col0 + DS) (BN queries,
     // MN-major); the slice starts at panel col0 / 64.
     auto issue_gradient = [&](float (&acc)[DS / 2], const u32 (&a)[BN / 16][4], u32 b_addr, int col) {
@@ -497,7 +498,7 @@ __device__ void attention_backward_key_value_wgmma(
       for (int kk = 0; kk < 8; ++kk)
         Wgmma<64, T>::ss_mn(dqa, ds_desc.at(kk * 16 * 128), k_desc.at((kk / 4) * KV_GROUP_BYTES + (kk % 4) * 16 * 128),
                             kk > 0);
-      wgmma_commit();
+      ledger.commit(0);  // the dS tile and the resident K
     };
     // After the unit's wgmma has completed: its dS tile freed, the unit staged for the writer.
     auto stage_query_unit = [&](float (&dqa)[32], int j) {
@@ -544,8 +545,8 @@ __device__ void attention_backward_key_value_wgmma(
         u32 k_half = k_addr + warpgroup * HALF_PANELS * 64 * 128;
         asm volatile("" : "+r"(k_half));  // (as the resident tiles below)
         wgmma_shared_shared<BN, HALF_PANELS * 64, 64, T>(s_flat, k_half, q_addr + warpgroup * HALF_PANELS * BN * 128);
-        wgmma_commit();
-        wgmma_wait<0>();
+        ledger.commit(ledger.keys(stage));
+        ledger.wait<0>();
         fence_registers(s_flat);
         swap_tiles(it, fragment_slot<BN / 2>(swap, buffer * 2 + warpgroup, tid % 128),
                    fragment_slot<BN / 2>(swap, buffer * 2 + 1 - warpgroup, tid % 128));
@@ -556,16 +557,16 @@ __device__ void attention_backward_key_value_wgmma(
         acquire_tile(full_q(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, k_addr, q_addr);
-        wgmma_commit();
+        ledger.commit(ledger.keys(stage));
         acquire_tile(full_do(stage), parity, true);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, v_addr, do_addr);
-        wgmma_commit();
+        ledger.commit(ledger.values(stage));
         if constexpr (EXP_UNDER_DP) {
-          wgmma_wait<1>();  // S^T; dP^T still running (its wait is below the exponentials)
+          ledger.wait<1>();  // S^T; dP^T still running (its wait is below the exponentials)
           fence_registers(s_flat);
         } else {
-          wgmma_wait<0>();
+          ledger.wait<0>();
           fence_registers(s_flat);
           fence_registers(dp_flat);
         }
@@ -583,8 +584,8 @@ __device__ void attention_backward_key_value_wgmma(
         u32 resident = scores_side ? k_addr : v_addr;
         if (DP > 256) asm volatile("" : "+r"(resident));
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, resident, scores_side ? q_addr : do_addr);
-        wgmma_commit();
-        wgmma_wait<0>();
+        ledger.commit(scores_side ? ledger.keys(stage) : ledger.values(stage));
+        ledger.wait<0>();
         fence_registers(s_flat);
         swap_tiles(it, mine, theirs);
         if (!scores_side) {  // this warpgroup's product was dP^T
@@ -629,7 +630,7 @@ __device__ void attention_backward_key_value_wgmma(
         }
       }
       if constexpr (EXP_UNDER_DP) {
-        wgmma_wait<0>();
+        ledger.wait<0>();
         fence_registers(dp_flat);
       }
       if (EXP_UNDER_DP && interior) {
@@ -710,7 +711,8 @@ __device__ void attention_backward_key_value_wgmma(
         issue_gradient(dv_flat, dsa, q_addr, col0);
         issue_gradient(dk_flat, dsa, q_addr, col0 + DS);
       }
-      wgmma_commit();
+      ledger.commit(ROLE == VALUES ? ledger.values(stage) : ROLE == KEYS ? ledger.keys(stage)
+                                                                        : ledger.keys(stage) | ledger.values(stage));
       float dqa[32];
       if constexpr (FUSED_DQ) {
         // This warpgroup's 64 key rows of the item's dS^T tile while dK / dV run (two tiles: this
@@ -721,17 +723,17 @@ __device__ void attention_backward_key_value_wgmma(
         mbarrier_arrive(ds_full(it & 1));
         if constexpr (!FIRST && DQ_BESIDE_GRADIENTS) issue_query_unit(dqa, it - 1);
       }
-      wgmma_wait<0>();
+      ledger.wait<0>();
       fence_registers(dv_flat);
       fence_registers(dk_flat);
       if constexpr (FUSED_DQ && !FIRST && !DQ_BESIDE_GRADIENTS) {
         issue_query_unit(dqa, it - 1);
-        wgmma_wait<0>();
+        ledger.wait<0>();
       }
       // Every thread frees the stage itself: its arrive (release) orders its own loads of the
       // stage's lse2 / delta before the producer's next stores there (128 * CONSUMERS arrivals a
       // stage; the former one by lane 0 of each warp released only lane 0's own loads).
-      mbarrier_arrive(empty(stage));
+      ledger.release(ledger.keys(stage) | ledger.values(stage), empty(stage), true);
       if constexpr (FUSED_DQ && !FIRST) stage_query_unit(dqa, it - 1);
     };
     if constexpr (FUSED_DQ) {
@@ -739,7 +741,7 @@ __device__ void attention_backward_key_value_wgmma(
       for (int it = 1; it < items; ++it) step(it, Flag<false>{}, Role<BOTH>{});
       float dqa[32];
       issue_query_unit(dqa, items - 1);
-      wgmma_wait<0>();
+      ledger.wait<0>();
       stage_query_unit(dqa, items - 1);
     } else if constexpr (ROLES) {
       if (role == VALUES) {
@@ -749,6 +751,10 @@ __device__ void attention_backward_key_value_wgmma(
       }
     } else {
       for (int it = 0; it < items; ++it) step(it, Flag<false>{}, Role<BOTH>{});
+    }
+    if constexpr (POISON_RELEASED) {  // (wgmma_common.cuh: why the if)
+      ledger.spoil(dk_flat);
+      ledger.spoil(dv_flat);
     }
   }
 

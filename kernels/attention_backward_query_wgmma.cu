@@ -187,6 +187,7 @@ __device__ void attention_backward_query_wgmma(
     float(&dp_flat)[BN / 2] = *reinterpret_cast<float(*)[BN / 2]>(&dp[0][0]);
     float(&dq_flat)[DQ / 2] = *reinterpret_cast<float(*)[DQ / 2]>(&dqa[0][0]);
 
+    ReadLedger<POISON_RELEASED, STAGES> ledger;  // tests only (wgmma_common.cuh)
     for (int it = 0; it < steps; ++it) {
       const int stage = it % STAGES, key0 = (kb_begin + it) * BN;
       const u32 parity = (it / STAGES) & 1;
@@ -196,13 +197,13 @@ __device__ void attention_backward_query_wgmma(
         acquire_tile(step_ring.full_keys(stage), parity, !tma);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, q_addr, k_addr);
-        wgmma_commit();
+        ledger.commit(ledger.keys(stage));
         acquire_tile(step_ring.full_values(stage), parity, !tma);
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(dp_flat, do_addr, v_addr);
-        wgmma_commit();
+        ledger.commit(ledger.values(stage));
         masks.load(mrow, key0, Nk, msk, tq);
-        wgmma_wait<1>();  // S; dP still running (its wait follows the exponentials)
+        ledger.wait<1>();  // S; dP still running (its wait follows the exponentials)
         fence_registers(s_flat);
       } else {
         // Column groups: one product each, then the swap (two buffers: the other warpgroup last
@@ -216,9 +217,9 @@ __device__ void attention_backward_query_wgmma(
         asm volatile("" : "+r"(resident));
         wgmma_fence();
         wgmma_shared_shared<BN, DP, 64, T>(s_flat, resident, scores_side ? k_addr : v_addr);
-        wgmma_commit();
+        ledger.commit(scores_side ? ledger.keys(stage) : ledger.values(stage));
         masks.load(mrow, key0, Nk, msk, tq);
-        wgmma_wait<0>();
+        ledger.wait<0>();
         fence_registers(s_flat);
         store_fragments(s_flat, mine);
         named_barrier_sync(SWAP_BARRIER, 256);
@@ -234,7 +235,7 @@ __device__ void attention_backward_query_wgmma(
         }
       }
       // V is read: the producer may refill it (EXP_UNDER_DP: below, once dP has completed).
-      if (!EXP_UNDER_DP && lane == 0) mbarrier_arrive(step_ring.empty_values(stage));
+      if (!EXP_UNDER_DP) ledger.release(ledger.values(stage), step_ring.empty_values(stage), lane == 0);
 
       // dS into s. Thread element (n, hf, e): query row0 + 8 hf, key key0 + 8 n + 2 tq + e.
       const bool full_block =
@@ -257,9 +258,9 @@ __device__ void attention_backward_query_wgmma(
           for (int r = 0; r < 4; ++r) s[n][r] = fast_exp2(s[n][r] * scale_log2 - row_l2[r / 2]);
       }
       if constexpr (EXP_UNDER_DP) {
-        wgmma_wait<0>();
+        ledger.wait<0>();
         fence_registers(dp_flat);
-        if (lane == 0) mbarrier_arrive(step_ring.empty_values(stage));
+        ledger.release(ledger.values(stage), step_ring.empty_values(stage), lane == 0);
       }
       if (EXP_UNDER_DP && interior) {
 #pragma unroll
@@ -314,11 +315,12 @@ __device__ void attention_backward_query_wgmma(
       fence_registers(dq_flat);
       wgmma_fence();
       wgmma_registers_shared<DQ, BN, T>(dq_flat, dsa, k_addr + (col0 / 64) * BN * 128, BN * 128, 1024);
-      wgmma_commit();
-      wgmma_wait<0>();
+      ledger.commit(ledger.keys(stage));
+      ledger.wait<0>();
       fence_registers(dq_flat);
-      if (lane == 0) mbarrier_arrive(step_ring.empty_keys(stage));
+      ledger.release(ledger.keys(stage), step_ring.empty_keys(stage), lane == 0);
     }
+    if constexpr (POISON_RELEASED) ledger.spoil(dq_flat);  // (wgmma_common.cuh: why the if)
   }
 
   // dQ = scale * dS K (the scores' scale).

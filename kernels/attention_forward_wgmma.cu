@@ -233,6 +233,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     float(&o_flat)[NV / 2] = *reinterpret_cast<float(*)[NV / 2]>(&o[0][0]);
     u32 p[BN / 16][4];  // P_j as bf16 / fp16 A fragments: two n8 accumulator tiles = one k16 fragment
 
+    ReadLedger<POISON_RELEASED, STAGES> ledger;  // tests only (wgmma_common.cuh)
     // S = Q K_j^T from K buffer j % STAGES.
     auto issue_scores = [&](int it) {
       // Past D = 256 the Q address is made opaque each step: else the compiler hoists the Q
@@ -242,7 +243,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       if (DP > 256) asm volatile("" : "+r"(q_at));
       wgmma_fence();
       wgmma_shared_shared<BN, CG == 2 ? DV : DP, 64, T>(s_flat, q_at, smem_u32(Ks + (it % STAGES) * K_BYTES) + k_part);
-      wgmma_commit();
+      ledger.commit(ledger.keys(it % STAGES));
     };
     // O += P_j V_j from V buffer j % STAGES.
     auto issue_values = [&](int it) {
@@ -250,7 +251,7 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       wgmma_fence();
       wgmma_registers_shared<NV, BN, T>(o_flat, p, smem_u32(Vs + (it % STAGES) * V_BYTES) + v_part, v_leading,
                                         v_stride);
-      wgmma_commit();
+      ledger.commit(ledger.values(it % STAGES));
     };
     // Scores of step j -> P_j in fp32 (masks, log2 units, online softmax); corr rescales O.
     auto softmax = [&](int it, float (&corr)[2]) {
@@ -268,9 +269,8 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
         accumulators_to_a<T>(s[2 * kk], s[2 * kk + 1], p[kk]);
       }
     };
-    auto release = [&](u32 barrier) {  // this warp is done reading the buffer
-      if (lane == 0) mbarrier_arrive(barrier);
-    };
+    // This warp is done reading `tiles`.
+    auto release = [&](u32 tiles, u32 barrier) { ledger.release(tiles, barrier, lane == 0); };
     // Column groups: S of step j = this warpgroup's part + the other's, through shared memory
     // (two buffers: the other warpgroup last read buffer j % 2 two steps ago, before it arrived
     // at last step's barrier).
@@ -295,9 +295,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     issue_scores(0);
     turns.pass();
     load_masks(0);
-    wgmma_wait<0>();
+    ledger.wait<0>();
     fence_registers(s_flat);
-    release(ring.empty_keys(0));
+    release(ledger.keys(0), ring.empty_keys(0));
     add_other_part(0);
     softmax(0, corr);  // O is still zero: no rescale
     if (MMA_SUMS && SINKS) {  // but the sums start at the sink's term, which the softmax's sum would rescale
@@ -313,14 +313,14 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
       issue_values(it);
       turns.pass();
       load_masks(it + 1);
-      wgmma_wait<1>();  // S_{j+1}; O += P_j V_j still running
+      ledger.wait<1>();  // S_{j+1}; O += P_j V_j still running
       fence_registers(s_flat);
-      release(ring.empty_keys((it + 1) % STAGES));
+      release(ledger.keys((it + 1) % STAGES), ring.empty_keys((it + 1) % STAGES));
       add_other_part(it + 1);
       softmax(it + 1, corr);
-      wgmma_wait<0>();
+      ledger.wait<0>();
       fence_registers(o_flat);
-      release(ring.empty_values(it % STAGES));
+      release(ledger.values(it % STAGES), ring.empty_values(it % STAGES));
       rescale_output<LAZY_RESCALE>(o, corr);
       convert();
     }
@@ -328,8 +328,9 @@ __device__ void attention_forward_wgmma(const fwdwg::T* __restrict__ q, const fw
     turns.take();
     issue_values(steps - 1);
     turns.pass(true);  // the last warpgroup's last turn has no taker
-    wgmma_wait<0>();
+    ledger.wait<0>();
     fence_registers(o_flat);
+    if constexpr (POISON_RELEASED) ledger.spoil(o_flat);  // (wgmma_common.cuh: why the if)
   }
 
   if (MMA_SUMS) {  // the row sums for the epilogues' quad sums: each lane holds its rows' whole sum

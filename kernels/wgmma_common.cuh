@@ -511,6 +511,53 @@ __device__ __forceinline__ void poison_released_tile(unsigned char* tile) {
   fence_proxy_async();  // these stores before the refill's (async-proxy) writes
 }
 
+// POISON_RELEASED's second half, which does not depend on timing (the NaN above is seen only
+// where a refill overtakes the product: on the H200 a release before dP's wait did not show).
+// Each consumer thread keeps a ledger of the ring tiles its pending wgmma groups read: one byte
+// per committed group, the newest lowest; bit `stage` for the ring's K tile (dK/dV: Q), bit
+// 4 + stage for its V tile (dK/dV: dO). A wait_group N keeps the newest N bytes; a release of a
+// tile that a kept byte names marks the thread, and a marked thread's results are NaN (spoil).
+// So a release placed before the wait that retires a product reading the tile fails the tests
+// at every call that reaches it. Off (ON = false) it is the bare wgmma_commit / wgmma_wait and
+// the arrive (the default kernels' SASS is unchanged).
+template <bool ON, int STAGES>
+struct ReadLedger {
+  static_assert(STAGES <= 4, "four bits a tile");
+  unsigned long long pending = 0;
+  bool early = false;
+  __device__ __forceinline__ static u32 keys(int stage) { return 1u << stage; }
+  __device__ __forceinline__ static u32 values(int stage) { return 16u << stage; }
+  // wgmma.commit_group of the products issued since the last one, which read `tiles`.
+  __device__ __forceinline__ void commit(u32 tiles) {
+    wgmma_commit();
+    if constexpr (ON) pending = pending << 8 | tiles;
+  }
+  // wgmma.wait_group N: all but the newest N groups have completed.
+  template <int N>
+  __device__ __forceinline__ void wait() {
+    static_assert(N >= 0 && N < 8, "the ledger holds eight groups");
+    wgmma_wait<N>();
+    if constexpr (ON) pending &= (1ull << (8 * N)) - 1;
+  }
+  // The consumers are done with `tiles`: `arrive` threads arrive on their "empty" barrier.
+  __device__ __forceinline__ void release(u32 tiles, u32 barrier, bool arrive) {
+    if constexpr (ON) early |= (pending & tiles * 0x0101010101010101ull) != 0;
+    if (arrive) mbarrier_arrive(barrier);
+  }
+  // A marked thread's accumulators to NaN. Called under `if constexpr (POISON_RELEASED)`: even
+  // the empty call changed ptxas's register allocation in the D = 448 / 512 dK/dV kernels
+  // (264 -> 188 / 228 bytes of spill loads, the same speed: 1.002-1.003x fwd+bwd on an H200).
+  template <int N>
+  __device__ __forceinline__ void spoil(float (&acc)[N]) const {
+    if constexpr (ON) {
+      if (early) {
+#pragma unroll
+        for (int i = 0; i < N; ++i) acc[i] = __int_as_float(0x7fc00000);
+      }
+    }
+  }
+};
+
 // The producer warpgroup's loop (ptid = its thread index 0..127): key blocks kb_begin ..
 // kb_begin + steps - 1 of this kv head's K (kg) and V (vg) into the ring, each buffer refilled
 // once the consumers released it (it runs up to STAGES tiles ahead).

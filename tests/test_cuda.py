@@ -224,11 +224,12 @@ POISON_CASES = [
 @sm90_only
 @pytest.mark.parametrize("case, tuning, what", POISON_CASES, ids=[f"d{c.head_dim}-{c.mask}" for c, _, _ in POISON_CASES])
 def test_released_buffers_are_not_read(case, tuning, what):
-    """Tuning.poison_released: the wgmma producers overwrite every buffer their consumers released
-    with NaN before refilling it, so a product that still reads a released buffer (a release
-    before the wait for that product: racecheck does not see wgmma's or TMA's accesses) reads NaN.
-    Every kernel of the call carries the check, and the outputs and gradients are finite and
-    bitwise those of the same kernels without it."""
+    """Tuning.poison_released: a consumer thread that releases a ring tile (K / V; dK/dV: Q / dO)
+    while one of its pending wgmma groups still reads it (a release before the wait for that
+    product, which racecheck cannot see: it does not follow wgmma's or TMA's accesses) writes NaN
+    results, whatever the timing (ReadLedger); and the producers overwrite every released tile
+    with NaN before the refill. Every kernel of the call carries the check, and the outputs and
+    gradients are finite and bitwise those of the same kernels without it."""
     checked = cuda.CUDABackend(tuning=replace(tuning, poison_released=True))
     a = make_arrays(case)
     spec = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)[0]
@@ -240,6 +241,46 @@ def test_released_buffers_are_not_read(case, tuning, what):
     for x, y in zip(plain, _out_and_grads(case, checked)):
         assert np.isfinite(y).all() and np.array_equal(x, y), what
 
+
+
+# The dQ wgmma kernel's release of V's stage (one warpgroup: after dP's wait) and where a race
+# would put it (before that wait, as a reverted version did).
+V_RELEASE = "ledger.release(ledger.values(stage), step_ring.empty_values(stage), lane == 0);"
+V_RELEASE_EARLY = "if (!EXP_UNDER_DP) " + V_RELEASE
+V_RELEASE_AFTER_DP = "fence_registers(dp_flat);\n        " + V_RELEASE
+
+
+@dataclass(frozen=True)  # hashable: the backend's verdicts are keyed by it
+class EarlyRelease:
+    """mx.fast.cuda_kernel, with the dQ wgmma kernel's V released before dP's wait (its own
+    kernel name, so MLX's cache keeps it apart from the right one)."""
+
+    def __call__(self, *, name, header, **kwargs):
+        if "backward_query_wgmma" in name:
+            assert header.count(V_RELEASE_EARLY) == 1 and header.count(V_RELEASE_AFTER_DP) == 1, \
+                "the dQ kernel's V release moved: update V_RELEASE*"
+            header = header.replace(V_RELEASE_AFTER_DP, "fence_registers(dp_flat);")
+            header = header.replace(V_RELEASE_EARLY, V_RELEASE)
+            name += "_early_release"
+        return mx.fast.cuda_kernel(name=name, header=header, **kwargs)
+
+
+@sm90_only
+def test_poison_released_sees_an_early_release():
+    """The check above can fail: the dQ kernel releasing V before dP's wait (dP still reads V)
+    gives a NaN dQ in every call with poison_released (the ledger's verdict, not the race's
+    timing, which on an H200 never let the refill overtake dP), and dK / dV stay finite."""
+    case, tuning, _ = POISON_CASES[2]  # D = 96: the dQ kernel with one warpgroup per 64 rows
+    backend = cuda.CUDABackend(tuning=replace(tuning, poison_released=True, wgmma_forward=True, wgmma_backward=True),
+                               kernel_factory=EarlyRelease(), capability=90)
+    a = make_arrays(case)
+    spec = check_inputs(a.q, a.k, a.v, mask=a.mask, **a.kwargs)[0]
+    variant = backend.variant("backward_query", spec, a.mask.dtype)
+    assert variant.instruction == "wgmma" and variant.poison_released, variant.name
+    for _ in range(3):
+        out, dq, dk, dv = _out_and_grads(case, backend)
+        assert np.isfinite(out).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
+        assert np.isnan(dq).any()
 
 # GQA calls whose dK/dV kernel splits each kv head's query-head group over CTAs (head_split):
 # (case, splits forced, what it exercises).

@@ -258,10 +258,12 @@ class Tuning:
             CTAs; n >= 2 = split every GQA call's group over min(n, group) CTAs.
         table: the planner.Table every kernel is planned from (the tuner's candidates); None =
             planner.active_table (this GPU's tuned table when one matches, else the shipped one).
-        poison_released: a check for tests, never for speed: the wgmma kernels' producers
-            overwrite every buffer their consumers released with NaN before refilling it, so a
-            product still reading a released buffer shows in the results (POISON_RELEASED in
-            wgmma_common.cuh); the outputs must be bitwise those of the kernels without it.
+        poison_released: a check for tests, never for speed, of the wgmma kernels' releases of
+            their ring's tiles: each consumer thread keeps a ledger of the tiles its pending
+            wgmma groups read and turns its results into NaN where it releases one of them
+            (whatever the timing), and the producers overwrite every released tile with NaN
+            before refilling it (ReadLedger and POISON_RELEASED in wgmma_common.cuh); the
+            outputs must be bitwise those of the kernels without it.
     """
 
     blocks: Tuple[Tuple[str, Tuple[int, ...]], ...] = field(default=())
