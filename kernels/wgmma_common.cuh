@@ -499,10 +499,11 @@ struct TensorMapSource {
 // POISON_RELEASED (Tuning.poison_released; tests only, never in the table): before the producer
 // refills a buffer its consumers released, it overwrites the buffer with NaN (0x7fff in every
 // bf16 / fp16 element), last bytes first, and fences the stores before the refill's TMA writes.
-// A product that still reads a buffer after its release then reads NaN, where otherwise it reads
-// the right data as long as the refill's round trip outlasts it: the race that neither the
-// tests nor racecheck (blind to wgmma's and TMA's shared-memory accesses) can see. The TMA
-// paths only (the cp.async paths' copies are ordinary enough for racecheck).
+// A product that still reads a buffer after its release reads NaN if the refill overtakes it:
+// the race that neither the tests nor racecheck (blind to wgmma's and TMA's shared-memory
+// accesses) can see. On an H200 the refill never overtook the running product in a kernel with
+// that race (docs/cuda_notes.md "How the kernels are checked"): the ledger below is what
+// catches it. The TMA paths only (the cp.async paths' copies are ordinary enough for racecheck).
 template <int BYTES>
 __device__ __forceinline__ void poison_released_tile(unsigned char* tile) {
   static_assert(BYTES % 16 == 0, "whole 16-byte chunks");
