@@ -109,7 +109,7 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool FUSED_DQ = {{fused_query}};
-constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: the release check (ReadLedger, wgmma_common.cuh)
 // HEAD_SPLIT: SPLITS CTAs (ip[P_SPLITS], at most the group, next to each other in CTA order)
 // share a key block, each walking GROUP / SPLITS of its query heads (the first GROUP % SPLITS one
 // more, so a group of 7 runs as 4 + 3) and storing its dK / dV sums

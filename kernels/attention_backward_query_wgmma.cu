@@ -38,7 +38,7 @@ constexpr bool WINDOW = {{window}};
 constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool SINKS = {{sinks}};
-constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: the release check (ReadLedger, wgmma_common.cuh)
 constexpr int STAGES = 2;  // K and V buffers each in the producer's ring (as the forward)
 constexpr int THREADS = 128 * (CONSUMERS + 1), ROW_GROUPS = CONSUMERS / CG, BM = 64 * ROW_GROUPS;
 constexpr int PANELS = (DP + 63) / 64;

@@ -55,7 +55,7 @@ constexpr bool SOFTCAP = {{softcap}};
 constexpr int MASK_KIND = {{mask_kind}};
 constexpr bool PINGPONG = {{pingpong}};
 constexpr bool SINKS = {{sinks}};   // attention sinks: sinks [Hq] fp32 start each row's softmax
-constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: released buffers overwritten with NaN (wgmma_common.cuh)
+constexpr bool POISON_RELEASED = {{poison_released}};  // tests only: the release check (ReadLedger, wgmma_common.cuh)
 // Interior tiles without a mask or softcap fold a positive scale into exp2's FFMA (attention_common.cuh).
 constexpr bool SCALE_FOLD = {{scale_fold}};
 // Lazy rescaling of O (attention_common.cuh, MAX_SLACK) where O is wide: H100, forward kernel

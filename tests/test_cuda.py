@@ -242,7 +242,6 @@ def test_released_buffers_are_not_read(case, tuning, what):
         assert np.isfinite(y).all() and np.array_equal(x, y), what
 
 
-
 # The dQ wgmma kernel's release of V's stage (one warpgroup: after dP's wait) and where a race
 # would put it (before that wait, as a reverted version did).
 V_RELEASE = "ledger.release(ledger.values(stage), step_ring.empty_values(stage), lane == 0);"
@@ -266,10 +265,13 @@ class EarlyRelease:
 
 
 @sm90_only
-def test_poison_released_sees_an_early_release():
+def test_poison_released_sees_an_early_release(monkeypatch):
     """The check above can fail: the dQ kernel releasing V before dP's wait (dP still reads V)
     gives a NaN dQ in every call with poison_released (the ledger's verdict, not the race's
     timing, which on an H200 never let the refill overtake dP), and dK / dV stay finite."""
+    # First contact only builds and runs the racy kernel: a self-check would record its NaN as a
+    # failed verdict under the right kernel's key (same backend name and variant) for the process.
+    monkeypatch.setenv("MLX_FLASH_SELF_CHECK", "0")
     case, tuning, _ = POISON_CASES[2]  # D = 96: the dQ kernel with one warpgroup per 64 rows
     backend = cuda.CUDABackend(tuning=replace(tuning, poison_released=True, wgmma_forward=True, wgmma_backward=True),
                                kernel_factory=EarlyRelease(), capability=90)
@@ -281,6 +283,7 @@ def test_poison_released_sees_an_early_release():
         out, dq, dk, dv = _out_and_grads(case, backend)
         assert np.isfinite(out).all() and np.isfinite(dk).all() and np.isfinite(dv).all()
         assert np.isnan(dq).any()
+
 
 # GQA calls whose dK/dV kernel splits each kv head's query-head group over CTAs (head_split):
 # (case, splits forced, what it exercises).

@@ -399,7 +399,7 @@ class KernelVariant:
 
     @property
     def poison_released(self) -> bool:
-        """Tuning.poison_released's check compiled in (the wgmma kernels' producers only)."""
+        """Tuning.poison_released's check compiled in (the wgmma kernels only)."""
         return self.instruction == "wgmma" and self.tuning.poison_released
 
     @property
